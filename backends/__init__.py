@@ -1,0 +1,1 @@
+"""Backends: the numpy reference interpreter and the llvmlite native backend."""

@@ -1,0 +1,26 @@
+"""compile: run a pipeline of passes over a graph, then hand it to a backend."""
+from __future__ import annotations
+
+from ggraph.core import Graph
+
+
+def _numpy_backend(graph, **options):
+    from ggraph.backends.numpy_ref import NumpyProgram
+    return NumpyProgram(graph, **options)
+
+
+BACKENDS = {
+    "numpy": _numpy_backend,
+}
+
+
+def optimize(graph: Graph, passes="default", disabled=(), log=None, dump_after=None) -> Graph:
+    """Run a named pipeline (or list of pass names) over ``graph``."""
+    from ggraph import passes as P
+    return P.run(graph, P.pipeline(passes, disabled), log=log, dump_after=dump_after)
+
+
+def compile_graph(graph: Graph, backend: str = "numpy", passes="default", disabled=(), log=None, **options):
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; available: {', '.join(BACKENDS)}")
+    return BACKENDS[backend](optimize(graph, passes, disabled, log), **options)

@@ -1,0 +1,1 @@
+"""Model architectures as traced ggraph functions."""

@@ -1,0 +1,34 @@
+"""cse: compute each distinct expression once."""
+from __future__ import annotations
+
+from ggraph.core import Graph, Literal
+from ggraph.passes.manager import graph_pass, note
+from ggraph.passes.rewrite import rewrite
+
+EFFECTFUL = {"cache_update"}   # writes a donated buffer: two of them are two writes
+
+
+def _key(e):
+    ins = tuple(("lit",) + a.key() if isinstance(a, Literal) else ("var", a.id) for a in e.inputs)
+    body = str(e.body) if e.body is not None and not e.prim.composite else None
+    return (e.prim.name, ins, repr(sorted(e.params.items(), key=lambda kv: kv[0])), body)
+
+
+@graph_pass("cse")
+def cse(graph: Graph) -> Graph:
+    """Common-subexpression elimination: an eqn equal to an earlier one reuses its outputs."""
+    seen = {}
+
+    def visit(rw, e):
+        if e.prim.name in EFFECTFUL:
+            rw.emit(e)
+            return
+        k = _key(e)
+        if k in seen:
+            for old, new in zip(e.outputs, seen[k].outputs):
+                rw.alias(old, new)
+            note(f"reused an earlier {e.prim.name}", e.scope)
+        else:
+            seen[k] = e
+            rw.emit(e)
+    return rewrite(graph, visit)

@@ -1,0 +1,146 @@
+"""The pass manager: named Graph -> Graph passes, run in a straight list, verified after each.
+
+    graph = run(graph, ["dce", "cse", "fold"], dump_after={"fold"}, log=RewriteLog())
+
+A pass is a function ``Graph -> Graph`` registered with ``@graph_pass``; its docstring's
+first line says what it rewrites and why. While a pass runs, ``note()`` records a rewrite
+and ``skip()`` records a candidate left alone with its reason, in the active RewriteLog.
+"""
+from __future__ import annotations
+
+import contextvars
+import dataclasses
+from typing import Callable, Iterable
+
+from ggraph.core import Graph, VerifyError
+
+
+@dataclasses.dataclass(frozen=True)
+class Pass:
+    name: str
+    fn: Callable[[Graph], Graph]
+
+    @property
+    def doc(self) -> str:
+        return (self.fn.__doc__ or "").strip().splitlines()[0] if self.fn.__doc__ else ""
+
+    def __call__(self, graph: Graph) -> Graph:
+        return self.fn(graph)
+
+
+PASSES: dict[str, Pass] = {}
+
+
+def graph_pass(name: str):
+    """Register ``fn`` as the pass called ``name``; it must have a one-line docstring."""
+    def wrap(fn):
+        if not (fn.__doc__ or "").strip():
+            raise ValueError(f"pass {name!r} needs a docstring saying what it rewrites")
+        if name in PASSES:
+            raise ValueError(f"pass {name!r} is already registered")
+        PASSES[name] = Pass(name, fn)
+        return fn
+    return wrap
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+    pass_name: str
+    action: str         # "rewrote" or "skipped"
+    where: str          # the scope or eqn the entry is about
+    detail: str
+
+    def __str__(self):
+        mark = "+" if self.action == "rewrote" else "-"
+        where = f" {self.where}:" if self.where else ""
+        return f"{mark} [{self.pass_name}]{where} {self.detail}"
+
+
+class RewriteLog:
+    """What each pass changed, and why each candidate it declined was left alone."""
+
+    def __init__(self):
+        self.entries: list[Entry] = []
+        self.ran: list[str] = []
+
+    def rewrites(self, pass_name: str | None = None) -> list[Entry]:
+        return [e for e in self.entries if e.action == "rewrote" and pass_name in (None, e.pass_name)]
+
+    def skips(self, pass_name: str | None = None) -> list[Entry]:
+        return [e for e in self.entries if e.action == "skipped" and pass_name in (None, e.pass_name)]
+
+    def __str__(self):
+        return "\n".join(str(e) for e in self.entries)
+
+
+_active: contextvars.ContextVar[tuple[RewriteLog, str] | None] = contextvars.ContextVar("ggraph_pass", default=None)
+
+
+def note(detail: str, where: str = "") -> None:
+    """Record a rewrite made by the running pass."""
+    _record("rewrote", detail, where)
+
+
+def skip(detail: str, where: str = "") -> None:
+    """Record a candidate the running pass left alone, with the reason."""
+    _record("skipped", detail, where)
+
+
+def _record(action, detail, where):
+    active = _active.get()
+    if active is not None:
+        log, name = active
+        log.entries.append(Entry(name, action, where, detail))
+
+
+class PassError(RuntimeError):
+    """A pass failed or left an invalid graph; names the pass, the eqn and the passes before it."""
+
+
+def resolve(names: Iterable[str]) -> list[Pass]:
+    out = []
+    for n in names:
+        if n not in PASSES:
+            raise KeyError(f"unknown pass {n!r}; available passes: {', '.join(PASSES)}")
+        out.append(PASSES[n])
+    return out
+
+
+def run(graph: Graph, pipeline: Iterable[str], *, verify: bool = True,
+        dump_after: Iterable[str] | Callable[[str, Graph], None] | None = None,
+        disabled: Iterable[str] = (), log: RewriteLog | None = None) -> Graph:
+    """Run the named passes in order, skipping ``disabled``; verify the graph after each.
+
+    ``dump_after`` is a set of pass names (the graph is printed after each, or after every
+    pass with "all") or a callable ``(pass_name, graph)`` called after every pass.
+    """
+    log = log if log is not None else RewriteLog()
+    disabled = set(disabled)
+    passes = resolve(pipeline)
+    unknown = disabled - set(PASSES)
+    if unknown:
+        raise KeyError(f"cannot disable unknown pass(es) {sorted(unknown)}; available: {', '.join(PASSES)}")
+    for p in passes:
+        if p.name in disabled:
+            continue
+        before = ", ".join(log.ran) or "none"
+        token = _active.set((log, p.name))
+        try:
+            graph = p(graph)
+        except VerifyError as e:
+            raise PassError(f"pass {p.name!r} failed: {e} (passes run before: {before})") from e
+        finally:
+            _active.reset(token)
+        if not isinstance(graph, Graph):
+            raise PassError(f"pass {p.name!r} returned {type(graph).__name__}, not a Graph (passes run before: {before})")
+        if verify:
+            try:
+                graph.verify()
+            except VerifyError as e:
+                raise PassError(f"pass {p.name!r} left an invalid graph: {e} (passes run before: {before})") from None
+        log.ran.append(p.name)
+        if callable(dump_after):
+            dump_after(p.name, graph)
+        elif dump_after is not None and (p.name in dump_after or "all" in dump_after):
+            print(f"# after {p.name}\n{graph}")
+    return graph

@@ -1,0 +1,24 @@
+"""Named pipelines: one straight list of pass names each."""
+from __future__ import annotations
+
+from typing import Iterable, Sequence
+
+PIPELINES: dict[str, tuple[str, ...]] = {
+    # the optimising pipeline
+    "default": ("dce", "cse", "fold"),
+    # the unfused baseline: plain primitives with explicit dequant
+    "none": ("inline_composites", "dce", "cse", "fold"),
+}
+
+
+def pipeline(passes: str | Sequence[str] = "default", disabled: Iterable[str] = ()) -> list[str]:
+    """Pass names for a pipeline name or an explicit list, minus ``disabled``."""
+    if isinstance(passes, str):
+        if passes not in PIPELINES:
+            raise KeyError(f"unknown pipeline {passes!r}; named pipelines: {', '.join(PIPELINES)} "
+                           f"(or give a list of pass names)")
+        names = list(PIPELINES[passes])
+    else:
+        names = list(passes)
+    disabled = set(disabled)
+    return [n for n in names if n not in disabled]
