@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 from ggraph import dtypes
-from ggraph.core import DimAval, Graph, Literal, Sym, Var, eval_dim, impl_rules
+from ggraph.core import DimAval, Graph, Literal, Sym, Var, impl_rules
 from ggraph.prims import Blocks
 from ggraph.trace import tree_flatten, tree_unflatten
 
@@ -95,7 +95,8 @@ class NumpyProgram:
             if hasattr(weights, "tensors"):
                 if src not in weights.tensors:
                     raise KeyError(f"weight {src!r} is not in {getattr(weights, 'path', 'the file')}")
-                data = weights.tensors[src].data
+                t = weights.tensors[src]
+                data = t.data.view(t.dtype.np_dtype).reshape(t.shape) if t.dtype.np_dtype is not None else t.data
             else:
                 data = weights[src]
             self.weights[src] = as_value(v.aval, data)
@@ -114,6 +115,13 @@ class NumpyProgram:
                 values[v] = as_value(v.aval, x)
         outs = self.run(values)
         return tree_unflatten(g.out_tree, outs) if g.out_tree is not None else outs
+
+    def run_inputs(self, inputs: list) -> list:
+        """Run with the graph's non-weight inputs in order; weights come from ``bind_weights``."""
+        g = self.graph
+        if len(inputs) != len(g.invars):
+            raise TypeError(f"{g.name or 'graph'} has {len(g.invars)} inputs, got {len(inputs)}")
+        return self.run({v: as_value(v.aval, x) for v, x in zip(g.invars, inputs)})
 
     def run(self, values: dict[Var, object]) -> list:
         """Evaluate with inputs given per var; params missing from ``values`` come from bound weights."""

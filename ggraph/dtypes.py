@@ -24,8 +24,8 @@ class DType:
 
     @property
     def is_quantized(self) -> bool:
-        """True for block types, which numpy cannot hold element by element."""
-        return self.np_dtype is None
+        """True for GGUF block types (more than one element per block)."""
+        return self.block_size > 1
 
     @property
     def is_float(self) -> bool:

@@ -12,8 +12,7 @@ import math
 import numpy as np
 
 from ggraph import dtypes, prims  # noqa: F401  (prims registers the primitives)
-from ggraph.core import (Aval, DimAval, as_dim, ShapeError, Sym, get_primitive, impl_rules, register,
-                         shape_rules, simplify)
+from ggraph.core import Aval, DimAval, ShapeError, Sym, as_dim, get_primitive, register, simplify
 from ggraph.dtypes import f32, i32
 from ggraph.trace import Tracer, bind, bind_composite, to_atom
 

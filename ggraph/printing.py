@@ -67,7 +67,7 @@ def literal_str(lit: Literal) -> str:
 
 def format_param(v) -> str:
     if isinstance(v, float):
-        return repr(v)
+        return str(np.float32(v)) if float(np.float32(v)) == v else repr(v)   # an f32 value prints short
     if isinstance(v, (tuple, list)):
         return "(" + ",".join(format_param(x) for x in v) + ")"
     return str(v)

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from typing import Any, Callable, Sequence
+import re
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -278,6 +279,7 @@ def _hint(path: str, arg_names: list[str], aval: Aval) -> str | None:
     """A readable name for an input: the argument name for plain leaves, the symbol for dims."""
     if isinstance(aval, DimAval):
         return aval.symbol
-    if path.startswith("[") and path.endswith("]") and path[1:-1].isdigit():
-        return arg_names[int(path[1:-1])]
+    m = re.fullmatch(r"\[(\d+)\](?:\[(\d+)\])?", path)
+    if m:                                     # a positional argument, or an item of a list argument
+        return arg_names[int(m.group(1))] + (m.group(2) or "")
     return None

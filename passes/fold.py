@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ggraph.core import Aval, Eqn, Graph, Literal, Sym, Var, eval_dim, impl_rules
+from ggraph.core import Aval, Eqn, Graph, Literal, Sym, Var, impl_rules
 from ggraph.passes.manager import graph_pass, note, skip
 from ggraph.passes.rewrite import Rewriter, rewrite
 

@@ -3,8 +3,8 @@ import numpy as np
 import pytest
 
 import ggraph
-from ggraph import dim, dtypes, f32, i32, ops, param
-from ggraph.core import Sym, VerifyError, Eqn, Var, get_primitive
+from ggraph import dim, dtypes, f32, ops, param
+from ggraph.core import Sym, Var, VerifyError
 
 
 def mlp(x, g, w_up, w_down):
