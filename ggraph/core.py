@@ -338,11 +338,11 @@ class Eqn:
 class Graph:
     """invars and params in, eqns in order, outvars out. Immutable by convention: passes build new ones."""
 
-    __slots__ = ("invars", "params", "eqns", "outvars", "in_tree", "out_tree", "name", "args")
+    __slots__ = ("invars", "params", "eqns", "outvars", "in_tree", "out_tree", "name", "args", "meta")
 
     def __init__(self, invars: Sequence[Var], params: Sequence[Var], eqns: Sequence[Eqn],
                  outvars: Sequence[Atom], in_tree=None, out_tree=None, name: str = "",
-                 args: Sequence[Var] | None = None):
+                 args: Sequence[Var] | None = None, meta: dict | None = None):
         self.invars = tuple(invars)
         self.params = tuple(params)
         self.eqns = tuple(eqns)
@@ -351,6 +351,7 @@ class Graph:
         self.out_tree = out_tree    # and of its result
         self.name = name
         self.args = tuple(args) if args is not None else self.invars + self.params  # leaf order of in_tree
+        self.meta = dict(meta or {})  # annotations passes attach, e.g. "memory_plan"
 
     def replace(self, **kw) -> "Graph":
         fields = {k: getattr(self, k) for k in self.__slots__}

@@ -19,7 +19,7 @@ import re
 
 import numpy as np
 
-from ggraph.core import Eqn, Graph, Literal, Var
+from ggraph.core import Eqn, Graph, Literal, Var, print_rules
 
 
 # ---------------------------------------------------------------------------------------
@@ -80,6 +80,8 @@ def eqn_params(e: Eqn) -> str:
 
 def eqn_to_str(e: Eqn, names: Names | None = None) -> str:
     names = names or Names()
+    if e.prim in print_rules:
+        return print_rules[e.prim](e, names)
     outs = " ".join(names.decl(o) for o in e.outputs)
     ins = " ".join(names[a] for a in e.inputs)
     return f"{outs} = {e.prim.name}{eqn_params(e)} {ins}".rstrip()

@@ -1,1 +1,59 @@
-"""Model architectures as traced ggraph functions."""
+"""Model architectures: a config read from GGUF metadata, and one shared traced decoder.
+
+    model = ggraph.models.load("model.gguf")
+    graph = model.graph(ctx=4096)            # prefill/decode step: tokens, P, KV caches -> logits
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from ggraph.core import Aval, Graph, dim, param
+from ggraph.dtypes import f32, i32
+
+
+class Model:
+    """A GGUF model: its config, its weights' avals, and the traced step graph."""
+
+    def __init__(self, gguf):
+        from ggraph.models.config import config_from_gguf
+        self.file = gguf
+        self.config = config_from_gguf(gguf.metadata, gguf.tensors.keys())
+
+    @property
+    def weights(self) -> dict:
+        """Every tensor as a param aval named by its GGUF name."""
+        return {name: param(name, Aval(t.shape, t.dtype)) for name, t in self.file.tensors.items()}
+
+    def kv_shapes(self, ctx: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        c = self.config
+        return (ctx, c.n_head_kv, c.head_dim), (ctx, c.n_head_kv, c.head_dim_v)
+
+    def graph(self, ctx: int = 4096, last_only: bool = False) -> Graph:
+        """The step graph: (tokens i32[T], P, k_caches, v_caches, weights) -> (logits, k_caches, v_caches)."""
+        from ggraph.models.transformer import forward
+        from ggraph.trace import trace
+        cfg = self.config
+        kshape, vshape = self.kv_shapes(ctx)
+        factors = self._rope_factors_name(ctx)
+
+        def step(tokens, P, k, v, w):
+            return forward(cfg, w, tokens, P, k, v, last_only=last_only,
+                           rope_factors=w[factors] if factors else None)
+        return trace(step, i32["T"], dim("P"), [f32[kshape]] * cfg.n_layer, [f32[vshape]] * cfg.n_layer,
+                     self.weights, name=f"{cfg.arch}_{'last' if last_only else 'all'}")
+
+    def _rope_factors_name(self, ctx: int) -> str | None:
+        if not self.config.rope_freq_factors:
+            return None
+        long = ctx > self.config.n_ctx_orig
+        name = f"rope_factors_{'long' if long else 'short'}.weight"
+        if name not in self.file.tensors:
+            other = f"rope_factors_{'short' if long else 'long'}.weight"
+            name = other
+        return name
+
+
+def load(path) -> Model:
+    """Open a GGUF model (zero-copy) and read its config."""
+    from ggraph.gguf import GGUFFile
+    return Model(GGUFFile(str(Path(path))))
