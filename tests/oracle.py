@@ -1,0 +1,94 @@
+"""llama.cpp (through llama-cpp-python) as the reference: logits, greedy tokens, tokenisation.
+
+Every call skips the calling test when llama-cpp-python is not installed. Llama objects are
+cached per (file, n_ctx, kv type) within a process, and reset before each use.
+
+The context is built with flash attention off (llama-cpp-python's default) and, unless
+``kv_f16=True``, an f32 KV cache: llama.cpp's own default stores K and V as f16, which
+rounds every cached key and value and would blur the comparison with an f32 implementation.
+"""
+from __future__ import annotations
+
+import atexit
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+GGML_TYPE_F32, GGML_TYPE_F16 = 0, 1
+
+
+def _llama_cpp():
+    """The llama_cpp module, or skip the calling test."""
+    return pytest.importorskip("llama_cpp", reason="llama-cpp-python is the oracle")
+
+
+def model(path, n_ctx: int = 512, kv_f16: bool = False):
+    """A reset ``llama_cpp.Llama`` for ``path`` with logits kept at every position."""
+    _llama_cpp()
+    p = Path(path).resolve()
+    if not p.is_file():
+        raise FileNotFoundError(f"oracle: no model file at {p}")
+    llm = _load(str(p), p.stat().st_mtime_ns, n_ctx, kv_f16)
+    llm.reset()
+    return llm
+
+
+@lru_cache(maxsize=4)
+def _load(path: str, mtime_ns: int, n_ctx: int, kv_f16: bool):
+    """Load once per file version and context settings (mtime in the key: rewritten files reload)."""
+    from llama_cpp import Llama
+    kv = GGML_TYPE_F16 if kv_f16 else GGML_TYPE_F32
+    return Llama(model_path=path, n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx, logits_all=True,
+                 n_threads=2, n_threads_batch=2, flash_attn=False, type_k=kv, type_v=kv,
+                 verbose=False)
+
+
+def _close_all() -> None:
+    """Free cached Llama objects before interpreter teardown (their __del__ fails after it)."""
+    _load.cache_clear()
+    _vocab.cache_clear()
+
+
+def llama_logits(path, tokens, n_ctx: int = 512, kv_f16: bool = False) -> np.ndarray:
+    """Logits at every position from one llama.cpp prefill of ``tokens``: f32 [T, n_vocab]."""
+    tokens = [int(t) for t in tokens]
+    if not 0 < len(tokens) <= n_ctx:
+        raise ValueError(f"oracle: {len(tokens)} tokens do not fit one prefill of n_ctx={n_ctx}")
+    llm = model(path, n_ctx, kv_f16)
+    llm.eval(tokens)
+    return np.array(llm.scores[:len(tokens)], dtype=np.float32)  # copy: the buffer is reused
+
+
+def llama_greedy(path, prompt_tokens, n: int, n_ctx: int = 512, kv_f16: bool = False) -> list[int]:
+    """``n`` tokens of greedy (temperature 0) decoding after a prefill of ``prompt_tokens``."""
+    prompt = [int(t) for t in prompt_tokens]
+    if not prompt or len(prompt) + n > n_ctx:
+        raise ValueError(f"oracle: prompt of {len(prompt)} + {n} new tokens does not fit n_ctx={n_ctx}")
+    llm = model(path, n_ctx, kv_f16)
+    llm.eval(prompt)
+    out = []
+    for _ in range(n):
+        tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))  # first index on ties
+        out.append(tok)
+        llm.eval([tok])  # one decode step against the KV cache
+    return out
+
+
+def llama_tokenize(path, text: str, add_bos: bool = True, special: bool = True) -> list[int]:
+    """llama.cpp's tokenisation of ``text`` with the model's own tokenizer."""
+    p = Path(path).resolve()
+    vocab = _vocab(str(p), p.stat().st_mtime_ns)
+    return list(vocab.tokenize(text.encode("utf-8"), add_bos=add_bos, special=special))
+
+
+@lru_cache(maxsize=4)
+def _vocab(path: str, mtime_ns: int):
+    """A vocab-only Llama: tokenises without loading weights (also works on vocab files)."""
+    _llama_cpp()
+    from llama_cpp import Llama
+    return Llama(model_path=path, vocab_only=True, verbose=False)
+
+
+atexit.register(_close_all)
