@@ -109,6 +109,41 @@ def _numel(shape) -> int:
 
 
 # ---------------------------------------------------------------------------------------
+# run
+# ---------------------------------------------------------------------------------------
+
+def passes_arg(text: str):
+    """'default', 'none', or a comma-separated list of pass names."""
+    return text if text in ("default", "none") else [p.strip() for p in text.split(",") if p.strip()]
+
+
+def cmd_run(args) -> int:
+    """Generate text from a GGUF model, streaming it as it comes."""
+    from ggraph.runtime import Session
+    path = _model_path(args)
+    session = Session(path, backend=args.backend, threads=args.threads, passes=passes_arg(args.passes),
+                      ctx=args.ctx, disabled=args.no_pass)
+    options = dict(max_tokens=args.n_predict, temperature=args.temp, top_k=args.top_k, top_p=args.top_p,
+                   min_p=args.min_p, repeat_penalty=args.repeat_penalty, seed=args.seed, stop=args.stop,
+                   stream=True)
+    if args.chat:
+        pieces = session.chat([{"role": "user", "content": args.prompt}], **options)
+    else:
+        if not args.no_echo:
+            print(args.prompt, end="", flush=True)
+        pieces = session.generate(args.prompt, **options)
+    for piece in pieces:
+        print(piece, end="", flush=True)
+    print()
+    st = session.stats
+    pp = st["prompt_tokens"] / st["prompt_s"] if st.get("prompt_s") else 0.0
+    tg = st["generated_tokens"] / st["generate_s"] if st.get("generate_s") else 0.0
+    print(f"[{args.backend}] prompt: {st['prompt_tokens']} tokens, {pp:.1f} tok/s | "
+          f"generated: {st['generated_tokens']} tokens, {tg:.1f} tok/s", file=sys.stderr)
+    return 0
+
+
+# ---------------------------------------------------------------------------------------
 # target
 # ---------------------------------------------------------------------------------------
 
@@ -140,6 +175,14 @@ def _add_model_arg(p):
     p.add_argument("--demo", action="store_true", help="use the demo model, Gemma 3 270M Q4_K_M (needs ggraph[demo])")
 
 
+def _add_compile_args(p):
+    p.add_argument("--backend", choices=["numpy", "llvm"], default="numpy", help="backend (default numpy)")
+    p.add_argument("--threads", "-t", type=int, default=None, help="threads for the llvm backend (default: all cores)")
+    p.add_argument("--passes", default="default", help="pipeline: default, none (unfused), or pass,pass,...")
+    p.add_argument("--no-pass", action="append", default=[], metavar="NAME", help="switch off one pass (repeatable)")
+    p.add_argument("--ctx", type=int, default=4096, help="context length: KV cache rows (default 4096)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="ggraph",
@@ -153,6 +196,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object with metadata and tensors")
     p.add_argument("--full", action="store_true", help="with --json, include long arrays in full")
     p.set_defaults(fn=cmd_inspect)
+
+    p = sub.add_parser("run", help="generate text from a model", description=cmd_run.__doc__,
+                       epilog="example: ggraph run --demo -p 'The capital of France is' -n 32 --temp 0")
+    _add_model_arg(p)
+    p.add_argument("-p", "--prompt", required=True, help="the prompt text")
+    p.add_argument("-n", "--n-predict", type=int, default=128, help="tokens to generate (default 128)")
+    p.add_argument("--temp", type=float, default=0.8, help="temperature; 0 is greedy (default 0.8)")
+    p.add_argument("--top-k", type=int, default=40, help="keep the k most likely tokens (default 40; 0 = all)")
+    p.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling mass (default 0.95)")
+    p.add_argument("--min-p", type=float, default=0.05, help="drop tokens below min-p × the top probability (default 0.05)")
+    p.add_argument("--repeat-penalty", type=float, default=1.0, help="penalty for recent tokens (default 1.0 = off)")
+    p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
+    p.add_argument("--stop", action="append", default=[], help="stop at this text (repeatable)")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the model's chat template")
+    p.add_argument("--no-echo", action="store_true", help="do not print the prompt before the generated text")
+    _add_compile_args(p)
+    p.set_defaults(fn=cmd_run)
 
     p = sub.add_parser("target", help="show the host CPU features and the chosen kernel set",
                        description=cmd_target.__doc__)

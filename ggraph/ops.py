@@ -197,13 +197,13 @@ def rope_inv_freq(dims: int, base: float) -> np.ndarray:
     return (base ** (-np.arange(0, dims, 2, dtype=np.float64) / dims)).astype(np.float32)
 
 
-def _np_rope(x, positions, freq_factors=None, *, dims, base, scale, style):
+def _np_rope(x, positions, freq_factors=None, *, dims, base, scale, style, mscale=1.0):
     # x: (T, H, D); rotate the first `dims` dims of each head
     inv = rope_inv_freq(dims, base).astype(np.float64)
     if freq_factors is not None:
         inv = inv / freq_factors
     theta = positions.astype(np.float64)[:, None] * scale * inv[None, :]        # (T, dims/2)
-    c, s = np.cos(theta)[:, None, :], np.sin(theta)[:, None, :]                 # (T, 1, dims/2)
+    c, s = mscale * np.cos(theta)[:, None, :], mscale * np.sin(theta)[:, None, :]   # (T, 1, dims/2)
     xr = x[..., :dims].astype(np.float64)
     if style == "neox":
         a, b = xr[..., :dims // 2], xr[..., dims // 2:]
@@ -282,15 +282,15 @@ def swiglu(g, u):
 
 
 @composite("rope", _np_rope)
-def _rope(x, positions, freq_factors=None, *, dims, base, scale, style):
-    """Rotate pairs of the first ``dims`` dims of each head by position·base^(-2i/dims)."""
+def _rope(x, positions, freq_factors=None, *, dims, base, scale, style, mscale=1.0):
+    """Rotate pairs of the first ``dims`` dims of each head by position·base^(-2i/dims), times mscale."""
     T, H, D = x.shape
     half = dims // 2
     inv = rope_inv_freq(dims, base)
     freqs = to_tracer(inv) if freq_factors is None else to_tracer(inv) / freq_factors
     theta = reshape(cast(positions, f32) * scale, (T, 1)) * freqs                 # (T, dims/2)
-    c = reshape(cos(theta), (T, 1, half))
-    s = reshape(sin(theta), (T, 1, half))
+    c = reshape(cos(theta) * mscale, (T, 1, half))
+    s = reshape(sin(theta) * mscale, (T, 1, half))
     if style == "neox":
         a, b = x[:, :, :half], x[:, :, half:dims]
         parts = [a * c - b * s, b * c + a * s]
@@ -310,13 +310,14 @@ ROPE_STYLES = ("neox", "interleaved")
 
 
 def rope(x, positions, *, base: float, dims: int | None = None, scale: float = 1.0,
-         style: str = "neox", freq_factors=None):
+         style: str = "neox", freq_factors=None, mscale: float = 1.0):
     """Rotary position embedding of x (T, H, D) at ``positions`` i32[T].
 
     style "interleaved" rotates pairs (x[2i], x[2i+1]) (llama); "neox" rotates
     (x[i], x[i+dims/2]) (qwen2, phi3, gemma). Only the first ``dims`` dims rotate.
     ``freq_factors`` (phi3's rope_factors) divides each pair's frequency; ``scale``
-    multiplies positions (linear rope scaling).
+    multiplies positions (linear rope scaling); ``mscale`` multiplies cos and sin
+    (llama.cpp's rope attn_factor).
     """
     if style not in ROPE_STYLES:
         raise ValueError(f"rope: style must be one of {ROPE_STYLES}, got {style!r}")
@@ -325,6 +326,8 @@ def rope(x, positions, *, base: float, dims: int | None = None, scale: float = 1
     if dims % 2 or not 0 < dims <= D:
         raise ValueError(f"rope: rotary dims {dims} must be even and at most the head dim {D}")
     params = dict(dims=dims, base=float(base), scale=float(scale), style=style)
+    if mscale != 1.0:
+        params["mscale"] = float(mscale)
     if freq_factors is None:
         return _rope(x, positions, **params)
     return _rope(x, positions, freq_factors, **params)

@@ -1,0 +1,150 @@
+"""Session: a model, its tokenizer and KV cache, prefill and decode steps, and generation.
+
+    s = ggraph.Session("model.gguf")
+    print(s.generate("The capital of France is", max_tokens=16, temperature=0))
+"""
+from __future__ import annotations
+
+import codecs
+import time
+from typing import Iterator, Sequence
+
+import numpy as np
+
+from ggraph.sampling import Sampler
+
+
+class ContextFullError(ValueError):
+    """The KV cache has no room for the tokens of this step."""
+
+
+class Session:
+    """A loaded model ready to run: ``.logits(tokens)``, ``.generate(prompt)``, ``.chat(messages)``."""
+
+    def __init__(self, path, backend: str = "numpy", threads: int | None = None, passes="default",
+                 ctx: int = 4096, disabled=()):
+        from ggraph.models import load
+        from ggraph.tokenizer import Tokenizer
+        self.model = load(path)
+        self.config = self.model.config
+        self.tokenizer = Tokenizer.from_metadata(self.model.file.metadata)
+        self.ctx = int(ctx)
+        if self.ctx < 1:
+            raise ValueError(f"ctx must be positive, got {ctx}")
+        self.backend, self.threads, self.passes, self.disabled = backend, threads, passes, tuple(disabled)
+        self._programs: dict[bool, object] = {}
+        kshape, vshape = self.model.kv_shapes(self.ctx)
+        self.k_cache = [np.zeros(kshape, np.float32) for _ in range(self.config.n_layer)]
+        self.v_cache = [np.zeros(vshape, np.float32) for _ in range(self.config.n_layer)]
+        self.n_past = 0
+        self.stats: dict[str, float] = {}
+
+    # -- steps ---------------------------------------------------------------------------
+    def program(self, last_only: bool):
+        """The compiled step (all-position logits, or the last position's only), built once."""
+        if last_only not in self._programs:
+            from ggraph.compiler import compile_graph
+            options = {"threads": self.threads} if self.backend != "numpy" else {}
+            graph = self.model.graph(self.ctx, last_only=last_only)
+            self._programs[last_only] = compile_graph(graph, backend=self.backend, passes=self.passes,
+                                                      disabled=self.disabled, weights=self.model.file, **options)
+        return self._programs[last_only]
+
+    def reset(self) -> None:
+        """Forget the context (the cache rows are simply overwritten later)."""
+        self.n_past = 0
+
+    def step(self, tokens: Sequence[int], last_only: bool = True) -> np.ndarray:
+        """Run tokens after the current context; returns logits (T or 1, n_vocab)."""
+        tokens = np.asarray(tokens, dtype=np.int32).reshape(-1)
+        if tokens.size == 0:
+            raise ValueError("step needs at least one token")
+        if self.n_past + tokens.size > self.ctx:
+            raise ContextFullError(f"context full: {self.n_past} tokens in the cache + {tokens.size} new "
+                                   f"> ctx={self.ctx}; start a new Session with a larger ctx")
+        bad = (tokens < 0) | (tokens >= self.config.n_vocab)
+        if bad.any():
+            raise ValueError(f"token id {int(tokens[bad][0])} is outside the vocabulary (n_vocab={self.config.n_vocab})")
+        prog = self.program(last_only)
+        logits, *_ = prog.run_inputs([tokens, np.int32(self.n_past), *self.k_cache, *self.v_cache])
+        self.n_past += tokens.size
+        return logits
+
+    def logits(self, tokens: Sequence[int]) -> np.ndarray:
+        """Logits at every position of ``tokens``, from a fresh context, as one prefill."""
+        self.reset()
+        return np.asarray(self.step(tokens, last_only=False), dtype=np.float32)
+
+    # -- generation ----------------------------------------------------------------------
+    def generate(self, prompt: str | Sequence[int], max_tokens: int = 128, temperature: float = 0.8,
+                 top_k: int = 40, top_p: float = 0.95, min_p: float = 0.05, repeat_penalty: float = 1.0,
+                 seed: int | None = None, stop: Sequence[str] = (), stream: bool = False):
+        """Generate text after ``prompt`` (text, or token ids); greedy when temperature is 0."""
+        pieces = self._generate(prompt, max_tokens, Sampler(temperature, top_k, top_p, min_p, repeat_penalty),
+                                seed, tuple(stop))
+        return pieces if stream else "".join(pieces)
+
+    def _generate(self, prompt, max_tokens, sampler, seed, stop) -> Iterator[str]:
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        if not ids:
+            raise ValueError("the prompt encodes to no tokens")
+        rng = np.random.default_rng(seed)
+        history = list(ids)
+        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.reset()
+        t0 = time.perf_counter()
+        logits = self.step(ids)[-1]
+        t1 = time.perf_counter()
+        self.stats = {"prompt_tokens": len(ids), "prompt_s": t1 - t0, "generated_tokens": 0, "generate_s": 0.0}
+        text, emitted = "", 0
+        for n in range(max_tokens):
+            tok = sampler(logits, history, rng)
+            if self.tokenizer.is_eog(tok):
+                break
+            history.append(tok)
+            self.stats["generated_tokens"] = n + 1
+            text += decoder.decode(self.tokenizer.piece_bytes(tok, special=False))
+            cut = _first_stop(text, stop)
+            safe = cut if cut is not None else len(text) - _partial_stop(text, stop)
+            if safe > emitted:
+                yield text[emitted:safe]
+                emitted = safe
+            if cut is not None or n + 1 == max_tokens:
+                break
+            t = time.perf_counter()
+            logits = self.step([tok])[-1]
+            self.stats["generate_s"] += time.perf_counter() - t
+        else:
+            pass
+        tail = text + decoder.decode(b"", final=True)
+        cut = _first_stop(tail, stop)
+        end = cut if cut is not None else len(tail)
+        if end > emitted:
+            yield tail[emitted:end]
+
+    def chat(self, messages: list[dict], **kwargs):
+        """Render ``messages`` with the model's chat template and generate the reply."""
+        prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        ids = self.tokenizer.encode(prompt, add_special=not _starts_with_bos(prompt, self.tokenizer))
+        return self.generate(ids, **kwargs)
+
+
+def _starts_with_bos(text: str, tok) -> bool:
+    bos = tok.bos_id
+    return bos is not None and bos >= 0 and text.startswith(tok.token_text(bos))
+
+
+def _first_stop(text: str, stop) -> int | None:
+    hits = [text.find(s) for s in stop if s and s in text]
+    return min(hits) if hits else None
+
+
+def _partial_stop(text: str, stop) -> int:
+    """How many trailing chars could be the start of a stop string (held back while streaming)."""
+    best = 0
+    for s in stop:
+        for k in range(min(len(s) - 1, len(text)), 0, -1):
+            if text.endswith(s[:k]):
+                best = max(best, k)
+                break
+    return best

@@ -1,0 +1,98 @@
+"""The one decoder every shipped architecture runs, written with ggraph.ops.
+
+Weights are looked up by their GGUF tensor names. Architecture differences are the flags
+of ModelConfig (models/config.py). Shapes in comments: T tokens in this step, P past
+tokens in the cache, D = n_embd, H/Hkv heads, Dh head dim, F = n_ff, V = n_vocab.
+"""
+from __future__ import annotations
+
+from ggraph import ops
+from ggraph.core import Sym
+from ggraph.models.config import ModelConfig
+from ggraph.trace import scope
+
+
+def forward(cfg: ModelConfig, w: dict, tokens, P, k_caches, v_caches, *, last_only=False, rope_factors=None):
+    """Logits for ``tokens`` (T,) after P cached tokens; returns (logits, k_caches, v_caches)."""
+    T = tokens.shape[0]
+    with scope("embd"):
+        x = ops.take(w["token_embd.weight"], tokens)                              # (T, D)
+        if cfg.embed_scale:
+            x = x * cfg.embed_scale
+        pos = ops.iota(T) + P                                                      # (T,)
+    k_out, v_out = [], []
+    for i in range(cfg.n_layer):
+        blk = Layer(w, i)
+        with scope(f"blk.{i}"):
+            with scope("attn"):
+                a, kc, vc = attention(cfg, blk, i, x, pos, P, k_caches[i], v_caches[i], rope_factors)
+            x = x + a
+            with scope("ffn"):
+                x = x + ffn(cfg, blk, x)
+        k_out.append(kc)
+        v_out.append(vc)
+    with scope("output"):
+        if last_only:
+            x = ops.slice(x, 0, Sym("T") - 1, Sym("T"))                            # (1, D)
+        x = ops.rms_norm(x, w["output_norm.weight"], eps=cfg.norm_eps)
+        out_w = w["token_embd.weight"] if cfg.tied_output else w["output.weight"]  # (V, D)
+        logits = ops.linear(x, out_w)                                              # (T, V)
+        if cfg.final_softcap:
+            logits = ops.tanh(logits * (1.0 / cfg.final_softcap)) * cfg.final_softcap
+    return logits, k_out, v_out
+
+
+class Layer:
+    """Layer i's weights by their short GGUF names: ``blk["attn_q.weight"]``."""
+
+    def __init__(self, w: dict, i: int):
+        self.w, self.prefix = w, f"blk.{i}."
+
+    def __getitem__(self, name):
+        return self.w[self.prefix + name]
+
+    def get(self, name):
+        return self.w.get(self.prefix + name)
+
+
+def attention(cfg: ModelConfig, blk: Layer, i: int, x, pos, P, k_cache, v_cache, rope_factors):
+    T = x.shape[0]
+    H, Hkv, Dh, Dv = cfg.n_head, cfg.n_head_kv, cfg.head_dim, cfg.head_dim_v
+    h = ops.rms_norm(x, blk["attn_norm.weight"], eps=cfg.norm_eps)                # (T, D)
+    if cfg.fused_qkv:
+        qkv = ops.linear(h, blk["attn_qkv.weight"])                                # (T, (H+2Hkv)Dh)
+        q, k, v = qkv[:, :H * Dh], qkv[:, H * Dh:(H + Hkv) * Dh], qkv[:, (H + Hkv) * Dh:]
+    else:
+        q = ops.linear(h, blk["attn_q.weight"], blk.get("attn_q.bias"))           # (T, H*Dh)
+        k = ops.linear(h, blk["attn_k.weight"], blk.get("attn_k.bias"))           # (T, Hkv*Dh)
+        v = ops.linear(h, blk["attn_v.weight"], blk.get("attn_v.bias"))           # (T, Hkv*Dv)
+    q, k, v = q.reshape(T, H, Dh), k.reshape(T, Hkv, Dh), v.reshape(T, Hkv, Dv)
+    if cfg.qk_norm:
+        q = ops.rms_norm(q, blk["attn_q_norm.weight"], eps=cfg.norm_eps)
+        k = ops.rms_norm(k, blk["attn_k_norm.weight"], eps=cfg.norm_eps)
+    base, scale = cfg.layer_rope(i)
+    rope = dict(base=base, scale=scale, dims=cfg.rope_dims, style=cfg.rope_style, freq_factors=rope_factors,
+                mscale=cfg.rope_mscale)
+    q, k = ops.rope(q, pos, **rope), ops.rope(k, pos, **rope)
+    window = cfg.sliding_window if cfg.is_swa(i) else None
+    o, k_cache, v_cache = ops.attention(q, k, v, k_cache, v_cache, P, scale=cfg.scale, window=window,
+                                        softcap=cfg.attn_softcap)                  # (T, H, Dv)
+    o = ops.linear(o.reshape(T, H * Dv), blk["attn_output.weight"])               # (T, D)
+    if cfg.post_norms:
+        o = ops.rms_norm(o, blk["post_attention_norm.weight"], eps=cfg.norm_eps)
+    return o, k_cache, v_cache
+
+
+def ffn(cfg: ModelConfig, blk: Layer, x):
+    F = cfg.n_ff
+    h = ops.rms_norm(x, blk["ffn_norm.weight"], eps=cfg.norm_eps)                 # (T, D)
+    if cfg.fused_gate_up:
+        gu = ops.linear(h, blk["ffn_up.weight"])                                   # (T, 2F)
+        g, u = gu[:, :F], gu[:, F:]
+    else:
+        g, u = ops.linear(h, blk["ffn_gate.weight"]), ops.linear(h, blk["ffn_up.weight"])   # (T, F)
+    a = ops.swiglu(g, u) if cfg.act == "silu" else ops.gelu_tanh(g) * u
+    o = ops.linear(a, blk["ffn_down.weight"])                                      # (T, D)
+    if cfg.post_norms:
+        o = ops.rms_norm(o, blk["post_ffw_norm.weight"], eps=cfg.norm_eps)
+    return o
