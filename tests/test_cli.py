@@ -1,0 +1,63 @@
+"""The command line: inspect, target, help, and one-line errors instead of tracebacks."""
+import json
+
+import numpy as np
+import pytest
+
+from ggraph.cli import main
+from ggraph.gguf import write
+from ggraph.quants import quantize
+
+
+@pytest.fixture
+def small_file(tmp_path):
+    path = tmp_path / "small.gguf"
+    rng = np.random.default_rng(0)
+    write(path, {"general.architecture": "llama", "general.name": "tiny", "general.file_type": 7,
+                 "tokenizer.ggml.tokens": [f"t{i}" for i in range(100)]},
+          {"token_embd.weight": (quantize(rng.standard_normal((100, 64)).astype(np.float32), "q8_0"), "q8_0", (100, 64)),
+           "output_norm.weight": np.ones(64, np.float32)})
+    return path
+
+
+def test_inspect_text(small_file, capsys):
+    assert main(["inspect", str(small_file)]) == 0
+    out = capsys.readouterr().out
+    assert "GGUF v3, 4 keys, 2 tensors" in out and "architecture llama · tiny" in out and "file type Q8_0" in out
+    assert "tokenizer.ggml.tokens = [100 items] 't0', 't1', 't2', 't3', ..." in out
+    assert "token_embd.weight" in out and "100x64" in out
+    assert "q8_0       1 tensors" in out and "8.50 bits/weight" in out
+
+
+def test_inspect_json(small_file, capsys):
+    assert main(["inspect", str(small_file), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["metadata"]["general.name"] == "tiny"
+    assert doc["metadata"]["tokenizer.ggml.tokens"] == {"array_length": 100, "head": [f"t{i}" for i in range(8)]}
+    assert doc["tensors"][0] == {"name": "token_embd.weight", "shape": [100, 64], "type": "q8_0",
+                                 "offset": doc["tensors"][0]["offset"], "nbytes": 100 * 2 * 34}
+
+
+@pytest.mark.parametrize("content,message", [
+    (None, "No such file or directory"),
+    (b"GGUF\x03\x00\x00\x00" + b"\xff" * 16, "tensor_count at byte 8"),
+    (b"not a gguf file at all, sorry", "not a GGUF file"),
+])
+def test_inspect_errors_are_one_line(tmp_path, capsys, content, message):
+    path = tmp_path / "bad.gguf"
+    if content is not None:
+        path.write_bytes(content)
+    assert main(["inspect", str(path)]) == 1
+    captured = capsys.readouterr()
+    assert message in captured.err and captured.err.count("\n") == 1 and "Traceback" not in captured.err
+
+
+def test_help_teaches(capsys):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = capsys.readouterr().out
+    for cmd in ("inspect", "run", "target"):
+        assert cmd in out
+    with pytest.raises(SystemExit):
+        main(["run", "--help"])
+    assert "example: ggraph run --demo" in capsys.readouterr().out
