@@ -9,8 +9,14 @@ def _numpy_backend(graph, **options):
     return NumpyProgram(graph, **options)
 
 
+def _llvm_backend(graph, **options):
+    from ggraph.backends.llvm.program import LLVMProgram
+    return LLVMProgram(graph, **options)
+
+
 BACKENDS = {
     "numpy": _numpy_backend,
+    "llvm": _llvm_backend,
 }
 
 

@@ -1,0 +1,134 @@
+"""The compiled native program: buffers, the thread team, and the call from Python.
+
+    prog = LLVMProgram(graph, weights=gguf_file, threads=2)
+    logits, *caches = prog.run_inputs([tokens, P, *k_caches, *v_caches])
+
+Weights are read in place from the GGUF mmap; activations live in one arena that grows
+to the largest step seen and is reused. One call runs the whole graph: every team
+thread enters the program once.
+"""
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+
+from ggraph.core import DimAval, Literal, Var
+from ggraph.backends.llvm import jit
+from ggraph.backends.llvm.codegen import Ref, lower
+from ggraph.backends.llvm.target import host_target
+from ggraph.backends.llvm.team import PROGRAM_ARGS, Team
+from ggraph.backends.numpy_ref import as_value, bind_symbols
+from ggraph.prims import Blocks
+from ggraph.trace import tree_flatten, tree_unflatten
+
+ALIGN = 64
+
+
+class LLVMProgram:
+    """A graph compiled to one native program for the host's (or a forced) feature set."""
+
+    def __init__(self, graph, weights=None, threads: int | None = None, target=None):
+        self.graph = graph
+        self.target = target or host_target()
+        t0 = time.perf_counter()
+        self.spec = lower(graph, self.target)
+        self.lib = jit.compile(self.spec.module, self.target)
+        self.compile_s = time.perf_counter() - t0
+        self.fn = self.lib.function(self.spec.name, None, PROGRAM_ARGS)
+        self.threads = int(threads or os.cpu_count() or 1)
+        self.team = Team(self.threads)
+        self.table = np.zeros(len(self.spec.buffers), dtype=np.uint64)
+        self._keep: dict[int, object] = {}            # arrays whose addresses are in the table
+        self._arena = np.zeros(0, dtype=np.uint8)
+        for i, buf in enumerate(self.spec.buffers):
+            if buf.kind == "const":
+                self._bind(i, buf.data)
+        if weights is not None:
+            self.bind_weights(weights)
+
+    # -- memory ----------------------------------------------------------------------
+    def _bind(self, i: int, array) -> None:
+        data = array.data if isinstance(array, Blocks) else array
+        if not data.flags.c_contiguous:
+            raise ValueError(f"buffer {self.spec.buffers[i].name}: the llvm backend needs contiguous arrays")
+        self._keep[i] = array
+        self.table[i] = data.ctypes.data
+
+    def bind_weights(self, weights) -> None:
+        """Point each weight at its tensor in a GGUFFile (in place) or at an array of a mapping."""
+        for v, i in self.spec.param_index.items():
+            src = v.aval.source
+            if hasattr(weights, "tensors"):
+                if src not in weights.tensors:
+                    raise KeyError(f"weight {src!r} is not in {getattr(weights, 'path', 'the file')}")
+                data = weights.tensors[src].data
+            else:
+                data = as_value(v.aval, weights[src])
+            self._bind(i, data)
+        self._weights = weights
+
+    def _layout(self, dims: dict) -> None:
+        """Place activation and scratch buffers in the arena for these dims (growing it)."""
+        offsets, total = [], 0
+        for i, buf in enumerate(self.spec.buffers):
+            if buf.kind in ("act", "scratch"):
+                offsets.append((i, total))
+                total += -(-max(buf.size(dims), 1) // ALIGN) * ALIGN
+        if total > self._arena.nbytes:
+            self._arena = np.zeros(total + ALIGN, dtype=np.uint8)
+        base = self._arena.ctypes.data
+        base += -base % ALIGN
+        for i, off in offsets:
+            self.table[i] = base + off
+
+    # -- calling -----------------------------------------------------------------------
+    def run_inputs(self, inputs: list) -> list:
+        """Run with the graph's non-weight inputs in order; returns the outputs as arrays."""
+        g = self.graph
+        if len(inputs) != len(g.invars):
+            raise TypeError(f"{g.name or 'graph'} has {len(g.invars)} inputs, got {len(inputs)}")
+        return self.run({v: as_value(v.aval, x) for v, x in zip(g.invars, inputs)})
+
+    def __call__(self, *args):
+        g = self.graph
+        leaves, _ = tree_flatten(list(args))
+        if len(leaves) != len(g.args):
+            raise TypeError(f"{g.name or 'graph'} takes {len(g.args)} array arguments, got {len(leaves)}")
+        values = {}
+        for v, x in zip(g.args, leaves):
+            if v in g.params:
+                if x is not None:
+                    self._bind(self.spec.param_index[v], as_value(v.aval, x))
+            else:
+                values[v] = as_value(v.aval, x)
+        outs = self.run(values)
+        return tree_unflatten(g.out_tree, outs) if g.out_tree is not None else outs
+
+    def run(self, values: dict[Var, object]) -> list:
+        g = self.graph
+        for v in g.params:
+            if self.table[self.spec.param_index[v]] == 0:
+                raise KeyError(f"no value for weight {v.aval.source!r}")
+        dims = bind_symbols(g, values)
+        for v, i in self.spec.input_index.items():
+            self._bind(i, values[v])
+        self._layout(dims)
+        T, P = int(dims.get("T", 1)), int(dims.get("P", 0))
+        table, bar, n = self.table.ctypes.data, self.team.barrier_ptr, self.threads
+        self.team.run(lambda ith: self.fn(table, T, P, ith, n, bar))
+        return [self._output(o, v, dims) for o, v in zip(self.spec.outputs, g.outvars)]
+
+    def _output(self, ref, var, dims):
+        if isinstance(ref, Literal):
+            return ref.value
+        shape = var.aval.concrete(dims)
+        buf = self.spec.buffers[ref.buf]
+        if buf.kind == "input" and ref.offset == 0 and isinstance(self._keep[ref.buf], np.ndarray) \
+                and self._keep[ref.buf].shape == shape:
+            return self._keep[ref.buf]                      # an in-place update of an input
+        nbytes = var.aval.nbytes(dims)
+        off = int(self.table[ref.buf]) + (ref.offset if isinstance(ref.offset, int) else ref.offset.eval(dims))
+        raw = np.ctypeslib.as_array((np.ctypeslib.ctypes.c_uint8 * nbytes).from_address(off))
+        return raw.view(var.aval.dtype.np_dtype).reshape(shape).copy()

@@ -1,0 +1,113 @@
+"""The thread team: native threads that all walk one program, with a spin barrier between nodes.
+
+The barrier is emitted into the program module as ``ggraph_barrier(ptr state, i32 nth)``:
+every thread adds one to a counter; the last to arrive resets it and bumps a generation
+word, and the others spin (with ``pause``) until the generation moves. This is ggml's
+scheme. Python only starts the team: each thread makes one ctypes call into the program,
+and ctypes releases the GIL for its duration, so no Python runs per op.
+"""
+from __future__ import annotations
+
+import ctypes
+import threading
+
+import numpy as np
+from llvmlite import ir
+
+BARRIER = "ggraph_barrier"
+_i32 = ir.IntType(32)
+
+
+def emit_barrier(module: ir.Module, x86: bool) -> ir.Function:
+    """``void ggraph_barrier(ptr state, i32 nth)``; state is {i32 count, i32 generation}, zeroed."""
+    if BARRIER in module.globals:
+        return module.globals[BARRIER]
+    fn = ir.Function(module, ir.FunctionType(ir.VoidType(), [ir.PointerType(), _i32]), name=BARRIER)
+    fn.linkage = "internal"
+    state, nth = fn.args
+    entry, arrive, last, spin, done = (fn.append_basic_block(n) for n in ("entry", "arrive", "last", "spin", "done"))
+    b = ir.IRBuilder(entry)
+    b.cbranch(b.icmp_signed("<=", nth, ir.Constant(_i32, 1)), done, arrive)
+    b.position_at_end(arrive)
+    count = state
+    gen_ptr = b.gep(state, [ir.Constant(_i32, 1)], source_etype=_i32)
+    gen = b.load_atomic(gen_ptr, "acquire", 4, typ=_i32)
+    old = b.atomic_rmw("add", count, ir.Constant(_i32, 1), "acq_rel")
+    b.cbranch(b.icmp_signed("==", old, b.sub(nth, ir.Constant(_i32, 1))), last, spin)
+    b.position_at_end(last)
+    b.atomic_rmw("xchg", count, ir.Constant(_i32, 0), "release")    # (llvmlite's store_atomic needs typed pointers)
+    b.atomic_rmw("add", gen_ptr, ir.Constant(_i32, 1), "release")
+    b.branch(done)
+    b.position_at_end(spin)
+    if x86:                                   # pause is SSE2: every x86-64 target has it
+        pause = ir.Function(module, ir.FunctionType(ir.VoidType(), []), name="llvm.x86.sse2.pause") \
+            if "llvm.x86.sse2.pause" not in module.globals else module.globals["llvm.x86.sse2.pause"]
+        b.call(pause, [])
+    now = b.load_atomic(gen_ptr, "acquire", 4, typ=_i32)
+    b.cbranch(b.icmp_signed("==", now, gen), spin, done)
+    b.position_at_end(done)
+    b.ret_void()
+    return fn
+
+
+class Team:
+    """``n`` native threads (the caller is thread 0) that run one ctypes call each per job."""
+
+    def __init__(self, n: int):
+        if n < 1:
+            raise ValueError(f"a team needs at least one thread, got {n}")
+        self.n = n
+        self.barrier_state = np.zeros(16, dtype=np.int32)        # {count, generation}, own cache line
+        self._job = None
+        self._go = [threading.Semaphore(0) for _ in range(n)]
+        self._done = threading.Semaphore(0)
+        self._errors: list[BaseException] = []
+        self._threads = [threading.Thread(target=self._worker, args=(i,), daemon=True, name=f"ggraph-{i}")
+                         for i in range(1, n)]
+        for t in self._threads:
+            t.start()
+
+    @property
+    def barrier_ptr(self) -> int:
+        return self.barrier_state.ctypes.data
+
+    def _worker(self, ith: int) -> None:
+        while True:
+            self._go[ith].acquire()
+            job = self._job
+            if job is None:
+                return
+            try:
+                job(ith)
+            except BaseException as e:          # reported by run(); a native fault cannot be caught
+                self._errors.append(e)
+            self._done.release()
+
+    def run(self, job) -> None:
+        """Call ``job(ith)`` on every thread at once and wait for all of them."""
+        self._job = job
+        self.barrier_state[:] = 0
+        for i in range(1, self.n):
+            self._go[i].release()
+        try:
+            job(0)
+        finally:
+            for _ in range(1, self.n):
+                self._done.acquire()
+        if self._errors:
+            err, self._errors = self._errors[0], []
+            raise err
+
+    def close(self) -> None:
+        self._job = None
+        for i in range(1, self.n):
+            self._go[i].release()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+PROGRAM_ARGS = (ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int32, ctypes.c_int32, ctypes.c_void_p)
