@@ -14,9 +14,9 @@ import time
 
 import numpy as np
 
-from ggraph.core import DimAval, Literal, Var
+from ggraph.core import Literal, Var
 from ggraph.backends.llvm import jit
-from ggraph.backends.llvm.codegen import Ref, lower
+from ggraph.backends.llvm.codegen import lower
 from ggraph.backends.llvm.target import host_target
 from ggraph.backends.llvm.team import PROGRAM_ARGS, Team
 from ggraph.backends.numpy_ref import as_value, bind_symbols

@@ -1,0 +1,1 @@
+"""The llvmlite backend: targets, kernels, and the native program executor."""

@@ -1,0 +1,37 @@
+"""Kernel emitters, one family per file. Each adds one function with the kernel ABI
+(`void f(ptr..., i64 T, i32 ith, i32 nth)`) to a caller's llvmlite module and returns
+its name; asking twice for the same kernel returns the existing one.
+
+    act_quant(module, fmt, K, target)            f32 [T, K] -> private q8 layout
+    qmatmul(module, wtype, K, N, target)          GGUF blocks x quantised activations
+    fmatmul(module, wtype, K, N, target)          f32 / f16 / bf16 weights x f32
+    get_rows(module, dtype, K, V, target, scale)  embedding gather + dequantisation
+
+Sizing: `act_bytes(act_format(wtype), T, K)` bytes of scratch for the activations.
+"""
+from ggraph import dtypes
+from ggraph.backends.llvm.kernels import fmatmul as _fmatmul
+from ggraph.backends.llvm.kernels import qmatmul as _qmatmul
+from ggraph.backends.llvm.kernels.act_quant import GROUP, ActLayout, act_bytes, act_quant
+from ggraph.backends.llvm.kernels.fmatmul import fmatmul, float_weight
+from ggraph.backends.llvm.kernels.get_rows import get_rows
+from ggraph.backends.llvm.kernels.isa import vector_path
+from ggraph.backends.llvm.kernels.qmatmul import FORMATS, act_format, qmatmul
+from ggraph.backends.llvm.target import Target
+
+QUANT_TYPES = tuple(FORMATS)
+FLOAT_TYPES = (dtypes.f32, dtypes.f16, dtypes.bf16)
+
+
+def describe(target: Target) -> dict[str, str]:
+    """Which kernel variant each op gets on `target`, e.g. {"qmatmul q4_k": "vpdpbusd-512: ..."}."""
+    how = "vector" if vector_path(target) else "scalar (generic twin)"
+    out = {f"act_quant {fmt}": f"{how}; tokens in groups of {GROUP}" for fmt in ("q8_0", "q8_k")}
+    out.update({f"qmatmul {dt.name}": _qmatmul.variant(dt, target) for dt in QUANT_TYPES})
+    out.update({f"fmatmul {dt.name}": _fmatmul.variant(dt, target) for dt in FLOAT_TYPES})
+    out.update({f"get_rows {dt.name}": how for dt in QUANT_TYPES + FLOAT_TYPES})
+    return out
+
+
+__all__ = ["ActLayout", "FLOAT_TYPES", "GROUP", "QUANT_TYPES", "act_bytes", "act_format", "act_quant",
+           "describe", "float_weight", "fmatmul", "get_rows", "qmatmul"]

@@ -1,0 +1,185 @@
+"""Activation quantisers: f32 rows to q8 blocks, exactly as ggml's x86 quantisers round.
+
+    act_quant_<fmt>_k<K>_<target>(x: ptr f32 [T, K], xq: ptr u8 [act_bytes], T, ith, nth)
+
+The layout of xq is private to the qmatmul kernels and made for them. Tokens come in
+groups of L (L = 1 when T == 1, else 16; the last group is zero-padded). Per group:
+
+    qs   int8 [K/4, L, 4]   the quants, one 4-byte word per token in turn, so a 64-byte
+                            load gives the same 4 features of 16 tokens (L = 1: plain row)
+    d    f32  [K/bs, L]     the block scale: bs = 32 (q8_0) or 256 (q8_k)
+    sums i32  [K/ss, L]     sums of quants: ss = 32 (q8_0) or 16 (q8_k, ggml's bsums)
+
+q8_0: d = amax/127 rounded to fp16 (as ggml stores it), q = round_even(x * 127/amax).
+q8_k: ggml's quantize_row_q8_K with the sign of d made positive (iscale = 127/amax,
+d = 1/iscale); ggml's (d, q) differ from ours by one common sign, so every product d*q
+is bit-identical. ggml's q8_1 `s` is not stored: the integer sums carry it exactly,
+so q4_1 and q5_1 use the q8_0 layout.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from llvmlite import ir
+
+from ggraph.backends.llvm.kernels.builder import Kernel, f32, i8, i32, vec
+from ggraph.backends.llvm.kernels.isa import Isa, vector_path
+from ggraph.backends.llvm.target import Target
+
+GROUP = 16                      # tokens per group when T > 1
+
+#           fmt:  (block, sum block)
+_FORMATS = {"q8_0": (32, 32), "q8_k": (256, 16)}
+
+
+def tokens_per_group(T: int) -> int:
+    return 1 if T == 1 else GROUP
+
+
+@dataclass(frozen=True)
+class ActLayout:
+    """Byte offsets inside one token group of quantised activations."""
+
+    fmt: str
+    K: int
+
+    def __post_init__(self):
+        if self.fmt not in _FORMATS:
+            raise ValueError(f"unknown activation format {self.fmt!r}; known: {', '.join(_FORMATS)}")
+        if self.K % self.block:
+            raise ValueError(f"act_quant {self.fmt}: K={self.K} is not a multiple of {self.block}")
+
+    @property
+    def block(self) -> int:
+        return _FORMATS[self.fmt][0]
+
+    @property
+    def sum_block(self) -> int:
+        return _FORMATS[self.fmt][1]
+
+    def group_bytes(self, L: int) -> int:
+        return L * (self.K + 4 * (self.K // self.block) + 4 * (self.K // self.sum_block))
+
+    def qs(self, k: Kernel, L, word, lane=0):
+        """Offset of 4-byte word `word` (features 4w..4w+3) of token `lane` in its group."""
+        return k.mul(k.add(k.mul(word, L), lane), 4)
+
+    def d(self, k: Kernel, L, block, lane=0):
+        return k.add(k.mul(L, self.K), k.mul(k.add(k.mul(block, L), lane), 4))
+
+    def sums(self, k: Kernel, L, sblock, lane=0):
+        return k.add(k.mul(L, self.K + 4 * (self.K // self.block)), k.mul(k.add(k.mul(sblock, L), lane), 4))
+
+
+def act_bytes(fmt: str, T: int, K: int) -> int:
+    """Bytes of scratch the quantised activations of T tokens take."""
+    L = tokens_per_group(T)
+    return (T + L - 1) // L * ActLayout(fmt, K).group_bytes(L)
+
+
+def act_quant(module: ir.Module, fmt: str, K: int, target: Target) -> str:
+    """Emit (once) the quantiser of f32 rows of length K into `fmt`; returns its name."""
+    lay = ActLayout(fmt, K)
+    name = f"act_quant_{fmt}_k{K}_{target.name}"
+    if Kernel.exists(module, name):
+        return name
+    k = Kernel(module, name, ("x", "xq"))
+    isa = Isa(k, target)
+    row = _quant_row_vector if vector_path(target) else _quant_row_scalar
+    T = k.arg["T"]
+    with k.b.if_else(k.b.icmp_signed("==", T, k.i64(1))) as (single, many):
+        with single:
+            _groups(k, isa, lay, 1, row)
+        with many:
+            _groups(k, isa, lay, GROUP, row)
+    return k.finish()
+
+
+def _groups(k: Kernel, isa: Isa, lay: ActLayout, L: int, row) -> None:
+    """Quantise this thread's share of token groups; pad the last group with zeros."""
+    T = k.arg["T"]
+    n_groups = k.b.sdiv(k.add(T, L - 1), k.i64(L))
+    start, end = k.thread_share(n_groups)
+    with k.loop(start, end, name="g") as g:
+        base = k.addr(k.arg["xq"], k.mul(g, lay.group_bytes(L)))
+        with k.loop(0, L, name="lane") as lane:
+            t = k.add(k.mul(g, L), lane)
+            with k.b.if_else(k.b.icmp_signed("<", t, T)) as (real, pad):
+                with real:
+                    row(k, isa, lay, L, k.addr(k.arg["x"], k.mul(t, 4 * lay.K)), base, lane)
+                with pad:
+                    _zero_lane(k, lay, L, base, lane)
+
+
+def _scales(k: Kernel, lay: ActLayout, amax: ir.Value, isa: Isa) -> tuple[ir.Value, ir.Value]:
+    """(d as stored, multiplier) for a block whose largest |x| is amax."""
+    b = k.b
+    zero = ir.Constant(f32, 0.0)
+    nonzero = b.fcmp_ordered("!=", amax, zero)
+    inv = b.fdiv(ir.Constant(f32, 127.0), amax)
+    if lay.fmt == "q8_0":
+        d = isa.round_f16(b.fdiv(amax, ir.Constant(f32, 127.0)))
+    else:
+        d = b.select(nonzero, b.fdiv(ir.Constant(f32, 1.0), inv), zero)
+    return d, b.select(nonzero, inv, zero)
+
+
+def _fabs(k: Kernel, v: ir.Value) -> ir.Value:
+    suffix = f"v{v.type.count}f32" if isinstance(v.type, ir.VectorType) else "f32"
+    return k.intrinsic(f"llvm.fabs.{suffix}", v.type, [v])
+
+
+def _quant_row_vector(k: Kernel, isa: Isa, lay: ActLayout, L: int, x, base, lane) -> None:
+    """One token row, a whole block per step as one wide vector."""
+    bs, ss = lay.block, lay.sum_block
+    with k.loop(0, lay.K // bs, name="blk") as blk:
+        v = k.load(vec(f32, bs), x, k.mul(blk, 4 * bs))                        # (bs,) f32
+        d, mult = _scales(k, lay, isa.hmax(_fabs(k, v)), isa)
+        q = isa.round_even(k.b.fmul(v, k.splat(mult, bs)))                       # (bs,) i32
+        qb = k.b.trunc(q, vec(i8, bs))
+        if L == 1:
+            k.store(qb, base, k.mul(blk, bs))
+        else:
+            words = k.cast_vec(qb, i32)                                         # (bs/4,) i32
+            for w in range(bs // 4):
+                word = k.b.extract_element(words, ir.Constant(i32, w))
+                k.store(word, base, lay.qs(k, L, k.add(k.mul(blk, bs // 4), w), lane))
+        k.store(d, base, lay.d(k, L, blk, lane))
+        for s in range(bs // ss):
+            total = isa.hsum(k.shuffle(q, range(s * ss, (s + 1) * ss)))
+            k.store(total, base, lay.sums(k, L, k.add(k.mul(blk, bs // ss), s), lane))
+
+
+def _quant_row_scalar(k: Kernel, isa: Isa, lay: ActLayout, L: int, x, base, lane) -> None:
+    """One token row, element by element: the readable spec of the vector version."""
+    b = k.b
+    bs, ss = lay.block, lay.sum_block
+    with k.loop(0, lay.K // bs, name="blk") as blk:
+        amax = k.var(f32, 0.0)
+        with k.loop(0, bs, name="i") as i:
+            xi = k.load(f32, x, k.mul(k.add(k.mul(blk, bs), i), 4))
+            amax.set(isa.maxnum(amax.get(), _fabs(k, xi)))
+        d, mult = _scales(k, lay, amax.get(), isa)
+        with k.loop(0, bs // ss, name="s") as s:
+            total = k.var(i32, 0)
+            with k.loop(0, ss, name="j") as j:
+                e = k.add(k.mul(blk, bs), k.mul(s, ss), j)                       # feature index
+                q = isa.round_even(b.fmul(k.load(f32, x, k.mul(e, 4)), mult))
+                word = b.sdiv(e, k.i64(4))
+                offset = k.add(lay.qs(k, L, word, lane), b.srem(e, k.i64(4)))
+                k.store(b.trunc(q, i8), base, offset)
+                total.set(b.add(total.get(), q))
+            k.store(total.get(), base, lay.sums(k, L, k.add(k.mul(blk, bs // ss), s), lane))
+        k.store(d, base, lay.d(k, L, blk, lane))
+
+
+def _zero_lane(k: Kernel, lay: ActLayout, L: int, base, lane) -> None:
+    """A padding token: zero quants, scales and sums, so it adds nothing anywhere."""
+    zero = ir.Constant(i32, 0)
+    with k.loop(0, lay.K // 4, name="w") as w:
+        k.store(zero, base, lay.qs(k, L, w, lane))
+    with k.loop(0, lay.K // lay.block, name="zb") as blk:
+        k.store(ir.Constant(f32, 0.0), base, lay.d(k, L, blk, lane))
+    with k.loop(0, lay.K // lay.sum_block, name="zs") as s:
+        k.store(zero, base, lay.sums(k, L, s, lane))
+

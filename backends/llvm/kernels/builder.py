@@ -1,0 +1,204 @@
+"""The kernel ABI and the IR building blocks every emitter uses: loops, byte-offset
+loads and stores, accumulators, constants and the thread split.
+
+Every kernel is `void name(ptr..., i64 T, i32 ith, i32 nth)`: pointer arguments are
+opaque, the last three are the token count, this thread's index and the team size.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+from llvmlite import ir
+
+i1, i8, i16, i32, i64 = ir.IntType(1), ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
+f16, f32, f64 = ir.HalfType(), ir.FloatType(), ir.DoubleType()
+ptr = ir.PointerType()
+ROW_CHUNK = 16          # threads split outputs in multiples of 16 (one 64-byte line of f32)
+
+
+def vec(elem: ir.Type, n: int) -> ir.VectorType:
+    return ir.VectorType(elem, n)
+
+
+def bits(t: ir.Type) -> int:
+    """Width in bits of a scalar or vector type."""
+    if isinstance(t, ir.VectorType):
+        return t.count * bits(t.element)
+    return {ir.FloatType: 32, ir.HalfType: 16, ir.DoubleType: 64}.get(type(t)) or t.width
+
+
+def splat_const(elem: ir.Type, n: int, value) -> ir.Constant:
+    """A constant vector with every lane `value`."""
+    return ir.Constant(vec(elem, n), [value] * n)
+
+
+def vec_const(elem: ir.Type, values) -> ir.Constant:
+    return ir.Constant(vec(elem, len(values)), list(values))
+
+
+class Kernel:
+    """One function with the kernel ABI under construction, and helpers to fill it."""
+
+    def __init__(self, module: ir.Module, name: str, pointer_args: tuple[str, ...]):
+        self.module = module
+        fnty = ir.FunctionType(ir.VoidType(), [ptr] * len(pointer_args) + [i64, i32, i32])
+        self.fn = ir.Function(module, fnty, name=name)
+        self.fn.attributes.add("nounwind")
+        names = pointer_args + ("T", "ith", "nth")
+        for arg, arg_name in zip(self.fn.args, names):
+            arg.name = arg_name
+        for arg in self.fn.args[:len(pointer_args)]:
+            arg.add_attribute("noalias")
+        self.arg = dict(zip(names, self.fn.args))
+        entry = self.fn.append_basic_block("entry")
+        self._allocas = ir.IRBuilder(entry)
+        body = self.fn.append_basic_block("body")
+        self._allocas.branch(body)
+        self._allocas.position_at_start(entry)
+        self.b = ir.IRBuilder(body)
+
+    @staticmethod
+    def exists(module: ir.Module, name: str) -> bool:
+        """True if `module` already holds a kernel called `name` (emitters are idempotent)."""
+        return name in module.globals
+
+    def finish(self) -> str:
+        self.b.ret_void()
+        return self.fn.name
+
+    # -- constants and arithmetic on i64 offsets -------------------------------------
+    def i64(self, value) -> ir.Value:
+        return ir.Constant(i64, value) if isinstance(value, int) else value
+
+    def add(self, *terms) -> ir.Value:
+        """Sum of i64 terms; Python ints fold into one constant."""
+        const = sum(t for t in terms if isinstance(t, int))
+        values = [t for t in terms if not isinstance(t, int)]
+        if not values:
+            return ir.Constant(i64, const)
+        out = values[0]
+        for v in values[1:]:
+            out = self.b.add(out, v)
+        return self.b.add(out, ir.Constant(i64, const)) if const else out
+
+    def mul(self, a, b) -> ir.Value:
+        """a*b for i64 values or ints."""
+        if isinstance(a, int) and isinstance(b, int):
+            return a * b
+        return self.b.mul(self.i64(a), self.i64(b))
+
+    # -- memory ---------------------------------------------------------------------
+    def addr(self, base: ir.Value, offset) -> ir.Value:
+        """base + offset bytes."""
+        if isinstance(offset, int) and offset == 0:
+            return base
+        return self.b.gep(base, [self.i64(offset)], source_etype=i8)
+
+    def load(self, typ: ir.Type, base: ir.Value, offset=0) -> ir.Value:
+        """An unaligned load of `typ` at base + offset bytes."""
+        return self.b.load(self.addr(base, offset), typ=typ, align=1)
+
+    def store(self, value: ir.Value, base: ir.Value, offset=0) -> None:
+        """An unaligned store at base + offset bytes."""
+        self.b.store(value, self.addr(base, offset), align=1)
+
+    # -- control flow ---------------------------------------------------------------
+    @contextmanager
+    def loop(self, start, stop, step: int = 1, name: str = "i"):
+        """for i in range(start, stop, step) with i64 bounds; yields i."""
+        b = self.b
+        start, stop = self.i64(start), self.i64(stop)
+        pre = b.block
+        head = self.fn.append_basic_block(f"{name}.head")
+        body = self.fn.append_basic_block(f"{name}.body")
+        done = self.fn.append_basic_block(f"{name}.done")
+        b.branch(head)
+        b.position_at_end(head)
+        i = b.phi(i64, name=name)
+        i.add_incoming(start, pre)
+        b.cbranch(b.icmp_signed("<", i, stop), body, done)
+        b.position_at_end(body)
+        yield i
+        i.add_incoming(b.add(i, ir.Constant(i64, step)), b.block)
+        b.branch(head)
+        b.position_at_end(done)
+
+    @contextmanager
+    def if_then(self, cond: ir.Value):
+        with self.b.if_then(cond):
+            yield
+
+    def var(self, typ: ir.Type, init) -> "Var":
+        """A mutable accumulator (an entry-block alloca that LLVM promotes to a register)."""
+        slot = self._allocas.alloca(typ)
+        v = Var(self, slot, typ)
+        v.set(init if isinstance(init, ir.Value) else ir.Constant(typ, init))
+        return v
+
+    # -- vectors --------------------------------------------------------------------
+    def splat(self, value: ir.Value, n: int) -> ir.Value:
+        """<n x T> with every lane `value`."""
+        b = self.b
+        one = b.insert_element(ir.Constant(vec(value.type, 1), None), value, ir.Constant(i32, 0))
+        return b.shuffle_vector(one, one, splat_const(i32, n, 0))
+
+    def shuffle(self, v: ir.Value, lanes, other: ir.Value | None = None) -> ir.Value:
+        """A shufflevector picking `lanes` from v (and `other`, numbered after v)."""
+        return self.b.shuffle_vector(v, other if other is not None else v, vec_const(i32, lanes))
+
+    def concat(self, *parts: ir.Value) -> ir.Value:
+        """Join equal-width vectors end to end (a power-of-two count)."""
+        parts = list(parts)
+        while len(parts) > 1:
+            n = parts[0].type.count
+            parts = [self.shuffle(parts[i], range(2 * n), parts[i + 1]) for i in range(0, len(parts), 2)]
+        return parts[0]
+
+    def split(self, v: ir.Value, pieces: int) -> list[ir.Value]:
+        """Cut a vector into `pieces` equal parts."""
+        n = v.type.count // pieces
+        return [v if pieces == 1 else self.shuffle(v, range(p * n, (p + 1) * n)) for p in range(pieces)]
+
+    def cast_vec(self, v: ir.Value, elem: ir.Type) -> ir.Value:
+        """Reinterpret a vector's bits as lanes of `elem` (e.g. <32 x i8> as <8 x i32>)."""
+        return self.b.bitcast(v, vec(elem, bits(v.type) // bits(elem)))
+
+    # -- calls ------------------------------------------------------------------------
+    def intrinsic(self, name: str, ret: ir.Type, args: list[ir.Value]) -> ir.Value:
+        """Call LLVM intrinsic `name`, declaring it once per module."""
+        fn = self.module.globals.get(name)
+        if fn is None:
+            fn = ir.Function(self.module, ir.FunctionType(ret, [a.type for a in args]), name=name)
+        return self.b.call(fn, args)
+
+    # -- threads --------------------------------------------------------------------
+    def thread_share(self, units) -> tuple[ir.Value, ir.Value]:
+        """[start, end) of `units` (an i64) owned by thread ith of nth: a static split."""
+        b = self.b
+        units = self.i64(units)
+        ith = b.sext(self.arg["ith"], i64)
+        nth = b.sext(self.arg["nth"], i64)
+        start = b.sdiv(b.mul(units, ith), nth)
+        end = b.sdiv(b.mul(units, b.add(ith, ir.Constant(i64, 1))), nth)
+        return start, end
+
+    def row_share(self, n: int) -> tuple[ir.Value, ir.Value]:
+        """This thread's [start, end) of `n` output rows, in chunks of ROW_CHUNK rows."""
+        start, end = self.thread_share((n + ROW_CHUNK - 1) // ROW_CHUNK)
+        start = self.b.mul(start, ir.Constant(i64, ROW_CHUNK))
+        end = self.b.mul(end, ir.Constant(i64, ROW_CHUNK))
+        end = self.b.select(self.b.icmp_signed("<", end, ir.Constant(i64, n)), end, ir.Constant(i64, n))
+        return start, end
+
+
+class Var:
+    """A named mutable value inside a kernel."""
+
+    def __init__(self, k: Kernel, slot, typ):
+        self.k, self.slot, self.typ = k, slot, typ
+
+    def get(self) -> ir.Value:
+        return self.k.b.load(self.slot, typ=self.typ)
+
+    def set(self, value: ir.Value) -> None:
+        self.k.b.store(value, self.slot)

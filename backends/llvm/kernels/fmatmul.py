@@ -1,0 +1,108 @@
+"""Matmul with float weights (f32, f16, bf16) and f32 activations: no act_quant.
+
+    fmatmul_<wtype>_k<K>_n<N>_<target>(w: ptr [N, K], x: ptr f32 [T, K], y: ptr f32 [T, N], T, ith, nth)
+
+Threads split N in chunks of 16 rows. Lanes run along K: gemv keeps one accumulator
+per row; gemm keeps an R x C tile of accumulators (rows x tokens) so each loaded weight
+vector serves C tokens and each x vector serves R rows. K tails run scalar.
+"""
+from __future__ import annotations
+
+from llvmlite import ir
+
+from ggraph import dtypes
+from ggraph.backends.llvm.kernels.builder import Kernel, f32, i16, vec
+from ggraph.backends.llvm.kernels.isa import Isa, vector_path
+from ggraph.backends.llvm.target import Target
+
+#  dtype: (bytes, bits -> f32) for one element or a vector of them
+FLOAT_LOADERS = {
+    dtypes.f32: (4, None),
+    dtypes.f16: (2, Isa.f16_to_f32),
+    dtypes.bf16: (2, Isa.bf16_to_f32),
+}
+#  target name: (rows R, tokens C) of the gemm tile
+_TILES = {"avx512_vnni": (4, 4), "avx512": (4, 4), "avx2": (2, 4)}
+_DEFAULT_TILE = (2, 2)
+
+
+def float_weight(dtype) -> bool:
+    """True for the weight types fmatmul takes."""
+    return dtypes.from_name(dtype) in FLOAT_LOADERS
+
+
+def variant(dtype, target: Target) -> str:
+    if not vector_path(target):
+        return "scalar (generic twin)"
+    R, C = _TILES.get(target.name, _DEFAULT_TILE)
+    return f"fma-{target.vector_bits}: gemm {R} rows x {C} tokens, gemv; f32 activations"
+
+
+def fmatmul(module: ir.Module, dtype, K: int, N: int, target: Target) -> str:
+    """Emit (once) y = x @ W.T for float weights W (N, K); returns the kernel name."""
+    dt = dtypes.from_name(dtype)
+    if dt not in FLOAT_LOADERS:
+        raise ValueError(f"fmatmul: weight type {dt.name} is not a float type; "
+                         f"supported: {', '.join(d.name for d in FLOAT_LOADERS)}")
+    name = f"fmatmul_{dt.name}_k{K}_n{N}_{target.name}"
+    if Kernel.exists(module, name):
+        return name
+    k = Kernel(module, name, ("w", "x", "y"))
+    isa = Isa(k, target)
+    rows = k.row_share(N)
+    lanes = target.vector_bits // 32 if vector_path(target) else 1
+    R, C = _TILES.get(target.name, _DEFAULT_TILE) if lanes > 1 else (1, 1)
+    T = k.arg["T"]
+    b = k.b
+    start, end = rows
+    full_n = k.add(start, b.mul(b.sdiv(b.sub(end, start), k.i64(R)), k.i64(R)))
+    full_t = b.mul(b.sdiv(T, k.i64(C)), k.i64(C))
+    for nlo, nhi, r in ((start, full_n, R), (full_n, end, 1)):
+        with k.loop(nlo, nhi, step=r, name=f"n{r}") as n0:
+            for tlo, thi, c in ((0, full_t, C), (full_t, T, 1)):
+                with k.loop(tlo, thi, step=c, name=f"t{r}x{c}") as t0:
+                    _tile(k, isa, dt, K, N, n0, r, t0, c, lanes)
+    return k.finish()
+
+
+def _load_w(k: Kernel, isa: Isa, dt, K: int, n, kk, lanes: int) -> ir.Value:
+    """`lanes` weights of row n from feature kk, as f32 (a scalar when lanes == 1)."""
+    size, convert = FLOAT_LOADERS[dt]
+    elem = f32 if dt is dtypes.f32 else i16
+    typ = elem if lanes == 1 else vec(elem, lanes)
+    raw = k.load(typ, k.arg["w"], k.mul(k.add(k.mul(n, K), kk), size))
+    return raw if convert is None else convert(isa, raw)
+
+
+def _load_x(k: Kernel, K: int, t, kk, lanes: int) -> ir.Value:
+    typ = f32 if lanes == 1 else vec(f32, lanes)
+    return k.load(typ, k.arg["x"], k.mul(k.add(k.mul(t, K), kk), 4))
+
+
+def _tile(k: Kernel, isa: Isa, dt, K: int, N: int, n0, R: int, t0, C: int, lanes: int) -> None:
+    """y[t0:t0+C, n0:n0+R]: vector steps over K, then a scalar tail, then lane sums."""
+    rows = [k.add(n0, r) for r in range(R)]
+    toks = [k.add(t0, c) for c in range(C)]
+    main = K - K % lanes
+    acc = [[k.var(vec(f32, lanes), ir.Constant(vec(f32, lanes), [0.0] * lanes)) if lanes > 1
+            else k.var(f32, 0.0) for _ in range(C)] for _ in range(R)]
+    with k.loop(0, main, step=lanes, name="k") as kk:
+        ws = [_load_w(k, isa, dt, K, n, kk, lanes) for n in rows]
+        xs = [_load_x(k, K, t, kk, lanes) for t in toks]
+        for r in range(R):
+            for c in range(C):
+                acc[r][c].set(isa.fma(ws[r], xs[c], acc[r][c].get()))
+    sums = [[isa.hsum(acc[r][c].get()) if lanes > 1 else acc[r][c].get() for c in range(C)]
+            for r in range(R)]
+    if main < K:
+        tail = [[k.var(f32, sums[r][c]) for c in range(C)] for r in range(R)]
+        with k.loop(main, K, name="kt") as kk:
+            ws = [_load_w(k, isa, dt, K, n, kk, 1) for n in rows]
+            xs = [_load_x(k, K, t, kk, 1) for t in toks]
+            for r in range(R):
+                for c in range(C):
+                    tail[r][c].set(isa.fma(ws[r], xs[c], tail[r][c].get()))
+        sums = [[tail[r][c].get() for c in range(C)] for r in range(R)]
+    for r in range(R):
+        for c in range(C):
+            k.store(sums[r][c], k.arg["y"], k.mul(k.add(k.mul(toks[c], N), rows[r]), 4))

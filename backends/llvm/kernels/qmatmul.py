@@ -1,0 +1,309 @@
+"""Quantised matmul y[t, n] = sum_k W[n, k] x[t, k], on the GGUF blocks in place.
+
+    qmatmul_<wtype>_k<K>_n<N>_<target>(w: ptr, xq: ptr, y: ptr f32 [T, N], T, ith, nth)
+
+x arrives quantised by act_quant (the layout is described there). Threads split N in
+chunks of 16 rows. Per sub-block the integer dot is exact; it is then scaled by the
+weight and activation scales in f32. Three drivers share the block decoders:
+
+- gemv (T == 1): one row at a time, 32 weights per step (64 for 256-weight blocks on
+  512-bit targets), f32 lanes along K, the next rows prefetched.
+- gemm (T > 1): a tile of R rows x G groups of 16 tokens. Lanes are tokens: each 4-byte
+  word of a decoded weight chunk is broadcast and dotted with the same word of 16
+  tokens (one 64-byte load of the interleaved activations), so no horizontal sums.
+- scalar: the generic target's readable twin, one weight at a time.
+"""
+from __future__ import annotations
+
+from llvmlite import ir
+
+from ggraph import dtypes
+from ggraph.backends.llvm.kernels import kquant_blocks, quant_blocks
+from ggraph.backends.llvm.kernels.act_quant import GROUP, ActLayout
+from ggraph.backends.llvm.kernels.blocks import BlockFormat, pack
+from ggraph.backends.llvm.kernels.builder import Kernel, f32, i8, i32, vec
+from ggraph.backends.llvm.kernels.isa import Isa, vector_path
+from ggraph.backends.llvm.target import Target
+
+FORMATS: dict[dtypes.DType, BlockFormat] = {**quant_blocks.FORMATS, **kquant_blocks.FORMATS}
+
+#  target name:  (rows R, token groups G) of the gemm register tile
+_TILES = {"avx512_vnni": (4, 2), "avx512": (4, 2), "avx2": (2, 1)}
+_DEFAULT_TILE = (2, 1)
+
+
+def block_format(dtype) -> BlockFormat:
+    """The decoder table entry of a quantised weight type; ValueError names unknown ones."""
+    dt = dtypes.from_name(dtype)
+    if dt not in FORMATS:
+        raise ValueError(f"qmatmul: no kernel for weight type {dt.name}; "
+                         f"supported: {', '.join(d.name for d in FORMATS)}")
+    return FORMATS[dt]
+
+
+def act_format(dtype) -> str:
+    """The activation format `act_quant` must produce for weights of `dtype`."""
+    return block_format(dtype).act
+
+
+def tile(target: Target) -> tuple[int, int]:
+    return _TILES.get(target.name, _DEFAULT_TILE)
+
+
+def gemv_chunks(fmt: BlockFormat, target: Target) -> int:
+    """32-weight chunks per gemv step: two of a block on 512-bit targets (pairing blocks costs more)."""
+    return 2 if target.vector_bits >= 512 and fmt.chunks > 1 else 1
+
+
+def variant(dtype, target: Target) -> str:
+    """A one-line description of the kernel `qmatmul` emits for (dtype, target)."""
+    fmt = block_format(dtype)
+    if not vector_path(target):
+        return "scalar (generic twin)"
+    R, G = tile(target)
+    dot = {True: "vpdpbusd", False: "pmaddubsw"}[target.has("avx512vnni")] if target.arch == "x86_64" \
+        else ("sdot" if target.has("dotprod") else "smull")
+    return (f"{dot}-{target.vector_bits}: gemm {R} rows x {G * GROUP} tokens, "
+            f"gemv {32 * gemv_chunks(fmt, target)} weights/step; {fmt.act} activations")
+
+
+def qmatmul(module: ir.Module, dtype, K: int, N: int, target: Target) -> str:
+    """Emit (once) the quantised matmul for weights (N, K) of `dtype`; returns its name."""
+    fmt = block_format(dtype)
+    if K % fmt.dtype.block_size:
+        raise ValueError(f"qmatmul {fmt.dtype.name}: K={K} is not a multiple of {fmt.dtype.block_size}")
+    name = f"qmatmul_{fmt.dtype.name}_k{K}_n{N}_{target.name}"
+    if Kernel.exists(module, name):
+        return name
+    k = Kernel(module, name, ("w", "xq", "y"))
+    isa = Isa(k, target)
+    lay = ActLayout(fmt.act, K)
+    rows = k.row_share(N)
+    T = k.arg["T"]
+    with k.b.if_else(k.b.icmp_signed("==", T, k.i64(1))) as (single, many):
+        with single:
+            if vector_path(target):
+                _gemv(k, isa, fmt, lay, N, rows)
+            else:
+                _scalar(k, isa, fmt, lay, N, rows, 1)
+        with many:
+            if vector_path(target):
+                _gemm(k, isa, fmt, lay, N, rows, *tile(target))
+            else:
+                _scalar(k, isa, fmt, lay, N, rows, GROUP)
+    return k.finish()
+
+
+# -- shared pieces ------------------------------------------------------------------------
+def _row(k: Kernel, fmt: BlockFormat, lay: ActLayout, n, blk):
+    """Address of block `blk` of weight row n."""
+    row_bytes = fmt.dtype.row_bytes(lay.K)
+    return k.addr(k.arg["w"], k.add(k.mul(n, row_bytes), k.mul(blk, fmt.dtype.type_size)))
+
+
+def _subs(k: Kernel, fmt: BlockFormat, c) -> list:
+    """Sub-blocks (scale indices) inside 32-weight chunk c (an int or i64 value)."""
+    return [c] if fmt.sub == 32 else [k.mul(c, 2), k.add(k.mul(c, 2), 1)]
+
+
+def _xsum(k: Kernel, fmt: BlockFormat, lay: ActLayout, L: int, base, blk, s: int, typ):
+    """Sum of the quantised activations of sub-block s of block blk (typ: i32 or <16 x i32>)."""
+    per = fmt.sub // lay.sum_block                   # activation sum blocks per sub-block
+    first = k.add(k.mul(blk, fmt.dtype.block_size // lay.sum_block), k.mul(s, per))
+    total = None
+    for p in range(per):
+        v = k.load(typ, base, lay.sums(k, L, k.add(first, p)))
+        total = v if total is None else k.b.add(total, v)
+    return total
+
+
+# -- gemv: T == 1 ---------------------------------------------------------------------------
+PREFETCH_BYTES = 2048              # how far ahead of its reads gemv asks for weight lines
+
+
+def _gemv(k: Kernel, isa: Isa, fmt: BlockFormat, lay: ActLayout, N: int, rows) -> None:
+    """One output row at a time: integer dots per step of P chunks, scaled into f32 lanes;
+    the K-quant mins go into a separate (subs,) accumulator."""
+    b = k.b
+    xq = k.arg["xq"]
+    P = gemv_chunks(fmt, isa.t)
+    subs = fmt.dtype.block_size // fmt.sub
+    with k.loop(*rows, name="n") as n:
+        _prefetch_row(k, fmt, lay, n)
+        acc = k.var(vec(f32, 8 * P), ir.Constant(vec(f32, 8 * P), [0.0] * 8 * P))
+        macc = k.var(vec(f32, subs), ir.Constant(vec(f32, subs), [0.0] * subs))
+        with k.loop(0, lay.K // fmt.dtype.block_size, name="blk") as blk:
+            dec = fmt.decode(k, isa, _row(k, fmt, lay, n, blk))
+            dx = k.splat(k.load(f32, xq, lay.d(k, 1, blk)), subs)
+            xs = _xsums_row(k, fmt, lay, blk)                                   # (subs,) i32
+            if dec.mins is not None:
+                macc.set(isa.fma(b.fmul(dec.mins, dx), b.sitofp(xs, vec(f32, subs)), macc.get()))
+            init = b.mul(xs, ir.Constant(vec(i32, subs), [-dec.offset] * subs)) if dec.offset else None
+            scales = b.fmul(dec.scales, dx)                                       # (subs,) f32
+            for c in range(0, fmt.chunks, P):
+                _gemv_step(k, isa, fmt, dec, blk, c, P, init, scales, acc)
+        out = b.fsub(isa.hsum(acc.get()), isa.hsum(macc.get()))
+        k.store(out, k.arg["y"], k.mul(n, 4))
+
+
+def _gemv_step(k: Kernel, isa: Isa, fmt: BlockFormat, dec, blk, c: int, P: int, init, scales, acc) -> None:
+    """Chunks c..c+P of one block: acc += float(dot(w, x) - offset*sum(x)) * scale*dx, per lane."""
+    b = k.b
+    lanes = 8 * P
+    lane_sub = [(32 * c + 4 * j) // fmt.sub for j in range(lanes)]            # each i32 lane's sub-block
+    if init is None:
+        start = ir.Constant(vec(i32, lanes), [0] * lanes)
+    else:                                                   # -offset*sum(x) in each sub-block's first lane
+        subs = init.type.count
+        first = [s if j == 0 or s != lane_sub[j - 1] else subs for j, s in enumerate(lane_sub)]
+        start = k.shuffle(init, first, ir.Constant(vec(i32, subs), [0] * subs))
+    w = k.concat(*[dec.chunk(c + p) for p in range(P)])
+    xv = k.load(vec(i8, 4 * lanes), k.arg["xq"], k.add(k.mul(blk, fmt.dtype.block_size), 32 * c))
+    dot = isa.dot(start, w, xv, dec.signed, dec.qmax)                           # (lanes,) i32
+    acc.set(isa.fma(b.sitofp(dot, vec(f32, lanes)), k.shuffle(scales, lane_sub), acc.get()))
+
+
+def _xsums_row(k: Kernel, fmt: BlockFormat, lay: ActLayout, blk) -> ir.Value:
+    """Sums of the quantised activations per sub-block of block blk, T == 1 layout: (subs,) i32."""
+    subs = fmt.dtype.block_size // fmt.sub
+    per = fmt.sub // lay.sum_block
+    sums = k.load(vec(i32, subs * per), k.arg["xq"], lay.sums(k, 1, k.mul(blk, subs * per)))
+    if per == 1:
+        return sums
+    return k.b.add(k.shuffle(sums, range(0, 2 * subs, 2)), k.shuffle(sums, range(1, 2 * subs, 2)))
+
+
+def _prefetch_row(k: Kernel, fmt: BlockFormat, lay: ActLayout, n) -> None:
+    """Prefetch the row's bytes PREFETCH_BYTES ahead (prefetches never fault past the end)."""
+    row_bytes = fmt.dtype.row_bytes(lay.K)
+    base = k.add(k.mul(n, row_bytes), PREFETCH_BYTES)
+    for off in range(0, row_bytes, 64):
+        k.intrinsic("llvm.prefetch.p0", ir.VoidType(), [k.addr(k.arg["w"], k.add(base, off)),
+                                                        ir.Constant(i32, 0), ir.Constant(i32, 3),
+                                                        ir.Constant(i32, 1)])
+
+
+# -- gemm: T > 1 ----------------------------------------------------------------------------
+def _gemm(k: Kernel, isa: Isa, fmt: BlockFormat, lay: ActLayout, N: int, rows, R: int, G: int) -> None:
+    """Tiles of R rows x G token groups, then the row and group tails."""
+    b = k.b
+    T = k.arg["T"]
+    groups = b.sdiv(k.add(T, GROUP - 1), k.i64(GROUP))
+    start, end = rows
+    full = k.add(start, b.mul(b.sdiv(b.sub(end, start), k.i64(R)), k.i64(R)))
+    gfull = b.mul(b.sdiv(groups, k.i64(G)), k.i64(G))
+    #         rows          tile rows   token-group spans and their tile widths
+    plan = [((start, full), R, [((0, gfull), G), ((gfull, groups), 1)]),
+            ((full, end), 1, [((0, groups), 1)])]          # row tails are rare: 1 x 1 tiles
+    for (lo, hi), r, spans in plan:
+        with k.loop(lo, hi, step=r, name=f"n{r}") as n:
+            for (glo, ghi), g in spans:
+                with k.loop(glo, ghi, step=g, name=f"g{r}x{g}") as g0:
+                    _gemm_tile(k, isa, fmt, lay, N, n, r, g0, g)
+
+
+def _gemm_tile(k: Kernel, isa: Isa, fmt: BlockFormat, lay: ActLayout, N: int, n0, R: int, g0, G: int):
+    """Rows n0..n0+R x tokens 16*g0..16*(g0+G): R*G accumulators of 16 token lanes.
+    Chunks are visited `fmt.unroll` at a time in a run-time loop, which keeps the IR small."""
+    L = GROUP
+    v16 = vec(f32, L)
+    xg = [k.addr(k.arg["xq"], k.mul(k.add(g0, g), lay.group_bytes(L))) for g in range(G)]
+    acc = [[k.var(v16, ir.Constant(v16, [0.0] * L)) for _ in range(G)] for _ in range(R)]
+    U = fmt.unroll
+    with k.loop(0, lay.K // fmt.dtype.block_size, name="blk") as blk:
+        decs = [fmt.decode(k, isa, _row(k, fmt, lay, k.add(n0, r), blk)) for r in range(R)]
+        dx = [k.load(v16, xg[g], lay.d(k, L, blk)) for g in range(G)]                 # (16,) f32
+        if fmt.chunks == U:
+            for c in range(U):
+                _gemm_chunk(k, isa, fmt, lay, decs, blk, c, xg, dx, acc)
+        else:
+            with k.loop(0, fmt.chunks // U, name="cg") as cg:
+                for i in range(U):
+                    _gemm_chunk(k, isa, fmt, lay, decs, blk, k.add(k.mul(cg, U), i), xg, dx, acc)
+    _store_tile(k, N, n0, R, g0, G, acc)
+
+
+def _gemm_chunk(k: Kernel, isa: Isa, fmt: BlockFormat, lay: ActLayout, decs, blk, c, xg, dx, acc) -> None:
+    """Chunk c (an int or i64 value) of every tile row's block against every token group."""
+    b = k.b
+    L = GROUP
+    v16 = vec(f32, L)
+    R, G = len(decs), len(xg)
+    dec0 = decs[0]
+    chunks = [k.cast_vec(d.chunk(c), i32) for d in decs]                          # (8,) i32 each
+    subs = _subs(k, fmt, c)
+    words = k.add(k.mul(blk, fmt.dtype.block_size // 4), k.mul(c, 8))
+    for si, s in enumerate(subs):
+        xs = [_xsum(k, fmt, lay, L, xg[g], blk, s, vec(i32, L)) for g in range(G)]
+        init = [b.mul(x, ir.Constant(vec(i32, L), [-dec0.offset] * L)) if dec0.offset
+                else ir.Constant(vec(i32, L), [0] * L) for x in xs]
+        dots = [[init[g] for g in range(G)] for _ in range(R)]
+        per = 8 // len(subs)
+        for j in range(si * per, (si + 1) * per):
+            xv = [k.load(vec(i8, 4 * L), xg[g], lay.qs(k, L, k.add(words, j))) for g in range(G)]
+            for r in range(R):
+                wb = k.cast_vec(k.shuffle(chunks[r], [j] * L), i8)                    # (64,) i8
+                for g in range(G):
+                    dots[r][g] = isa.dot(dots[r][g], wb, xv[g], dec0.signed, dec0.qmax)
+        for g in range(G):
+            xf = b.fmul(b.sitofp(xs[g], v16), dx[g]) if dec0.mins is not None else None
+            for r in range(R):
+                scale = b.fmul(k.splat(decs[r].scale(k, s), L), dx[g])
+                a = isa.fma(b.sitofp(dots[r][g], v16), scale, acc[r][g].get())
+                if xf is not None:
+                    a = isa.fma(k.splat(b.fneg(decs[r].min(k, s)), L), xf, a)
+                acc[r][g].set(a)
+
+
+def _store_tile(k: Kernel, N: int, n0, R: int, g0, G: int, acc) -> None:
+    """y[t, n0:n0+R] for every real token t of the tile's groups."""
+    b = k.b
+    T = k.arg["T"]
+    for g in range(G):
+        vals = [acc[r][g].get() for r in range(R)]
+        for lane in range(GROUP):
+            t = k.add(k.mul(k.add(g0, g), GROUP), lane)
+            with k.if_then(b.icmp_signed("<", t, T)):
+                row = [b.extract_element(v, ir.Constant(i32, lane)) for v in vals]
+                out = row[0] if R == 1 else pack(k, row)
+                k.store(out, k.arg["y"], k.mul(k.add(k.mul(t, N), n0), 4))
+
+
+# -- scalar twin ----------------------------------------------------------------------------
+def _scalar(k: Kernel, isa: Isa, fmt: BlockFormat, lay: ActLayout, N: int, rows, L: int) -> None:
+    """y[t, n] = sum over blocks and sub-blocks of dx * (scale * sum(q * xq) - min * sum(xq))."""
+    b = k.b
+    bs, sub = fmt.dtype.block_size, fmt.sub
+    with k.loop(*rows, name="n") as n:
+        with k.loop(0, k.arg["T"], name="t") as t:
+            base = k.addr(k.arg["xq"], k.mul(b.sdiv(t, k.i64(L)), lay.group_bytes(L)))
+            lane = b.srem(t, k.i64(L))
+            acc = k.var(f32, 0.0)
+            with k.loop(0, lay.K // bs, name="blk") as blk:
+                wblk = _row(k, fmt, lay, n, blk)
+                dx = k.load(f32, base, lay.d(k, L, blk, lane))
+                with k.loop(0, bs // sub, name="s") as s:
+                    isum = k.var(i32, 0)
+                    with k.loop(0, sub, name="i") as i:
+                        e = k.add(k.mul(blk, bs), k.mul(s, sub), i)              # feature index
+                        at = k.add(lay.qs(k, L, b.sdiv(e, k.i64(4)), lane), b.srem(e, k.i64(4)))
+                        xv = b.sext(k.load(i8, base, at), i32)
+                        q = fmt.level(k, isa, wblk, k.add(k.mul(s, sub), i))
+                        isum.set(b.add(isum.get(), b.mul(q, xv)))
+                    scale, mn = fmt.scale(k, isa, wblk, s)
+                    term = b.fmul(b.fmul(scale, dx), b.sitofp(isum.get(), f32))
+                    if mn is not None:
+                        xsum = _xsum_scalar(k, fmt, lay, L, base, blk, s, lane)
+                        term = b.fsub(term, b.fmul(b.fmul(mn, dx), b.sitofp(xsum, f32)))
+                    acc.set(b.fadd(acc.get(), term))
+            k.store(acc.get(), k.arg["y"], k.mul(k.add(k.mul(t, N), n), 4))
+
+
+def _xsum_scalar(k: Kernel, fmt: BlockFormat, lay: ActLayout, L: int, base, blk, s, lane):
+    """Sum of quantised activations of sub-block s (an i64 value) for one token."""
+    per = fmt.sub // lay.sum_block
+    first = k.add(k.mul(blk, fmt.dtype.block_size // lay.sum_block), k.mul(s, per))
+    total = ir.Constant(i32, 0)
+    for p in range(per):
+        total = k.b.add(total, k.load(i32, base, lay.sums(k, L, k.add(first, p), lane)))
+    return total

@@ -1,0 +1,150 @@
+"""Named CPU feature sets, host detection, and the LLVM target machine for each.
+
+A Target is a frozen description: the LLVM triple, cpu and feature string, and the
+vector width the kernels are written for. Kernels ask it `has(feature)`; they never
+look at the host. LLVM is initialised lazily, the first time a machine is needed.
+"""
+from __future__ import annotations
+
+import functools
+import os
+import platform
+from dataclasses import dataclass
+
+import llvmlite.binding as llvm
+
+X86 = "x86_64-unknown-linux-gnu"
+AARCH64 = "aarch64-unknown-linux-gnu"
+
+_X86_BASE = ("sse", "sse2")
+_AVX2 = _X86_BASE + ("ssse3", "sse4.1", "avx", "avx2", "fma", "f16c", "bmi2")
+_AVX512 = _AVX2 + ("avx512f", "avx512bw", "avx512vl", "avx512dq")
+
+#  name             triple    cpu          required features                 vector bits
+_SETS = {
+    "generic":      (X86,     "x86-64",    _X86_BASE,                          128),
+    "avx2":         (X86,     "x86-64-v3", _AVX2,                              256),
+    "avx512":       (X86,     "x86-64-v4", _AVX512,                            512),
+    "avx512_vnni":  (X86,     "x86-64-v4", _AVX512 + ("avx512vnni",),          512),
+    "neon":         (AARCH64, "generic",   ("neon",),                          128),
+    "neon_dotprod": (AARCH64, "generic",   ("neon", "dotprod"),                128),
+}
+NAMES = tuple(_SETS)
+X86_NAMES = tuple(n for n, s in _SETS.items() if s[0] == X86)
+_PREFERENCE = ("avx512_vnni", "avx512", "avx2", "generic")   # best first
+_OPTIONAL = {"avx512_vnni": ("avxvnni",)}                    # added when the host has them
+
+
+@dataclass(frozen=True)
+class Target:
+    """One feature set: what LLVM is told, and what kernels may use."""
+
+    name: str
+    triple: str
+    cpu: str
+    features: str        # LLVM's "+a,+b" string
+    vector_bits: int
+
+    @property
+    def feature_set(self) -> frozenset:
+        return frozenset(f[1:] for f in self.features.split(",") if f.startswith("+"))
+
+    def has(self, feature: str) -> bool:
+        """True if kernels for this target may use `feature` (an LLVM feature name)."""
+        return feature in self.feature_set
+
+    def require(self, feature: str, what: str) -> None:
+        """Raise before any IR is emitted if `what` needs a feature this target lacks."""
+        if not self.has(feature):
+            raise ValueError(f"{what} needs CPU feature '{feature}', which target "
+                             f"'{self.name}' does not have (it has: {self.features or 'baseline'})")
+
+    @property
+    def arch(self) -> str:
+        return self.triple.split("-")[0]
+
+    @property
+    def executable(self) -> bool:
+        """True if code for this target can run in this process (same architecture)."""
+        return self.arch == _host_arch()
+
+
+def _host_arch() -> str:
+    machine = platform.machine().lower()
+    return {"amd64": "x86_64", "arm64": "aarch64"}.get(machine, machine)
+
+
+def host_features() -> frozenset:
+    """The host's CPU features, from LLVM's feature map (the CPU name can mislead)."""
+    return frozenset(k for k, v in llvm.get_host_cpu_features().items() if v)
+
+
+def named_target(name: str, extra: tuple = ()) -> Target:
+    """The feature set called `name` (see NAMES), plus any `extra` features."""
+    if name not in _SETS:
+        raise ValueError(f"unknown target {name!r}; known: {', '.join(NAMES)}")
+    triple, cpu, feats, bits = _SETS[name]
+    return Target(name, triple, cpu, ",".join("+" + f for f in feats + tuple(extra)), bits)
+
+
+def missing_features(name: str, features: frozenset | None = None) -> list[str]:
+    """The features set `name` needs that `features` (default: the host's) lacks."""
+    named_target(name)                                  # validates the name
+    features = host_features() if features is None else features
+    return [f for f in _SETS[name][2] if f not in features]
+
+
+def _with_host_extras(name: str, features: frozenset) -> Target:
+    return named_target(name, tuple(f for f in _OPTIONAL.get(name, ()) if f in features))
+
+
+def host_target(env: str | None = None) -> Target:
+    """The best feature set this host runs, or the one forced by $GGRAPH_TARGET."""
+    forced = os.environ.get("GGRAPH_TARGET", "") if env is None else env
+    features = host_features()
+    if forced:
+        target = named_target(forced.strip())
+        if target.arch != _host_arch():
+            return target            # allowed for assembly only; jit refuses to run it
+        missing = missing_features(target.name, features)
+        if missing:
+            raise ValueError(f"GGRAPH_TARGET={forced}: this host lacks {', '.join(missing)}")
+        return _with_host_extras(target.name, features)
+    if _host_arch() != "x86_64":
+        raise ValueError(f"no native feature set for host architecture {_host_arch()}; "
+                         f"known sets: {', '.join(NAMES)}")
+    for name in _PREFERENCE:
+        if not missing_features(name, features):
+            return _with_host_extras(name, features)
+    raise ValueError("host lacks even SSE2, the x86-64 baseline")
+
+
+def runnable_targets() -> list[Target]:
+    """Every x86 feature set this host can execute, best last."""
+    features = host_features()
+    return [_with_host_extras(n, features) for n in reversed(_PREFERENCE)
+            if _host_arch() == "x86_64" and not missing_features(n, features)]
+
+
+@functools.cache
+def init_llvm(cross: bool = False) -> None:
+    """Initialise LLVM's native target, and all targets when cross-compiling; once."""
+    llvm.initialize_native_target()
+    llvm.initialize_native_asmprinter()
+    if cross:
+        llvm.initialize_all_targets()
+        llvm.initialize_all_asmprinters()
+
+
+@functools.cache
+def target_machine(target: Target) -> llvm.TargetMachine:
+    """An opt=3 TargetMachine for `target`: PIC, small code model (objects load anywhere)."""
+    init_llvm(not target.executable)
+    return llvm.Target.from_triple(target.triple).create_target_machine(
+        cpu=target.cpu, features=target.features, opt=3, reloc="pic", codemodel="small")
+
+
+def describe(target: Target) -> dict[str, str]:
+    """Which kernel variant each op gets on `target` (shown by `ggraph target`)."""
+    from ggraph.backends.llvm import kernels
+    return kernels.describe(target)

