@@ -144,6 +144,64 @@ def cmd_run(args) -> int:
 
 
 # ---------------------------------------------------------------------------------------
+# bench
+# ---------------------------------------------------------------------------------------
+
+NAMED_PASSES = {"fused": "default", "unfused": "none"}
+
+
+def _int_list(text: str) -> list[int]:
+    return [int(x) for x in str(text).split(",") if x.strip()]
+
+
+def cmd_bench(args) -> int:
+    """Measure prefill (pp) and decode (tg) tok/s, optionally against llama.cpp on the same file."""
+    from ggraph import bench
+    from ggraph.progress import Progress
+    path = _model_path(args)
+    configs = [(pp, tg, t) for pp in _int_list(args.pp) for tg in _int_list(args.tg) for t in _int_list(args.threads)]
+    pipelines = [NAMED_PASSES.get(p, p) for p in (args.compare.split(",") if args.compare else [args.passes])]
+    jobs = [("ggraph", c, p) for c in configs for p in pipelines]
+    if args.vs_llama_cpp:
+        jobs += [("llama.cpp", c, None) for c in configs]
+    results = []
+    with Progress(len(jobs), "benchmarking", stream=sys.stderr) as bar:
+        for engine, (pp, tg, threads), pipe in jobs:
+            if engine == "ggraph":
+                r = bench.bench_ggraph(path, pp, tg, threads, backend=args.backend, passes=passes_arg(pipe),
+                                       repeats=args.repeats)
+            else:
+                r = bench.bench_llama_cpp(path, pp, tg, threads, repeats=args.repeats)
+            results.append(r.row())
+            bar.advance()
+    if args.json:
+        print(json.dumps(results[0] if len(results) == 1 else {"results": results}, indent=1))
+        return 0
+    if args.csv:
+        keys = list(results[0])
+        print(",".join(keys))
+        for r in results:
+            print(",".join(str(r[k]) for k in keys))
+        return 0
+    print(bench_table(results))
+    return 0
+
+
+def bench_table(results: list[dict]) -> str:
+    """A table of tok/s per configuration, with each row's ratio to the first row of its config."""
+    lines = [f"{'engine':<10} {'passes':<8} {'threads':>7} {'pp':>5} {'pp tok/s':>10} {'ratio':>6} "
+             f"{'tg':>4} {'tg tok/s':>9} {'ratio':>6}"]
+    base: dict[tuple, dict] = {}
+    for r in results:
+        key = (r["pp"], r["tg"], r["threads"])
+        ref = base.setdefault(key, r)
+        lines.append(f"{r['engine']:<10} {r['passes'] or '-':<8} {r['threads']:>7} {r['pp']:>5} "
+                     f"{r['pp_tok_s']:>10.1f} {r['pp_tok_s'] / ref['pp_tok_s']:>5.2f}x "
+                     f"{r['tg']:>4} {r['tg_tok_s']:>9.1f} {r['tg_tok_s'] / max(ref['tg_tok_s'], 1e-9):>5.2f}x")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------
 # target
 # ---------------------------------------------------------------------------------------
 
@@ -239,10 +297,31 @@ def build_parser() -> argparse.ArgumentParser:
     _add_compile_args(p)
     p.set_defaults(fn=cmd_run)
 
+    p = sub.add_parser("bench", help="measure prefill and decode speed", description=cmd_bench.__doc__,
+                       epilog="examples: ggraph bench --demo --pp 64 --tg 32 -t 2 --json\n"
+                              "          ggraph bench --demo -p 64,512 -n 64 -t 1,2 --compare fused,unfused --vs-llama-cpp",
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_model_arg(p)
+    p.add_argument("-p", "--pp", default="64", help="prompt tokens per prefill; a comma list sweeps (default 64)")
+    p.add_argument("-n", "--tg", default="32", help="decode steps; a comma list sweeps (default 32)")
+    p.add_argument("-t", "--threads", default="1", help="threads; a comma list sweeps (default 1)")
+    p.add_argument("--backend", choices=["numpy", "llvm"], default="llvm", help="backend (default llvm)")
+    p.add_argument("--passes", default="default", help="pipeline: default, none, or pass,pass,...")
+    p.add_argument("--compare", help="comma list of pipelines to compare, e.g. fused,unfused")
+    p.add_argument("--vs-llama-cpp", action="store_true", help="also run llama.cpp (llama-cpp-python) on the same file")
+    p.add_argument("--repeats", type=int, default=3, help="best of this many runs (default 3)")
+    p.add_argument("--json", action="store_true", help="print JSON (one object for one configuration)")
+    p.add_argument("--csv", action="store_true", help="print CSV rows")
+    p.set_defaults(fn=cmd_bench)
+
     p = sub.add_parser("target", help="show the host CPU features and the chosen kernel set",
                        description=cmd_target.__doc__)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(fn=cmd_target)
+
+    from ggraph.dump import add_diff_parser, add_dump_parser
+    add_dump_parser(sub)
+    add_diff_parser(sub)
     return parser
 
 
