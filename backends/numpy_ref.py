@@ -166,7 +166,10 @@ def eval_eqn(e, vals: list, dims: dict[str, int]):
     rule = impl_rules.get(e.prim)
     if rule is None:
         raise NotImplementedError(f"numpy backend: op {e.prim.name!r} has no numpy rule")
-    out = rule(*vals, **concrete_params(e.params, dims))
+    params = concrete_params(e.params, dims)
+    if e.body is not None and not e.prim.composite:       # a fused loop: its rule evaluates the body
+        params["body"] = e.body
+    out = rule(*vals, **params)
     outs = out if isinstance(out, tuple) else (out,)
     for o, val in zip(e.outputs, outs):
         want = o.aval.concrete(dims)

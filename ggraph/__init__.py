@@ -6,7 +6,7 @@
     print(graph)
     fn = ggraph.compile(graph, backend="numpy")
 """
-from ggraph import dtypes, prims, ops  # noqa: F401  (registers the primitives and composites)
+from ggraph import dtypes, prims, ops, fused  # noqa: F401  (registers the primitives, composites, fused ops)
 from ggraph.core import Aval, Graph, Sym, dim, param
 from ggraph.dtypes import bf16, f16, f32, i8, i32
 from ggraph.trace import scope, trace

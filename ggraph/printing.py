@@ -78,6 +78,13 @@ def eqn_params(e: Eqn) -> str:
     return "[" + ", ".join(f"{k}={format_param(v)}" for k, v in items) + "]" if items else ""
 
 
+def op_label(e: Eqn) -> str:
+    """The op as it prints: ``rms_norm[eps=1e-06]``, or ``fused{rms_norm,mul}`` for a fused loop."""
+    if e.prim.name == "fused":
+        return "fused{" + ",".join(e.params.get("ops", ())) + "}"
+    return e.prim.name + eqn_params(e)
+
+
 def eqn_to_str(e: Eqn, names: Names | None = None) -> str:
     names = names or Names()
     if e.prim in print_rules:
@@ -98,8 +105,9 @@ def in_layer(scope: str, layer: int | None) -> bool:
     return scope == head or scope.startswith(head + ".")
 
 
-def graph_to_str(graph: Graph, expand: bool = False, layer: int | None = None) -> str:
-    names = Names()
+def graph_to_str(graph: Graph, expand: bool = False, layer: int | None = None, names: Names | None = None) -> str:
+    """The text form; pass ``names`` to reuse its printing names afterwards (e.g. for a memory plan)."""
+    names = Names() if names is None else names
     lines: list[str] = []
     _emit_graph(graph, names, lines, indent="", expand=expand, layer=layer)
     return "\n".join(lines)
@@ -175,10 +183,10 @@ def graph_to_networkx(graph: Graph, layer: int | None = None, collapse: bool = T
             continue
         nid = node_for(e, i)
         if nid not in g:
-            label = nid if whole_model and nid.startswith("blk.") else e.prim.name + eqn_params(e)
+            label = nid if whole_model and nid.startswith("blk.") else op_label(e)
             kind = "composite" if nid.startswith("blk.") else e.prim.kind
             g.add_node(nid, label=label, kind=kind, scope=e.scope, ops=0,
-                       fused=e.body is not None)
+                       fused=e.body is not None or e.prim.kind == "fused")
         g.nodes[nid]["ops"] = g.nodes[nid].get("ops", 0) + 1
         for a in e.inputs:
             src = producer.get(a) if isinstance(a, Var) else None

@@ -1,0 +1,184 @@
+"""The fused primitives the fusion passes produce, each with shape, numpy, cost and print rules.
+
+- ``qmatmul x w``: x f32[..., K] times a stored weight w [N, K] of any GGUF type -> f32[..., N].
+  It stands for a kernel that reads the quantised blocks; the numpy rule dequantises once per
+  weight buffer and caches the f32 copy.
+- ``rope_attention q k v k_cache v_cache pos positions [freq_factors]``: rope on q and k, the
+  KV-cache write at row ``pos``, causal (and sliding-window) softmax of softcap(q·kᵀ·scale)
+  with GQA, times v -> (out, k_cache, v_cache). The caches are donated, as in cache_update.
+  Its params are the rope's (``scale`` renamed ``rope_scale``) and the attention's.
+- ``fused{ops} xs``: one loop over rows running a flat ``body`` of elementwise ops and
+  last-axis reductions, with one or more outputs. A kernel must finish reading row r of every
+  input before it writes row r of any output: plan_memory relies on that for in-place outputs.
+"""
+from __future__ import annotations
+
+import weakref
+
+import numpy as np
+
+from ggraph import dtypes, ops
+from ggraph.core import Aval, Literal, ShapeError, impl_rules, print_rules, register
+from ggraph.dtypes import f32, i32
+from ggraph.prims import Blocks
+
+WEIGHT_TYPES = frozenset(dtypes.QUANTIZED) | {dtypes.f16, dtypes.bf16, dtypes.f32}
+FUSABLE_KINDS = ("elementwise", "reduce")       # what a fused body may contain
+
+
+def _elems(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _io_bytes(eqn, dims) -> int:
+    return sum(a.aval.nbytes(dims) for a in eqn.inputs) + sum(o.aval.nbytes(dims) for o in eqn.outputs)
+
+
+# ---------------------------------------------------------------------------------------
+# qmatmul
+# ---------------------------------------------------------------------------------------
+
+def _qmatmul_shape(x, w):
+    if x.dtype is not f32 or x.ndim < 1:
+        raise ShapeError(f"qmatmul: activations must be f32[..., K], got {x}")
+    if w.ndim != 2:
+        raise ShapeError(f"qmatmul: the weight must be 2-D [N, K], got {w}")
+    if w.dtype not in WEIGHT_TYPES:
+        raise ShapeError(f"qmatmul: weight type {w.dtype} is not a stored weight type")
+    if x.shape[-1] != w.shape[1]:
+        raise ShapeError(f"qmatmul: contracted dims differ: {x} · {w}ᵀ (K={x.shape[-1]} vs {w.shape[1]})")
+    w.check_blocks()
+    return Aval(x.shape[:-1] + (w.shape[0],), f32)
+
+
+_F32_WEIGHTS: dict[tuple, np.ndarray] = {}     # (id of the weight's buffer, dtype, shape) -> f32 [N, K]
+
+
+def f32_weight(w) -> np.ndarray:
+    """The weight as f32 [N, K], dequantised once per weight buffer; the copy is dropped with the buffer."""
+    if isinstance(w, np.ndarray) and w.dtype == np.float32:
+        return w
+    buf = w.data if isinstance(w, Blocks) else w
+    key = (id(buf), str(getattr(w, "dtype", "")), tuple(w.shape))
+    hit = _F32_WEIGHTS.get(key)
+    if hit is None:
+        hit = w.dequantize() if isinstance(w, Blocks) else np.asarray(w, np.float32)
+        _F32_WEIGHTS[key] = hit
+        weakref.finalize(buf, _F32_WEIGHTS.pop, key, None)
+    return hit
+
+
+def _qmatmul_impl(x, w):
+    return np.matmul(x, f32_weight(w).T)                                          # (..., N)
+
+
+def _qmatmul_cost(eqn, dims):
+    x, w = (a.aval for a in eqn.inputs)
+    return 2 * _elems(eqn.outputs[0].aval.concrete(dims)) * x.concrete(dims)[-1], _io_bytes(eqn, dims)
+
+
+register("qmatmul", shape=_qmatmul_shape, impl=_qmatmul_impl, cost=_qmatmul_cost, kind="matmul")
+
+
+# ---------------------------------------------------------------------------------------
+# rope_attention
+# ---------------------------------------------------------------------------------------
+
+def _rope_attention_shape(q, k, v, k_cache, v_cache, pos, positions, freq_factors=None, *,
+                          dims, base, rope_scale, style, scale, mscale=1.0, window=None, softcap=None):
+    for name, a in (("q", q), ("k", k), ("v", v), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if a.ndim != 3 or a.dtype is not f32:
+            raise ShapeError(f"rope_attention: {name} must be f32[rows, heads, dim], got {a}")
+    T, H, D = q.shape
+    Hkv = k.shape[1]
+    if k.shape != (T, Hkv, D) or v.shape[:2] != (T, Hkv):
+        raise ShapeError(f"rope_attention: q {q}, k {k}, v {v} disagree on tokens, kv heads or head dim")
+    if isinstance(H, int) and isinstance(Hkv, int) and H % Hkv:
+        raise ShapeError(f"rope_attention: {H} query heads are not a multiple of {Hkv} kv heads")
+    if k_cache.shape[1:] != k.shape[1:] or v_cache.shape[1:] != v.shape[1:]:
+        raise ShapeError(f"rope_attention: caches {k_cache}, {v_cache} do not hold rows of k {k}, v {v}")
+    if pos.dtype is not i32 or pos.ndim != 0:
+        raise ShapeError(f"rope_attention: pos must be a scalar i32, got {pos}")
+    if positions.dtype is not i32 or positions.shape != (T,):
+        raise ShapeError(f"rope_attention: positions must be i32[{T}], got {positions}")
+    if style not in ops.ROPE_STYLES:
+        raise ShapeError(f"rope_attention: style must be one of {ops.ROPE_STYLES}, got {style!r}")
+    if dims % 2 or not (0 < dims and (not isinstance(D, int) or dims <= D)):
+        raise ShapeError(f"rope_attention: rotary dims {dims} must be even and at most the head dim {D}")
+    if freq_factors is not None and (freq_factors.dtype is not f32 or freq_factors.shape != (dims // 2,)):
+        raise ShapeError(f"rope_attention: freq_factors must be f32[{dims // 2}], got {freq_factors}")
+    return Aval((T, H, v.shape[2]), f32), k_cache, v_cache
+
+
+def _rope_attention_impl(q, k, v, k_cache, v_cache, pos, positions, freq_factors=None, *,
+                         dims, base, rope_scale, style, scale, mscale=1.0, window=None, softcap=None):
+    rope = dict(dims=dims, base=base, scale=rope_scale, style=style, mscale=mscale)
+    qr = ops._np_rope(q, positions, freq_factors, **rope)                         # (T, H, D)
+    kr = ops._np_rope(k, positions, freq_factors, **rope)                         # (T, Hkv, D)
+    return ops._np_attention(qr, kr, v, k_cache, v_cache, pos, scale=scale, window=window, softcap=softcap)
+
+
+def _rope_attention_cost(eqn, dims):
+    q, k, v = (a.aval for a in eqn.inputs[:3])
+    T, H, D = q.concrete(dims)
+    Hkv, Dv = k.concrete(dims)[1], v.concrete(dims)[2]
+    S = T + dims.get("P", 0)                                  # keys: the past rows and this step's
+    rot = eqn.params["dims"] // 2
+    flops = 6 * T * (H + Hkv) * rot                           # rotate pairs
+    flops += 2 * H * T * S * (D + Dv) + 5 * H * T * S         # q·kᵀ, p·v and the softmax
+    flops += 10 * H * T * S if eqn.params.get("softcap") else 0
+    row = 4 * Hkv * (D + Dv)                                  # bytes of one k row plus one v row
+    moved = sum(a.aval.nbytes(dims) for a in eqn.inputs[:3] + eqn.inputs[6:]) + eqn.outputs[0].aval.nbytes(dims)
+    return flops, moved + S * row + T * row                   # cache rows read, new rows written
+
+
+register("rope_attention", shape=_rope_attention_shape, impl=_rope_attention_impl,
+         cost=_rope_attention_cost, kind="fused", multiple_results=True)
+
+
+# ---------------------------------------------------------------------------------------
+# fused: a body of elementwise ops and last-axis reductions, one loop over rows
+# ---------------------------------------------------------------------------------------
+
+def _fused_shape(*in_avals, body, ops):
+    for e in body.eqns:
+        if e.prim.kind not in FUSABLE_KINDS:
+            raise ShapeError(f"fused: body op {e.prim.name} is not elementwise or a last-axis reduction")
+    expected = [v.aval for v in body.invars]
+    if len(in_avals) != len(expected) or not all(Aval.__eq__(a, b) for a, b in zip(in_avals, expected)):
+        raise ShapeError(f"operands {', '.join(map(str, in_avals))} do not match the body's inputs "
+                         f"{', '.join(map(str, expected))}")
+    if not body.outvars:
+        raise ShapeError("fused: the body has no outputs")
+    return tuple(o.aval for o in body.outvars)
+
+
+def _fused_impl(*xs, body=None, ops=()):
+    if body is None:
+        raise TypeError("fused: the numpy rule needs the eqn's body (the interpreter passes body=eqn.body)")
+    env = dict(zip(body.invars, xs))
+    read = lambda a: a.value if isinstance(a, Literal) else env[a]                   # noqa: E731
+    for e in body.eqns:
+        out = impl_rules[e.prim](*[read(a) for a in e.inputs], **e.params)
+        env.update(zip(e.outputs, out if isinstance(out, tuple) else (out,)))
+    return tuple(read(o) for o in body.outvars)
+
+
+def _fused_cost(eqn, dims):
+    from ggraph.cost import eqn_cost
+    return sum(eqn_cost(e, dims)[0] for e in eqn.body.eqns), _io_bytes(eqn, dims)   # one pass over memory
+
+
+def _fused_print(eqn, names) -> str:
+    from ggraph.printing import op_label
+    outs = " ".join(names.decl(o) for o in eqn.outputs)
+    ins = " ".join(names[a] for a in eqn.inputs)
+    return f"{outs} = {op_label(eqn)} {ins}".rstrip()
+
+
+FUSED = register("fused", shape=_fused_shape, impl=_fused_impl, cost=_fused_cost, kind="fused",
+                 multiple_results=True)
+print_rules[FUSED] = _fused_print

@@ -1,0 +1,78 @@
+"""fuse_dequant_matmul: let matmul and take read stored weights directly, never as f32 copies.
+
+    b = matmul x (dequant w)   ->   b = qmatmul x w        (also matmul x w for an f32 weight param)
+    c = take (dequant w) ids   ->   c = take w ids
+
+A dequant is removed only when every one of its users can read the blocks; if any other
+user needs the f32 value, the dequant and all its users are left alone, with the reason.
+"""
+from __future__ import annotations
+
+from ggraph import fused  # noqa: F401  (registers qmatmul)
+from ggraph.core import Eqn, Graph, ParamAval, Var, get_primitive
+from ggraph.dtypes import f32
+from ggraph.passes.manager import graph_pass, note, skip
+from ggraph.passes.rewrite import Rewriter
+
+
+def _reads_blocks(e: Eqn, d: Var) -> bool:
+    """True if eqn ``e`` can read weight value ``d`` as stored: as a matmul's 2-D right operand or a take table."""
+    if e.prim.name == "matmul":
+        return e.inputs[1] is d and e.inputs[0] is not d and d.aval.ndim == 2
+    return e.prim.name == "take" and e.inputs[0] is d and e.inputs[1] is not d
+
+
+def _source(w) -> str:
+    return w.aval.source if isinstance(w.aval, ParamAval) else f"a {w.aval} value"
+
+
+def _droppable_dequants(graph: Graph) -> dict[Var, Var]:
+    """dequant output -> its stored weight, for dequants whose every user can read the weight directly."""
+    users = graph.users()
+    outputs = {o for o in graph.outvars if isinstance(o, Var)}
+    out = {}
+    for e in graph.eqns:
+        if e.prim.name != "dequant":
+            continue
+        d, w = e.outputs[0], e.inputs[0]
+        needs_f32 = [u for u in users.get(d, []) if not _reads_blocks(u, d)]
+        if d in outputs:
+            skip(f"dequant of {_source(w)} kept: its f32 value is a graph output", e.scope)
+        elif needs_f32:
+            u = needs_f32[0]
+            skip(f"dequant of {_source(w)} kept: the dequant has another user: {u.prim.name}"
+                 f"{' in ' + u.scope if u.scope else ''}", e.scope)
+        elif isinstance(w, Var):
+            out[d] = w
+    return out
+
+
+def _f32_weights(graph: Graph) -> set[Var]:
+    """Weight params stored as f32 matrices: a matmul against one is a qmatmul too."""
+    return {v for v in graph.params if v.aval.dtype is f32 and v.aval.ndim == 2}
+
+
+@graph_pass("fuse_dequant_matmul")
+def fuse_dequant_matmul(graph: Graph) -> Graph:
+    """matmul(x, dequant(w)) -> qmatmul(x, w) and take(dequant(w), ids) -> take(w, ids): weights stay in blocks."""
+    weight_of = _droppable_dequants(graph)
+    f32_weights = _f32_weights(graph)
+    qmatmul = get_primitive("qmatmul")
+    rw = Rewriter(graph)
+    for e in graph.eqns:
+        e = rw.renamed(e)
+        name, ins = e.prim.name, e.inputs
+        if name == "dequant" and e.outputs[0] in weight_of:
+            continue                                            # every user now reads the weight itself
+        if name == "matmul" and (ins[1] in weight_of or ins[1] in f32_weights):
+            w = weight_of.get(ins[1], ins[1])
+            rw.emit(Eqn(qmatmul, (ins[0], w), e.outputs, {}, e.scope))
+            what = f"dequant({_source(w)})" if ins[1] in weight_of else _source(w)
+            note(f"matmul · {what} -> qmatmul on {w.aval.dtype}", e.scope)
+        elif name == "take" and ins[0] in weight_of:
+            w = weight_of[ins[0]]
+            rw.emit(e.replace(inputs=(w, ins[1])))
+            note(f"take · dequant({_source(w)}) -> take on {w.aval.dtype} rows", e.scope)
+        else:
+            rw.emit(e)
+    return rw.finish()
