@@ -13,14 +13,15 @@ import re
 
 import numpy as np
 
-from ggraph.core import Aval, Eqn, Graph, Literal, Var, as_dim, get_primitive
+from ggraph.core import Aval, Eqn, Graph, Literal, ParamAval, Var, as_dim, get_primitive
 from ggraph import dtypes
 
 DIM_PARAMS = {"shape", "n", "start", "stop"}     # params whose values are dims (ints or symbols)
 
 _DECL = re.compile(r"([A-Za-z_]\w*):(\w+)\[([^\]]*)\]")
 _HEADER = re.compile(r"\{\s*lambda\s*;(.*)\.\s*let\s*$")
-_EQN = re.compile(r"^(?P<outs>(?:[A-Za-z_]\w*:\w+\[[^\]]*\]\s*)+)=\s*(?P<prim>\w+)(?:\[(?P<params>.*)\])?(?P<ins>.*)$")
+_EQN = re.compile(r"^(?P<outs>(?:[A-Za-z_]\w*:\w+\[[^\]]*\]\s*)+)=\s*(?P<prim>\w+)(?:\{(?P<ops>[^}]*)\})?"
+                  r"(?:\[(?P<params>.*)\])?(?P<ins>.*)$")
 _PARAM_LINE = re.compile(r'^([A-Za-z_]\w*):(\w+)\[([^\]]*)\]\s*=\s*param\s+"([^"]*)"$')
 _FOOTER = re.compile(r"^in\s*\((.*)\)\s*\}$")
 
@@ -132,7 +133,6 @@ def _parse_graph(lines: _Lines, nested: bool) -> Graph:
             outs = [env[n] if n in env else _literal(n) for n in fm.group(1).split()]
             return Graph(invars, params, eqns, outs, name="parsed")
         if (pm := _PARAM_LINE.match(line)):
-            from ggraph.core import ParamAval
             v = Var(ParamAval(pm.group(4), _aval(pm.group(2), pm.group(3))))
             env[pm.group(1)] = v
             params.append(v)
@@ -156,6 +156,9 @@ def _parse_graph(lines: _Lines, nested: bool) -> Graph:
             body = _parse_graph(lines, nested=True)
         elif prim.composite:
             raise ParseError(f"line {line!r}: composite {prim.name} needs its body (print with expand=True)")
-        eqns.append(Eqn(prim, ins, outs, _params(em.group("params")), scope, body))
+        eqn_params = _params(em.group("params"))
+        if em.group("ops") is not None:                     # fused{add,rms_norm}: what it swallowed
+            eqn_params["ops"] = tuple(op.strip() for op in em.group("ops").split(",") if op.strip())
+        eqns.append(Eqn(prim, ins, outs, eqn_params, scope, body))
         for name, v in zip((d[0] for d in _DECL.findall(em.group("outs"))), outs):
             env[name] = v

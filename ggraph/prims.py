@@ -280,7 +280,14 @@ def _take_impl(table, ids):
     return table[ids].astype(np.float32, copy=False)
 
 
-register("take", shape=_take_shape, impl=_take_impl, cost=_move_cost, kind="memory")
+def _take_cost(eqn, dims):
+    """Only the gathered rows of the table are read, not the whole table."""
+    table, ids = (a.aval for a in eqn.inputs)
+    n = _elems(ids, dims)
+    return 0, n * table.dtype.row_bytes(table.shape[1]) + ids.nbytes(dims) + eqn.outputs[0].aval.nbytes(dims)
+
+
+register("take", shape=_take_shape, impl=_take_impl, cost=_take_cost, kind="memory")
 
 
 def _matmul_shape(a, b):

@@ -124,6 +124,8 @@ def run(graph: Graph, pipeline: Iterable[str], *, verify: bool = True,
         if p.name in disabled:
             continue
         before = ", ".join(log.ran) or "none"
+        if graph.meta:                      # annotations (e.g. a memory plan) describe the graph as it was
+            graph = graph.replace(meta={})
         token = _active.set((log, p.name))
         try:
             graph = p(graph)
