@@ -24,6 +24,16 @@ ALIASES = {  # op: {output index: operand index} whose storage the output is
     "rope_attention": {1: 3, 2: 4},
     "reshape": {0: 0},
 }
+
+
+def leading_slice(e: Eqn) -> bool:
+    """A slice whose dims before the axis are all 1 is a contiguous view of its operand."""
+    return e.prim.name == "slice" and all(d == 1 for d in e.inputs[0].aval.shape[:e.params["axis"] % e.inputs[0].aval.ndim])
+
+
+def aliases(e: Eqn) -> dict[int, int]:
+    """{output index: operand index} of the outputs that are views of (or updates to) an operand."""
+    return {0: 0} if leading_slice(e) else ALIASES.get(e.prim.name, {})
 REF_DIMS = (1, 64)                     # best fit weighs symbolic sizes at each of these (decode, prefill)
 
 
@@ -142,7 +152,7 @@ def lifetimes(graph: Graph) -> tuple[dict[Var, Var], dict[Var, int], dict[Var, i
             if isinstance(a, Var):
                 r = root.get(a, a)
                 end[r] = max(end.get(r, -1), i)
-        alias = ALIASES.get(e.prim.name, {})
+        alias = aliases(e)
         for k, o in enumerate(e.outputs):
             src = e.inputs[alias[k]] if k in alias else None
             if isinstance(src, Var):
@@ -238,7 +248,7 @@ class _Planner:
             for a in e.inputs:
                 if isinstance(a, Var):
                     last[root.get(a, a)] = i
-            for k, src in ALIASES.get(e.prim.name, {}).items():
+            for k, src in aliases(e).items():
                 if isinstance(e.inputs[src], Var):
                     root[e.outputs[k]] = root.get(e.inputs[src], e.inputs[src])
         for o in self.graph.outvars:
@@ -250,7 +260,7 @@ class _Planner:
         for i, e in enumerate(self.graph.eqns):
             taken: set[int] = set()
             for k, o in enumerate(e.outputs):
-                src = ALIASES.get(e.prim.name, {}).get(k)
+                src = aliases(e).get(k)
                 if src is not None and isinstance(e.inputs[src], Var):
                     self._alias(o, e.inputs[src])
                 else:

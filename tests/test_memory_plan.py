@@ -74,8 +74,9 @@ def test_sizes_are_polynomials():
     assert size_of(g.eqns[0].outputs[0].aval) == {("P",): 32, ("T",): 32}
     assert covers({("T",): 64}, {("T",): 32}) and not covers({("T",): 64}, {("P",): 32, ("T",): 32})
     p = plan(g)
-    assert p.sizes == [[{("P",): 32, ("T",): 32}]]                # exp writes over the slice in place
-    assert p.peak_bytes({"T": 3, "P": 5}) == 8 * 32 and p.naive_bytes({"T": 3, "P": 5}) == 2 * 8 * 32
+    assert p.sizes == [[{("P",): 32, ("T",): 32}]]                # the leading-axis slice is a view of c
+    assert p.buffer_of.get(g.eqns[0].outputs[0]) is None and p.buffer_of[g.eqns[1].outputs[0]] == 0
+    assert p.peak_bytes({"T": 3, "P": 5}) == 8 * 32 and p.naive_bytes({"T": 3, "P": 5}) == 8 * 32
 
 
 # ---------------------------------------------------------------------------------------

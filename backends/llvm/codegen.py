@@ -77,6 +77,8 @@ class Lowering:
         for v in graph.params:
             self.param_index[v] = self._add(Buffer("param", v.aval.source, _aval_size(v.aval)))
             self.where[v] = Ref(self.param_index[v])
+        self.plan = graph.meta.get("memory_plan")            # plan_memory's buffers, when it ran
+        self._plan_buffers: dict[int, int] = {}
 
     def _add(self, buf: Buffer) -> int:
         self.buffers.append(buf)
@@ -92,8 +94,17 @@ class Lowering:
         return self.where[a]
 
     def output(self, v: Var) -> Ref:
-        """A fresh activation buffer for ``v``."""
-        r = Ref(self._add(Buffer("act", f"v{v.id}", _aval_size(v.aval))))
+        """Memory for ``v``: its buffer in the memory plan, or a buffer of its own without one."""
+        if self.plan is None:
+            r = Ref(self._add(Buffer("act", f"v{v.id}", _aval_size(v.aval))))
+        else:
+            if v not in self.plan.buffer_of:
+                raise LoweringError(f"the memory plan has no buffer for a value of {v.aval}")
+            b = self.plan.buffer_of[v]
+            if b not in self._plan_buffers:
+                self._plan_buffers[b] = self._add(Buffer("act", f"buf{b}",
+                                                         lambda dims, b=b: self.plan.buffer_bytes(b, dims)))
+            r = Ref(self._plan_buffers[b])
         self.where[v] = r
         return r
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 from ggraph.core import Sym
 from ggraph.backends.llvm import kernels as K
 from ggraph.backends.llvm.codegen import LoweringError, Ref, eval_size, lowering, rows
+from ggraph.passes.plan_memory import leading_slice
 
 
 def _offset(r: Ref, extra) -> Ref:
@@ -23,16 +24,11 @@ def _reshape(lw, e):
     lw.alias(e.outputs[0], lw.ref(e.inputs[0]))            # row-major data: a reshape is a view
 
 
-def _leading_view(aval, axis: int) -> bool:
-    """A slice on ``axis`` is a contiguous view when every dim before it is 1."""
-    return all(d == 1 for d in aval.shape[:axis])
-
-
 @lowering("slice")
 def _slice(lw, e):
     x, out = e.inputs[0], e.outputs[0]
     axis = e.params["axis"] % x.aval.ndim
-    if not _leading_view(x.aval, axis):
+    if not leading_slice(e):
         return _lower_copy(lw, e)
     inner = 1
     for d in x.aval.shape[axis + 1:]:
