@@ -1,8 +1,9 @@
 """The kernel ABI and the IR building blocks every emitter uses: loops, byte-offset
 loads and stores, accumulators, constants and the thread split.
 
-Every kernel is `void name(ptr..., i64 T, i32 ith, i32 nth)`: pointer arguments are
-opaque, the last three are the token count, this thread's index and the team size.
+Every kernel is `void name(ptr..., i64 sizes..., i32 ith, i32 nth)`: pointer arguments
+are opaque, then the runtime sizes (usually just T, the token count), this thread's index
+and the team size.
 """
 from __future__ import annotations
 
@@ -39,15 +40,16 @@ def vec_const(elem: ir.Type, values) -> ir.Constant:
 class Kernel:
     """One function with the kernel ABI under construction, and helpers to fill it."""
 
-    def __init__(self, module: ir.Module, name: str, pointer_args: tuple[str, ...]):
+    def __init__(self, module: ir.Module, name: str, pointer_args: tuple[str, ...],
+                 sizes: tuple[str, ...] = ("T",), noalias: bool = True):
         self.module = module
-        fnty = ir.FunctionType(ir.VoidType(), [ptr] * len(pointer_args) + [i64, i32, i32])
+        fnty = ir.FunctionType(ir.VoidType(), [ptr] * len(pointer_args) + [i64] * len(sizes) + [i32, i32])
         self.fn = ir.Function(module, fnty, name=name)
         self.fn.attributes.add("nounwind")
-        names = pointer_args + ("T", "ith", "nth")
+        names = tuple(pointer_args) + tuple(sizes) + ("ith", "nth")
         for arg, arg_name in zip(self.fn.args, names):
             arg.name = arg_name
-        for arg in self.fn.args[:len(pointer_args)]:
+        for arg in self.fn.args[:len(pointer_args)] if noalias else ():
             arg.add_attribute("noalias")
         self.arg = dict(zip(names, self.fn.args))
         entry = self.fn.append_basic_block("entry")

@@ -1,0 +1,570 @@
+"""Causal attention with rope over a KV cache, as two kernels called in turn (the executor
+puts a barrier between them):
+
+    rope_kv_store_<tag>_<target>(k, v, k_cache, v_cache, positions, [freq_factors], i64 T, i64 P, ith, nth)
+        k_cache[P+t, g] = rope(k[t, g], positions[t]);  v_cache[P+t, g] = v[t, g]
+        threads split T*Hkv rows
+    attention_<tag>_<target>(q, k_cache, v_cache, positions, [freq_factors], out, i64 T, i64 P, ith, nth)
+        out[t, h] = sum_j softmax_j(s_j) v_cache[j, h // G],  over the keys j visible from P+t,
+        s_j = softcap(scale * rope(q[t, h], positions[t]) · k_cache[j, h // G])
+        threads split T*H rows into contiguous shares with equal numbers of (query, key) pairs
+
+q f32[T,H,D], k f32[T,Hkv,D], v f32[T,Hkv,Dv], caches f32[C,Hkv,D|Dv], positions i32[T] (the
+rope angles; the model's are P..P+T-1), freq_factors f32[dims/2] (only when
+Rope.freq_factors), out f32[T,H,Dv]. As in rope_attention's numpy rule, the cache slot and
+the causal mask use P+t: key j is visible from query t iff j <= P+t and P+t - j < window.
+The caller guarantees P + T <= C.
+
+Rope angles are computed in the kernel, a vector of pairs at a time, and shared by the
+rows at one position: theta_i = pos * scale * base^(-2i/dims) (/ freq_factors[i]) in f64
+and reduced by pi/2 in f64 (as the numpy rule; an f32 angle would be off by ~1e-3 rad at
+position 30000), then cos and sin in f32, times mscale. The attention scale is folded
+into the roped query.
+
+The attention kernel takes the query heads that share a kv head (GQA) together, so each
+K and V row is read once for all of them, and walks the visible keys once in blocks of
+16 with an online softmax: per block the scores, their max m, p = exp(s - m), one
+rescale of the accumulators by exp(m_old - m), then p·V. A thread's share of (t, h) rows
+may cut a group; runs of 2^k heads cover any cut. The generic target gets a scalar twin:
+one query row at a time, one key at a time, libm exp.
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass
+
+import numpy as np
+from llvmlite import ir
+
+from ggraph.backends.llvm.kernels import vmath
+from ggraph.backends.llvm.kernels.builder import Kernel, f32, f64, i32, i64, ptr, splat_const, vec, vec_const
+from ggraph.backends.llvm.kernels.elementwise import horizontal
+from ggraph.backends.llvm.kernels.isa import Isa, vector_path
+from ggraph.backends.llvm.target import Target
+from ggraph.ops import ROPE_STYLES, rope_inv_freq
+
+BLOCK = 16                       # keys per online-softmax step in the vector kernel
+ROW_COST = BLOCK                 # fixed cost of a query row (rope, a softmax block), in key units
+
+
+@dataclass(frozen=True)
+class Rope:
+    """Rotary embedding parameters, as ops.rope takes them."""
+
+    dims: int                    # leading dims of each head that rotate (even, <= D)
+    base: float
+    scale: float = 1.0           # multiplies positions
+    style: str = "neox"          # "neox": pairs (i, i + dims/2); "interleaved": pairs (2i, 2i+1)
+    mscale: float = 1.0          # multiplies cos and sin
+    freq_factors: bool = False   # True: the kernels take f32[dims/2] that divides the frequencies
+
+    def __post_init__(self):
+        if self.style not in ROPE_STYLES:
+            raise ValueError(f"rope: style must be one of {ROPE_STYLES}, got {self.style!r}")
+        if self.dims <= 0 or self.dims % 2:
+            raise ValueError(f"rope: rotary dims {self.dims} must be even and positive")
+
+    def freqs(self) -> list[float]:
+        """scale * base^(-2i/dims) per pair in f64, from ops' f32 inverse frequencies as the numpy rule."""
+        return [float(f) for f in rope_inv_freq(self.dims, self.base).astype(np.float64) * self.scale]
+
+
+@dataclass(frozen=True)
+class Attention:
+    """Static shape and attention parameters, as ops.attention takes them."""
+
+    H: int
+    Hkv: int
+    D: int
+    Dv: int
+    scale: float
+    window: int | None = None
+    softcap: float | None = None
+
+    def __post_init__(self):
+        if min(self.H, self.Hkv, self.D, self.Dv) <= 0 or self.H % self.Hkv:
+            raise ValueError(f"attention: {self.H} query heads must be a positive multiple of "
+                             f"{self.Hkv} kv heads, and D={self.D}, Dv={self.Dv} positive")
+        if self.window is not None and self.window < 1:
+            raise ValueError(f"attention: window {self.window} must be at least 1")
+        if self.softcap is not None and not self.softcap > 0:
+            raise ValueError(f"attention: softcap {self.softcap} must be positive")
+
+
+def from_rope_attention(eqn) -> tuple[Attention, Rope]:
+    """The kernels' static parameters for a `rope_attention` eqn (inputs q k v k_cache v_cache
+    pos positions [freq_factors]); shapes other than T must be static."""
+    q, k, v = (a.aval for a in eqn.inputs[:3])
+    (_, H, D), Hkv, Dv = q.shape, k.shape[1], v.shape[2]
+    for name, d in (("H", H), ("D", D), ("Hkv", Hkv), ("Dv", Dv)):
+        if not isinstance(d, int):
+            raise ValueError(f"rope_attention: {name} = {d} must be static for the llvm kernels")
+    p = eqn.params
+    attn = Attention(H, Hkv, D, Dv, float(p["scale"]), p.get("window"), p.get("softcap"))
+    rope = Rope(int(p["dims"]), float(p["base"]), float(p["rope_scale"]), p["style"], float(p.get("mscale", 1.0)),
+                freq_factors=len(eqn.inputs) > 7)
+    return attn, rope
+
+
+def variant(target: Target) -> str:
+    """How the attention kernels run on `target` (for `ggraph target`)."""
+    if not vector_path(target):
+        return "scalar (generic twin): one query row and one key at a time, libm"
+    return (f"{target.vector_bits // 32} f32 lanes: GQA heads together, blocks of {BLOCK} keys, "
+            f"online softmax, in-kernel rope")
+
+
+def kernel_names(attn: Attention, rope: Rope | None, target: Target) -> tuple[str, str]:
+    """The two kernels' names: shapes, a hash of every parameter, the target."""
+    h = hashlib.sha256(repr((attn, rope)).encode()).hexdigest()[:10]
+    tag = f"h{attn.H}x{attn.Hkv}_d{attn.D}x{attn.Dv}_{h}"
+    return f"rope_kv_store_{tag}_{target.name}", f"attention_{tag}_{target.name}"
+
+
+def attention_kernels(module: ir.Module, target: Target, attn: Attention,
+                      rope: Rope | None) -> list[tuple[ir.Function, tuple[str, ...]]]:
+    """Emit (once) kernel A then kernel B; each with the names of its arguments before (ith, nth)."""
+    if rope is not None and rope.dims > attn.D:
+        raise ValueError(f"rope: rotary dims {rope.dims} exceed the head dim {attn.D}")
+    ff = ("freq_factors",) if rope is not None and rope.freq_factors else ()
+    name_a, name_b = kernel_names(attn, rope, target)
+    args_a = ("k", "v", "k_cache", "v_cache", "positions") + ff + ("T", "P")
+    args_b = ("q", "k_cache", "v_cache", "positions") + ff + ("out", "T", "P")
+    if not Kernel.exists(module, name_a):
+        _emit_store(module, target, attn, rope, name_a, args_a)
+    if not Kernel.exists(module, name_b):
+        _emit_attention(module, target, attn, rope, name_b, args_b)
+    return [(module.globals[name_a], args_a), (module.globals[name_b], args_b)]
+
+
+# ---------------------------------------------------------------------------------------
+# pieces
+# ---------------------------------------------------------------------------------------
+
+def _kernel(module, name: str, args: tuple[str, ...]) -> Kernel:
+    return Kernel(module, name, args[:-2], args[-2:])
+
+
+def _buffer(k: Kernel, n: int):
+    """A private f32[n] scratch array (an entry-block alloca); returns its address."""
+    slot = k.var(vec(f32, n), ir.Constant(vec(f32, n), None)).slot
+    slot.type = ptr           # llvmlite types allocas as typed pointers; byte-offset access wants `ptr`
+    return slot
+
+
+def _freq_table(module: ir.Module, name: str, rope: Rope) -> ir.GlobalVariable:
+    values = rope.freqs()
+    g = ir.GlobalVariable(module, ir.ArrayType(f64, len(values)), name=f"{name}.freqs")
+    g.linkage = "internal"
+    g.global_constant = True
+    g.initializer = ir.Constant(ir.ArrayType(f64, len(values)), values)
+    return g
+
+
+def _chunks(n: int, lanes: int) -> list[tuple[int, int]]:
+    """(offset, width) pieces covering n: full vectors, then one narrower tail."""
+    out = [(o, lanes) for o in range(0, n - n % lanes, lanes)]
+    return out + ([(n - n % lanes, n % lanes)] if n % lanes else [])
+
+
+def _chunked(k: Kernel, n: int, lanes: int, unroll: int, body, name: str = "chunk") -> None:
+    """body(offset, widths) over [0, n): a loop taking `unroll` full vectors per step, then the
+    remaining vectors and the narrow tail once, statically."""
+    step = lanes * unroll
+    main = n - n % step
+    if main:
+        with k.loop(0, main, step=step, name=name) as off:
+            body(off, [lanes] * unroll)
+    rest = [w for _, w in _chunks(n - main, lanes)]
+    if rest:
+        body(main, rest)
+
+
+def _typ(w: int) -> ir.Type:
+    return f32 if w == 1 else vec(f32, w)
+
+
+def _splat(k: Kernel, x: ir.Value, w: int) -> ir.Value:
+    return x if w == 1 else k.splat(x, w)
+
+
+def _zeros(w: int) -> ir.Constant:
+    return ir.Constant(f32, 0.0) if w == 1 else splat_const(f32, w, 0.0)
+
+
+def _width(v: ir.Value) -> int:
+    return v.type.count if isinstance(v.type, ir.VectorType) else 1
+
+
+def _scaled(k: Kernel, x: ir.Value, mult: float | None) -> ir.Value:
+    return x if mult is None else k.b.fmul(x, vmath.const(x, mult))
+
+
+class _Rows:
+    """What both kernels share: the pointer args, the rope of head rows, the vector width."""
+
+    def __init__(self, k: Kernel, target: Target, attn: Attention, rope: Rope | None, name: str):
+        self.k, self.b, self.attn, self.rope = k, k.b, attn, rope
+        self.isa = Isa(k, target)
+        self.vector = vector_path(target)
+        self.lanes = self.isa.vector_bytes // 4 if self.vector else 1
+        self.freqs = _freq_table(k.module, name, rope) if rope is not None else None
+        self.ff = k.arg.get("freq_factors")
+
+    def row(self, base, index, width: int):
+        """Address of row `index` of `width` floats."""
+        return self.k.addr(base, self.k.mul(index, 4 * width))
+
+    def position(self, t) -> ir.Value:
+        """positions[t] as f64: the rope angle's position for token t."""
+        return self.b.sitofp(self.k.load(i32, self.k.arg["positions"], self.k.mul(t, 4)), f64)
+
+    def rope_rows(self, pairs: list, pos: ir.Value, mult: float | None) -> None:
+        """dst[0:D] = rope(src[0:D]) * mult for each (src, dst), all at position pos: the angles,
+        sin and cos are computed once per chunk of pairs and shared by the rows."""
+        k, b, rope, lanes = self.k, self.b, self.rope, self.lanes
+        start = 0
+        if rope is not None:
+            half, m = rope.dims // 2, rope.mscale * (1.0 if mult is None else mult)
+
+            def rotate(off, widths):
+                o = 0
+                for w in widths:
+                    i0 = k.add(off, o)
+                    d64 = f64 if w == 1 else vec(f64, w)
+                    theta = b.fmul(_splat(k, pos, w), k.load(d64, self.freqs, k.mul(i0, 8)))   # f64, as the rule
+                    if self.ff is not None:
+                        theta = b.fdiv(theta, b.fpext(k.load(_typ(w), self.ff, k.mul(i0, 4)), d64))
+                    if self.vector:
+                        s, c = vmath.sincos_f64(self.isa, theta)
+                    else:
+                        s, c = (b.fptrunc(self.k.intrinsic(f"llvm.{f}.f64", f64, [theta]), f32) for f in ("sin", "cos"))
+                    if m != 1.0:
+                        s, c = b.fmul(s, vmath.const(s, m)), b.fmul(c, vmath.const(c, m))
+                    for src, dst in pairs:
+                        x0, x1 = self._pair(src, i0, w)
+                        self._store_pair(dst, i0, w, b.fsub(b.fmul(x0, c), b.fmul(x1, s)),
+                                         b.fadd(b.fmul(x1, c), b.fmul(x0, s)))
+                    o += w
+            _chunked(k, half, lanes, 1, rotate, "pair")
+            start = rope.dims
+
+        def copy(off, widths):
+            o = 0
+            for w in widths:
+                i = k.add(off, start + o)
+                for src, dst in pairs:
+                    k.store(_scaled(k, k.load(_typ(w), src, k.mul(i, 4)), mult), dst, k.mul(i, 4))
+                o += w
+        if self.attn.D > start:
+            _chunked(k, self.attn.D - start, lanes, 1, copy, "keep")
+
+    def _pair(self, src, i0, w: int) -> tuple[ir.Value, ir.Value]:
+        """The w rotation pairs from pair index i0: neox (i, i + dims/2), interleaved (2i, 2i+1)."""
+        k, half = self.k, self.rope.dims // 2
+        if self.rope.style == "neox":
+            return k.load(_typ(w), src, k.mul(i0, 4)), k.load(_typ(w), src, k.mul(k.add(i0, half), 4))
+        if w == 1:
+            return k.load(f32, src, k.mul(i0, 8)), k.load(f32, src, k.add(k.mul(i0, 8), 4))
+        x = k.load(vec(f32, 2 * w), src, k.mul(i0, 8))
+        return k.shuffle(x, range(0, 2 * w, 2)), k.shuffle(x, range(1, 2 * w, 2))
+
+    def _store_pair(self, dst, i0, w: int, r0: ir.Value, r1: ir.Value) -> None:
+        k, half = self.k, self.rope.dims // 2
+        if self.rope.style == "neox":
+            k.store(r0, dst, k.mul(i0, 4))
+            k.store(r1, dst, k.mul(k.add(i0, half), 4))
+        elif w == 1:
+            k.store(r0, dst, k.mul(i0, 8))
+            k.store(r1, dst, k.add(k.mul(i0, 8), 4))
+        else:
+            k.store(k.shuffle(r0, [j // 2 + (j % 2) * w for j in range(2 * w)], r1), dst, k.mul(i0, 8))
+
+
+# ---------------------------------------------------------------------------------------
+# kernel A: rope the new keys into the cache, copy the new values
+# ---------------------------------------------------------------------------------------
+
+def _emit_store(module, target: Target, attn: Attention, rope: Rope | None, name: str, args) -> None:
+    k = _kernel(module, name, args)
+    rows = _Rows(k, target, attn, rope, name)
+    b = k.b
+    start, end = k.thread_share(b.mul(k.arg["T"], k.i64(attn.Hkv)))
+    with k.loop(start, end, name="row") as r:
+        t = b.udiv(r, k.i64(attn.Hkv))
+        slot = k.add(k.mul(k.add(k.arg["P"], t), attn.Hkv), b.urem(r, k.i64(attn.Hkv)))   # (P+t)*Hkv + g
+        rows.rope_rows([(rows.row(k.arg["k"], r, attn.D), rows.row(k.arg["k_cache"], slot, attn.D))],
+                       rows.position(t), None)
+        k.intrinsic("llvm.memcpy.p0.p0.i64", ir.VoidType(),
+                    [rows.row(k.arg["v_cache"], slot, attn.Dv), rows.row(k.arg["v"], r, attn.Dv),
+                     k.i64(4 * attn.Dv), ir.Constant(ir.IntType(1), 0)])
+    k.finish()
+
+
+# ---------------------------------------------------------------------------------------
+# kernel B: query rows against their visible keys, online softmax
+# ---------------------------------------------------------------------------------------
+
+def _emit_attention(module, target: Target, attn: Attention, rope: Rope | None, name: str, args) -> None:
+    k = _kernel(module, name, args)
+    rows = _Rows(k, target, attn, rope, name)
+    (_attention_grouped if rows.vector else _attention_rows)(rows)
+    k.finish()
+
+
+def _key_range(rows: _Rows, p) -> tuple[ir.Value, ir.Value]:
+    """[lo, hi) of the keys visible from position p: causal, and inside the window."""
+    k, b, window = rows.k, rows.b, rows.attn.window
+    lo = k.i64(0)
+    if window is not None:
+        lo = k.add(p, 1 - window)
+        lo = b.select(b.icmp_signed("<", lo, k.i64(0)), k.i64(0), lo)
+    return lo, k.add(p, 1)
+
+
+def _work_before(rows: _Rows, r) -> ir.Value:
+    """Work in rows 0..r-1 of T*H: visible (query row, key) pairs plus ROW_COST per row.
+
+    Token t sees keys(t) = min(P + t + 1, window) keys; the first m = clamp(window - P - 1, 0, t)
+    tokens are below the window, the rest see exactly `window`."""
+    k, b, attn = rows.k, rows.b, rows.attn
+    t, h = b.udiv(r, k.i64(attn.H)), b.urem(r, k.i64(attn.H))
+    P1 = k.add(k.arg["P"], 1)
+
+    def clamp(v, lo, hi):
+        return b.select(b.icmp_signed("<", v, lo), lo, b.select(b.icmp_signed(">", v, hi), hi, v))
+    if attn.window is None:
+        m, keys = t, k.add(P1, t)
+    else:
+        m = clamp(b.sub(k.i64(attn.window), P1), k.i64(0), t)
+        keys = clamp(k.add(P1, t), k.i64(0), k.i64(attn.window))
+    tri = b.sdiv(k.mul(m, b.sub(m, k.i64(1))), k.i64(2))
+    tokens = k.add(k.mul(m, P1), tri, k.mul(b.sub(t, m), attn.window or 0))
+    return k.add(k.mul(tokens, attn.H), k.mul(h, keys), k.mul(r, ROW_COST))
+
+
+def _balanced_share(rows: _Rows) -> tuple[ir.Value, ir.Value]:
+    """This thread's [start, end) of the T*H query rows, cut so that every thread gets about
+    the same number of visible (query, key) pairs (a contiguous split would give the thread
+    holding the last tokens most of the causal triangle). Boundaries come from a binary
+    search on `_work_before`, the same function for every thread, so shares tie up exactly."""
+    k, b = rows.k, rows.b
+    n = b.mul(k.arg["T"], k.i64(rows.attn.H))
+    total = _work_before(rows, n)
+    ith, nth = b.sext(k.arg["ith"], i64), b.sext(k.arg["nth"], i64)
+
+    def boundary(i):
+        goal = b.sdiv(k.mul(total, i), nth)                           # first row whose prefix reaches it
+        lo, hi = k.var(i64, k.i64(0)), k.var(i64, n)
+        head, body, done = (k.fn.append_basic_block(f"split.{x}") for x in ("head", "body", "done"))
+        b.branch(head)
+        b.position_at_end(head)
+        b.cbranch(b.icmp_signed("<", lo.get(), hi.get()), body, done)
+        b.position_at_end(body)
+        mid = b.sdiv(k.add(lo.get(), hi.get()), k.i64(2))
+        reached = b.icmp_signed(">=", _work_before(rows, mid), goal)
+        hi.set(b.select(reached, mid, hi.get()))
+        lo.set(b.select(reached, lo.get(), k.add(mid, 1)))
+        b.branch(head)
+        b.position_at_end(done)
+        return lo.get()
+    start = boundary(ith)
+    end = b.select(b.icmp_signed("==", k.add(ith, 1), nth), n, boundary(k.add(ith, 1)))
+    return start, end
+
+
+def _softcap(rows: _Rows, s: ir.Value) -> ir.Value:
+    """c * tanh(s / c) (s unchanged without a softcap)."""
+    c = rows.attn.softcap
+    if c is None:
+        return s
+    b = rows.b
+    th = vmath.unary(rows.isa, "tanh", b.fmul(s, vmath.const(s, 1.0 / c)), rows.vector)
+    return b.fmul(th, vmath.const(s, c))
+
+
+def _run_sizes(G: int) -> list[int]:
+    """Query heads processed together: G, then the powers of two below it (any run is a sum of them)."""
+    return sorted({G} | {1 << i for i in range(G.bit_length()) if (1 << i) < G}, reverse=True)
+
+
+def _attention_grouped(rows: _Rows) -> None:
+    """Runs of query rows (t, h) that share a kv head walk the keys together, so K and V rows
+    are read once per run. A thread's share of rows is cut into runs of the sizes in
+    `_run_sizes`, each size with its own code."""
+    k, b, attn = rows.k, rows.b, rows.attn
+    G = attn.H // attn.Hkv
+    bufs = {"q": _buffer(k, G * attn.D), "s": _buffer(k, G * BLOCK), "p": _buffer(k, G * BLOCK),
+            "acc": _buffer(k, G * attn.Dv)}
+    start, end = _balanced_share(rows)
+    r_var = k.var(i64, start)
+    head, body, done = (k.fn.append_basic_block(f"run.{x}") for x in ("head", "body", "done"))
+    b.branch(head)
+    b.position_at_end(head)
+    b.cbranch(b.icmp_signed("<", r_var.get(), end), body, done)
+    b.position_at_end(body)
+    r = r_var.get()
+    run_end = k.mul(k.add(b.udiv(r, k.i64(G)), 1), G)                 # rows r..run_end share (t, kv head)
+    left = b.sub(b.select(b.icmp_signed("<", run_end, end), run_end, end), r)
+
+    def chain(sizes):
+        n = sizes[0]
+        if len(sizes) == 1:
+            _run(rows, bufs, r, n)
+            r_var.set(k.add(r, n))
+            return
+        with b.if_else(b.icmp_signed(">=", left, k.i64(n))) as (then, other):
+            with then:
+                _run(rows, bufs, r, n)
+                r_var.set(k.add(r, n))
+            with other:
+                chain(sizes[1:])
+    chain(_run_sizes(G))
+    b.branch(head)
+    b.position_at_end(done)
+
+
+def _run(rows: _Rows, bufs: dict, r, n: int) -> None:
+    """Query rows r..r+n-1 (one token, one kv head): rope, then the keys in blocks of BLOCK."""
+    k, b, isa, attn = rows.k, rows.b, rows.isa, rows.attn
+    t, g = b.udiv(r, k.i64(attn.H)), b.udiv(b.urem(r, k.i64(attn.H)), k.i64(attn.H // attn.Hkv))
+    p = k.add(k.arg["P"], t)
+    qrow = lambda i: k.addr(bufs["q"], 4 * i * attn.D)                  # noqa: E731
+    arow = lambda i: k.addr(bufs["acc"], 4 * i * attn.Dv)               # noqa: E731
+    rows.rope_rows([(rows.row(k.arg["q"], k.add(r, i), attn.D), qrow(i)) for i in range(n)],
+                   rows.position(t), attn.scale)
+    lo, hi = _key_range(rows, p)
+
+    def zero(off, widths):
+        o = 0
+        for w in widths:
+            for i in range(n):
+                k.store(_zeros(w), arow(i), k.mul(k.add(off, o), 4))
+            o += w
+    _chunked(k, attn.Dv, rows.lanes, 1, zero, "zero")
+    m = [k.var(f32, -math.inf) for _ in range(n)]
+    total = [k.var(f32, 0.0) for _ in range(n)]
+    with k.loop(lo, hi, step=BLOCK, name="blk") as j0:
+        nk = b.sub(hi, j0)
+        nk = b.select(b.icmp_signed("<", nk, k.i64(BLOCK)), nk, k.i64(BLOCK))
+        for i in range(n):
+            k.store(splat_const(f32, BLOCK, -math.inf), bufs["s"], 4 * i * BLOCK)
+        with k.loop(0, nk, name="key") as jj:
+            _scores(rows, bufs, qrow, n, k.add(j0, jj), g, jj)
+        corr = []
+        for i in range(n):                                              # online softmax per query
+            s = k.load(vec(f32, BLOCK), bufs["s"], 4 * i * BLOCK)
+            if attn.softcap is not None:
+                live = b.icmp_unsigned("<", vec_const(i32, range(BLOCK)), k.splat(b.trunc(nk, i32), BLOCK))
+                s = b.select(live, _softcap(rows, s), splat_const(f32, BLOCK, -math.inf))
+            m_old = m[i].get()
+            m_new = isa.maxnum(m_old, isa.hmax(s))
+            corr.append(vmath.exp(isa, b.fsub(m_old, m_new)))
+            pv = vmath.exp(isa, b.fsub(s, k.splat(m_new, BLOCK)))
+            total[i].set(isa.fma(total[i].get(), corr[i], isa.hsum(pv)))
+            m[i].set(m_new)
+            k.store(pv, bufs["p"], 4 * i * BLOCK)
+        _values(rows, bufs, arow, n, j0, nk, g, corr)
+
+    def finish(off, widths):
+        o = 0
+        for w in widths:
+            for i in range(n):
+                at = k.mul(k.add(off, o), 4)
+                inv = b.fdiv(ir.Constant(f32, 1.0), total[i].get())
+                out = rows.row(k.arg["out"], k.add(r, i), attn.Dv)
+                k.store(b.fmul(k.load(_typ(w), arow(i), at), _splat(k, inv, w)), out, at)
+            o += w
+    _chunked(k, attn.Dv, rows.lanes, 1, finish, "out")
+
+
+def _scores(rows: _Rows, bufs: dict, qrow, n: int, j, g, jj) -> None:
+    """scores[i][jj] = q_i · k_j for the n queries: each chunk of the K row is loaded once."""
+    k, b, isa, attn, lanes = rows.k, rows.b, rows.isa, rows.attn, rows.lanes
+    krow = rows.row(k.arg["k_cache"], k.add(k.mul(j, attn.Hkv), g), attn.D)
+    split = max(1, 4 // n)                                              # independent sums per query
+    acc = [[k.var(vec(f32, lanes), _zeros(lanes)) for _ in range(split)] for _ in range(n)]
+    tail = [k.var(f32, 0.0) for _ in range(n)]
+
+    def dot(off, widths):
+        o = 0
+        for u, w in enumerate(widths):
+            at = k.mul(k.add(off, o), 4)
+            kv = k.load(_typ(w), krow, at)
+            for i in range(n):
+                prod = (kv, k.load(_typ(w), qrow(i), at))
+                if w == lanes:
+                    a = acc[i][u % split]
+                    a.set(isa.fma(*prod, a.get()))
+                else:
+                    tail[i].set(b.fadd(tail[i].get(), horizontal(k, b.fmul(*prod), b.fadd)))
+            o += w
+    _chunked(k, attn.D, lanes, max(split, 2), dot, "d")
+    for i in range(n):
+        s = acc[i][0].get()
+        for a in acc[i][1:]:
+            s = b.fadd(s, a.get())
+        k.store(b.fadd(horizontal(k, s, b.fadd), tail[i].get()), bufs["s"], k.mul(k.add(jj, i * BLOCK), 4))
+
+
+def _values(rows: _Rows, bufs: dict, arow, n: int, j0, nk, g, corr: list) -> None:
+    """acc_i = acc_i * corr_i + sum_jj p_i[jj] v_(j0+jj), a group of Dv chunks in registers at a time."""
+    k, isa, attn, lanes = rows.k, rows.isa, rows.attn, rows.lanes
+    per = max(1, (16 if lanes >= 16 else 8) // n)                        # accumulators held in registers
+
+    def group(off, widths):
+        ats = [k.mul(k.add(off, sum(widths[:c])), 4) for c in range(len(widths))]
+        accs = [[k.var(_typ(w), k.b.fmul(k.load(_typ(w), arow(i), at), _splat(k, corr[i], w)))
+                 for w, at in zip(widths, ats)] for i in range(n)]
+        with k.loop(0, nk, name="val") as jj:
+            vrow = rows.row(k.arg["v_cache"], k.add(k.mul(k.add(j0, jj), attn.Hkv), g), attn.Dv)
+            vs = [k.load(_typ(w), vrow, at) for w, at in zip(widths, ats)]
+            for i in range(n):
+                pij = k.load(f32, bufs["p"], k.mul(k.add(jj, i * BLOCK), 4))
+                for a, v, w in zip(accs[i], vs, widths):
+                    a.set(isa.fma(_splat(k, pij, w), v, a.get()))
+        for i in range(n):
+            for a, at in zip(accs[i], ats):
+                k.store(a.get(), arow(i), at)
+    _chunked(k, attn.Dv, lanes, per, group, "vg")
+
+
+def _attention_rows(rows: _Rows) -> None:
+    """The scalar twin: one query row (t, h) at a time."""
+    k, b, attn = rows.k, rows.b, rows.attn
+    q = _buffer(k, attn.D)                                            # this row's roped, scaled query
+    start, end = _balanced_share(rows)
+    with k.loop(start, end, name="row") as r:
+        t, h = b.udiv(r, k.i64(attn.H)), b.urem(r, k.i64(attn.H))
+        p = k.add(k.arg["P"], t)
+        rows.rope_rows([(rows.row(k.arg["q"], r, attn.D), q)], rows.position(t), attn.scale)
+        lo, hi = _key_range(rows, p)
+        _keys_scalar(rows, q, b.udiv(h, k.i64(attn.H // attn.Hkv)), lo, hi, rows.row(k.arg["out"], r, attn.Dv))
+
+
+def _keys_scalar(rows: _Rows, q, g, lo, hi, out) -> None:
+    """One key at a time: score, running max and sum, rescale the accumulator (the spec)."""
+    k, b, isa, attn = rows.k, rows.b, rows.isa, rows.attn
+    acc = _buffer(k, attn.Dv)
+    with k.loop(0, attn.Dv, name="zero") as d:
+        k.store(ir.Constant(f32, 0.0), acc, k.mul(d, 4))
+    m = k.var(f32, -math.inf)
+    total = k.var(f32, 0.0)
+    with k.loop(lo, hi, name="key") as j:
+        krow = rows.row(k.arg["k_cache"], k.add(k.mul(j, attn.Hkv), g), attn.D)
+        dot = k.var(f32, 0.0)
+        with k.loop(0, attn.D, name="d") as d:
+            dot.set(isa.fma(k.load(f32, q, k.mul(d, 4)), k.load(f32, krow, k.mul(d, 4)), dot.get()))
+        s = _softcap(rows, dot.get())
+        m_new = isa.maxnum(m.get(), s)
+        corr = vmath.libm(isa, "exp", b.fsub(m.get(), m_new))
+        p = vmath.libm(isa, "exp", b.fsub(s, m_new))
+        total.set(isa.fma(total.get(), corr, p))
+        m.set(m_new)
+        vrow = rows.row(k.arg["v_cache"], k.add(k.mul(j, attn.Hkv), g), attn.Dv)
+        with k.loop(0, attn.Dv, name="dv") as d:
+            a = k.load(f32, acc, k.mul(d, 4))
+            k.store(isa.fma(p, k.load(f32, vrow, k.mul(d, 4)), b.fmul(a, corr)), acc, k.mul(d, 4))
+    with k.loop(0, attn.Dv, name="out") as d:
+        k.store(b.fdiv(k.load(f32, acc, k.mul(d, 4)), total.get()), out, k.mul(d, 4))

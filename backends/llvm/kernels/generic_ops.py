@@ -1,0 +1,107 @@
+"""Kernels for the unfused graph's plain primitives: batched f32 matmul, row reductions over a
+runtime length, iota, and a byte copy. Plain loops that LLVM vectorises (fast-math on the
+reductions); the fused pipeline rarely needs them, the unfused baseline always does.
+
+    matmul_f32_<tag>(a, b, y, i64 batch, i64 M, i64 N, i64 K, i64 a_batch, i64 b_batch, ith, nth)
+        y[z, m, n] = sum_k a[z*, m, k] b[z*, n, k]     (ggml's layout: both contract the last axis)
+    reduce_<op>_f32(x, y, i64 rows, i64 n, ith, nth)   y[r] = op over x[r, 0:n]
+    iota_<dtype>(y, i64 n, ith, nth)                    y[i] = i
+    copy_bytes(x, y, i64 nbytes, ith, nth)              y[0:nbytes] = x[0:nbytes]
+"""
+from __future__ import annotations
+
+import math
+
+from llvmlite import ir
+
+from ggraph.backends.llvm.kernels.builder import Kernel, f32, i8, i32, i64
+
+FAST = ("fast",)
+
+
+def _share(k: Kernel, n: ir.Value) -> tuple[ir.Value, ir.Value]:
+    """This thread's [start, end) of n items: an even static split."""
+    b = k.b
+    ith, nth = (b.sext(k.arg[a], i64) for a in ("ith", "nth"))
+    per = b.sdiv(b.add(n, b.sub(nth, ir.Constant(i64, 1))), nth)
+    start = b.mul(per, ith)
+    end = b.add(start, per)
+    start = b.select(b.icmp_signed("<", start, n), start, n)
+    end = b.select(b.icmp_signed("<", end, n), end, n)
+    return start, end
+
+
+def matmul_f32(module: ir.Module, name: str = "matmul_f32") -> str:
+    """y = a · bᵀ over the last axes, batched; a_batch/b_batch are 0 for a broadcast operand."""
+    if Kernel.exists(module, name):
+        return name
+    k = Kernel(module, name, ("a", "b", "y"), ("batch", "M", "N", "K", "a_batch", "b_batch"), noalias=True)
+    b = k.b
+    M, N, K = k.arg["M"], k.arg["N"], k.arg["K"]
+    start, end = _share(k, b.mul(k.arg["batch"], M))
+    with k.loop(start, end, name="zm") as zm:
+        z = b.sdiv(zm, M)
+        m = b.srem(zm, M)
+        arow = b.add(b.mul(b.mul(z, k.arg["a_batch"]), b.mul(M, K)), b.mul(m, K))
+        bmat = b.mul(b.mul(z, k.arg["b_batch"]), b.mul(N, K))
+        with k.loop(0, N, name="n") as n:
+            brow = b.add(bmat, b.mul(n, K))
+            acc = k.var(f32, ir.Constant(f32, 0.0))
+            with k.loop(0, K, name="k") as kk:
+                x = k.load(f32, k.arg["a"], b.mul(b.add(arow, kk), ir.Constant(i64, 4)))
+                w = k.load(f32, k.arg["b"], b.mul(b.add(brow, kk), ir.Constant(i64, 4)))
+                acc.set(b.fadd(acc.get(), b.fmul(x, w, flags=FAST), flags=FAST))
+            k.store(acc.get(), k.arg["y"], b.mul(b.add(b.mul(zm, N), n), ir.Constant(i64, 4)))
+    return k.finish()
+
+
+_REDUCE = {  # op: (identity, combine)
+    "reduce_sum": (0.0, lambda b, x, y: b.fadd(x, y, flags=FAST)),
+    "reduce_max": (-math.inf, lambda b, x, y: b.select(b.fcmp_ordered(">", y, x), y, x)),
+}
+
+
+def reduce_rows(module: ir.Module, op: str) -> str:
+    """y[r] = op(x[r, :n]) for a runtime row length n."""
+    name = f"{op}_f32_rows"
+    if Kernel.exists(module, name):
+        return name
+    identity, combine = _REDUCE[op]
+    k = Kernel(module, name, ("x", "y"), ("rows", "n"), noalias=True)
+    b = k.b
+    n = k.arg["n"]
+    start, end = _share(k, k.arg["rows"])
+    with k.loop(start, end, name="r") as r:
+        acc = k.var(f32, ir.Constant(f32, identity))
+        base = b.mul(r, n)
+        with k.loop(0, n, name="i") as i:
+            x = k.load(f32, k.arg["x"], b.mul(b.add(base, i), ir.Constant(i64, 4)))
+            acc.set(combine(b, acc.get(), x))
+        k.store(acc.get(), k.arg["y"], b.mul(r, ir.Constant(i64, 4)))
+    return k.finish()
+
+
+def iota(module: ir.Module, dtype: str) -> str:
+    """y[i] = i for i < n (i32 or f32)."""
+    name = f"iota_{dtype}"
+    if Kernel.exists(module, name):
+        return name
+    k = Kernel(module, name, ("y",), ("n",), noalias=True)
+    b = k.b
+    start, end = _share(k, k.arg["n"])
+    with k.loop(start, end, name="i") as i:
+        v = b.trunc(i, i32) if dtype == "i32" else b.sitofp(i, f32)
+        k.store(v, k.arg["y"], b.mul(i, ir.Constant(i64, 4)))
+    return k.finish()
+
+
+def copy_bytes(module: ir.Module) -> str:
+    """y[0:nbytes] = x[0:nbytes], split across threads."""
+    name = "copy_bytes"
+    if Kernel.exists(module, name):
+        return name
+    k = Kernel(module, name, ("x", "y"), ("nbytes",), noalias=True)
+    start, end = _share(k, k.arg["nbytes"])
+    with k.loop(start, end, name="i") as i:
+        k.store(k.load(i8, k.arg["x"], i), k.arg["y"], i)
+    return k.finish()
