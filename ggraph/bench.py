@@ -63,8 +63,9 @@ def bench_llama_cpp(path, pp: int = 64, tg: int = 32, threads: int = 1, repeats:
     """The same measurement through llama-cpp-python (raises ImportError when it is missing)."""
     import llama_cpp
     t0 = time.perf_counter()
-    llm = llama_cpp.Llama(model_path=str(path), n_ctx=max(pp + tg + 1, 64), n_batch=max(pp, 1),
-                          n_ubatch=max(pp, 1), n_threads=threads, n_threads_batch=threads, verbose=False)
+    n_ctx = max(pp + tg + 1, 64)               # n_batch = n_ctx: llama-cpp-python indexes its scores by position
+    llm = llama_cpp.Llama(model_path=str(path), n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=max(pp, 1),
+                          n_threads=threads, n_threads_batch=threads, verbose=False)
     ids = prompt_tokens(pp, llm.n_vocab())
     load = time.perf_counter() - t0
     best_pp = best_tg = float("inf")

@@ -183,9 +183,12 @@ def _np_silu(x):
     return (x / (1.0 + np.exp(-x.astype(np.float64)))).astype(np.float32)
 
 
-def _np_gelu_tanh(x):
-    x64 = x.astype(np.float64)
-    return (0.5 * x64 * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (x64 + 0.044715 * x64 ** 3)))).astype(np.float32)
+def _np_gelu_tanh(x, *, f16_table=False):
+    x64 = (x.astype(np.float16) if f16_table else x).astype(np.float64)
+    y = (0.5 * x64 * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (x64 + 0.044715 * x64 ** 3)))).astype(np.float32)
+    if f16_table:
+        y = np.where(x <= -10.0, 0.0, np.where(x >= 10.0, x, y.astype(np.float16).astype(np.float32)))
+    return y.astype(np.float32)
 
 
 def _np_swiglu(g, u):
@@ -269,10 +272,26 @@ def silu(x):
 
 
 @composite("gelu_tanh", _np_gelu_tanh)
-def gelu_tanh(x):
-    """0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³))), the tanh approximation of GELU."""
-    inner = (x + x * x * x * 0.044715) * math.sqrt(2.0 / math.pi)
-    return x * (tanh(inner) + 1.0) * 0.5
+def _gelu_tanh(x, *, f16_table=False):
+    """0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³))); with f16_table, as ggml's CPU table computes it."""
+    xg = cast(cast(x, "f16"), "f32") if f16_table else x
+    inner = (xg + xg * xg * xg * 0.044715) * math.sqrt(2.0 / math.pi)
+    y = xg * (tanh(inner) + 1.0) * 0.5
+    if not f16_table:
+        return y
+    y = cast(cast(y, "f16"), "f32")
+    y = where(less(x, 10.0), y, x)                        # x >= 10: x
+    return where(less(-10.0, x), y, 0.0)                  # x <= -10: 0
+
+
+def gelu_tanh(x, *, f16_table: bool = False):
+    """The tanh approximation of GELU.
+
+    ``f16_table=True`` computes it as llama.cpp's CPU backend does: GELU of x rounded to
+    f16, the result rounded to f16, and exact 0 / x beyond ±10 (ggml reads a 65536-entry
+    f16 table). Models set it so their logits match llama.cpp's on the same file.
+    """
+    return _gelu_tanh(x, f16_table=True) if f16_table else _gelu_tanh(x)
 
 
 @composite("swiglu", _np_swiglu)

@@ -91,7 +91,7 @@ def ffn(cfg: ModelConfig, blk: Layer, x):
         g, u = gu[:, :F], gu[:, F:]
     else:
         g, u = ops.linear(h, blk["ffn_gate.weight"]), ops.linear(h, blk["ffn_up.weight"])   # (T, F)
-    a = ops.swiglu(g, u) if cfg.act == "silu" else ops.gelu_tanh(g) * u
+    a = ops.swiglu(g, u) if cfg.act == "silu" else ops.gelu_tanh(g, f16_table=True) * u   # ggml's GELU
     o = ops.linear(a, blk["ffn_down.weight"])                                      # (T, D)
     if cfg.post_norms:
         o = ops.rms_norm(o, blk["post_ffw_norm.weight"], eps=cfg.norm_eps)

@@ -79,8 +79,10 @@ def test_prefill_then_decode_equals_one_prefill(arch):
     s = Session(path, ctx=64)
     whole = s.logits(ids)
     s.reset()
-    parts = [s.step(ids[:7], last_only=False)] + [s.step([t], last_only=False) for t in ids[7:]]
-    np.testing.assert_allclose(np.concatenate(parts), whole, rtol=2e-4, atol=2e-4)
+    parts = np.concatenate([s.step(ids[:7], last_only=False)] + [s.step([t], last_only=False) for t in ids[7:]])
+    assert agreement(parts, whole) == (pytest.approx(1.0, abs=1e-6), 1.0)
+    # gemma's f16-table GELU can flip one f16 rounding between batch shapes: a relative bound
+    np.testing.assert_allclose(parts, whole, rtol=1e-3, atol=1e-3 * np.abs(whole).max())
     assert s.n_past == 20
 
 

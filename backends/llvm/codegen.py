@@ -28,7 +28,7 @@ SYMBOLS = ("T", "P")               # the runtime dims a program takes
 @dataclasses.dataclass
 class Buffer:
     """A memory region: a graph input, a weight, an activation, scratch, or a constant."""
-    kind: str                              # "input" | "param" | "act" | "scratch" | "const"
+    kind: str                              # "input" | "param" | "act" | "scratch" | "const" | "dim"
     name: str
     size: Callable[[dict], int]            # bytes, given the dims
     data: np.ndarray | None = None         # constants: their bytes
@@ -71,6 +71,7 @@ class Lowering:
             if isinstance(v.aval, DimAval):
                 if v.aval.symbol not in SYMBOLS:
                     raise LoweringError(f"llvm backend: dim input {v.aval.symbol} (only {SYMBOLS} are runtime dims)")
+                self.where[v] = Ref(self._add(Buffer("dim", v.aval.symbol, lambda dims: 4)))  # its value, as i32
                 continue
             self.input_index[v] = self._add(Buffer("input", v.hint or f"in{len(self.buffers)}", _aval_size(v.aval)))
             self.where[v] = Ref(self.input_index[v])

@@ -42,9 +42,13 @@ class LLVMProgram:
         self.table = np.zeros(len(self.spec.buffers), dtype=np.uint64)
         self._keep: dict[int, object] = {}            # arrays whose addresses are in the table
         self._arena = np.zeros(0, dtype=np.uint8)
+        self._dim_values = {}                          # dim inputs (P) as i32 scalars in memory
         for i, buf in enumerate(self.spec.buffers):
             if buf.kind == "const":
                 self._bind(i, buf.data)
+            elif buf.kind == "dim":
+                self._dim_values[buf.name] = np.zeros(1, dtype=np.int32)
+                self._bind(i, self._dim_values[buf.name])
         if weights is not None:
             self.bind_weights(weights)
 
@@ -115,6 +119,8 @@ class LLVMProgram:
         for v, i in self.spec.input_index.items():
             self._bind(i, values[v])
         self._layout(dims)
+        for name, cell in self._dim_values.items():
+            cell[0] = dims[name]
         T, P = int(dims.get("T", 1)), int(dims.get("P", 0))
         table, bar, n = self.table.ctypes.data, self.team.barrier_ptr, self.threads
         self.team.run(lambda ith: self.fn(table, T, P, ith, n, bar))
