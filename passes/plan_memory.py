@@ -320,7 +320,7 @@ class _Planner:
         """Free the buffers of roots whose last reader is eqn i (and of outputs nobody reads)."""
         dying = {self.root.get(a, a) for a in e.inputs if isinstance(a, Var)}
         dying |= {self.root.get(o, o) for o in e.outputs}
-        for r in dying:
+        for r in sorted(dying, key=lambda v: v.id):         # a set of vars: fix the order, plans must be stable
             b = self.buffer_of.get(r)
             if b is not None and self.holder[b] is r and self.last.get(r, i) == i:
                 self.holder[b] = None

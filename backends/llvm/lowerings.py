@@ -90,6 +90,8 @@ def _body_of(e):
 @lowering("fused", "add", "sub", "mul", "div", "max", "neg", "exp", "log", "sqrt", "rsqrt", "tanh",
           "sin", "cos", "cast", "less", "where")
 def _fused(lw, e):
+    if e.body is None and _needs_nd(e.outputs[0].aval):
+        return _elementwise_nd(lw, e)
     body = _body_of(e)
     operands = [a for a in e.inputs if not isinstance(a, Literal)] if e.body is None else list(e.inputs)
     in_avals = [a.aval for a in operands]
@@ -98,6 +100,28 @@ def _fused(lw, e):
     E.emit_fused(lw.module, lw.target, body, in_avals, out_avals, name)
     outs = [lw.output(o) for o in e.outputs]
     lw.call(name, *[lw.ref(a) for a in operands], *outs, E.fused_rows(body), writes=outs)
+
+
+def _needs_nd(aval) -> bool:
+    """More than one runtime dim, or a runtime row length: beyond the fused loops' iteration space."""
+    symbolic = [d for d in aval.shape if isinstance(d, Sym)]
+    return len(symbolic) > 1 or (bool(aval.shape) and isinstance(aval.shape[-1], Sym))
+
+
+_KINDS = {"f32": "f32", "i32": "i32", "i8": "i8"}
+
+
+def _elementwise_nd(lw, e):
+    """One elementwise op over operands broadcast to a shape with several runtime dims."""
+    out_aval = e.outputs[0].aval
+    if out_aval.ndim > G.RANK:
+        raise LoweringError(f"llvm backend: {e.prim.name} on rank {out_aval.ndim} > {G.RANK}")
+    kinds = tuple(_KINDS[a.aval.dtype.name] for a in e.inputs)
+    name = G.elementwise_nd(lw.module, e.prim.name, kinds, _KINDS[out_aval.dtype.name])
+    out = lw.output(e.outputs[0])
+    pad = lambda shape: (1,) * (G.RANK - len(shape)) + tuple(shape)                 # noqa: E731
+    dims = [d for a in e.inputs for d in pad(a.aval.shape)]
+    lw.call(name, *[lw.ref(a) for a in e.inputs], out, *pad(out_aval.shape), *dims, writes=(out,))
 
 
 @lowering("reduce_sum", "reduce_max")
@@ -198,8 +222,7 @@ def _matmul(lw, e):
     M, Kd = a.aval.shape[-2], a.aval.shape[-1]
     N = b.aval.shape[-2]
     y = e.outputs[0].aval
-    batch = rows(Aval(y.shape[:-1] + (1,), y.dtype))
-    batch = _dim_div(batch, M)
+    batch = _dims_product(y.shape[:-2])
     a_batch = 0 if _dims_product(a.aval.shape[:-2]) == 1 else 1
     b_batch = 0 if _dims_product(b.aval.shape[:-2]) == 1 else 1
     out = lw.output(e.outputs[0])
@@ -211,13 +234,6 @@ def _dims_product(dims):
     for d in dims:
         out = d * out if isinstance(d, Sym) else out * d
     return out
-
-
-def _dim_div(total, m):
-    """batch = rows / M, where both are dim expressions and M divides exactly."""
-    if isinstance(total, int) and isinstance(m, int):
-        return total // m
-    raise LoweringError("llvm backend: batched matmul with symbolic batch dims is not supported")
 
 
 # -- attention ----------------------------------------------------------------------------------
