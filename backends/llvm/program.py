@@ -29,11 +29,13 @@ ALIGN = 64
 class LLVMProgram:
     """A graph compiled to one native program for the host's (or a forced) feature set."""
 
-    def __init__(self, graph, weights=None, threads: int | None = None, target=None):
+    def __init__(self, graph, weights=None, threads: int | None = None, target=None, profile: bool = False):
         self.graph = graph
         self.target = target or host_target()
+        self.profile = profile
+        self.last_profile: list[tuple] = []           # (call, seconds) of the last run, when profiling
         t0 = time.perf_counter()
-        self.spec = lower(graph, self.target)
+        self.spec = lower(graph, self.target, profile)
         self.lib = jit.compile(self.spec.module, self.target)
         self.compile_s = time.perf_counter() - t0
         self.fn = self.lib.function(self.spec.name, None, PROGRAM_ARGS)
@@ -49,6 +51,9 @@ class LLVMProgram:
             elif buf.kind == "dim":
                 self._dim_values[buf.name] = np.zeros(1, dtype=np.int32)
                 self._bind(i, self._dim_values[buf.name])
+            elif buf.kind == "profile":
+                self._cycles = np.zeros(len(self.spec.calls) + 1, dtype=np.int64)
+                self._bind(i, self._cycles)
         if weights is not None:
             self.bind_weights(weights)
 
@@ -123,7 +128,13 @@ class LLVMProgram:
             cell[0] = dims[name]
         T, P = int(dims.get("T", 1)), int(dims.get("P", 0))
         table, bar, n = self.table.ctypes.data, self.team.barrier_ptr, self.threads
+        t0 = time.perf_counter()
         self.team.run(lambda ith: self.fn(table, T, P, ith, n, bar))
+        if self.profile:
+            wall = time.perf_counter() - t0
+            ticks = np.diff(self._cycles)
+            per_tick = wall / max(int(self._cycles[-1] - self._cycles[0]), 1)   # calibrate the counter
+            self.last_profile = [(c, float(t) * per_tick) for c, t in zip(self.spec.calls, ticks)]
         return [self._output(o, v, dims) for o, v in zip(self.spec.outputs, g.outvars)]
 
     def _output(self, ref, var, dims):

@@ -1,0 +1,42 @@
+"""ggraph bench: JSON, sweeps with pipelines compared, and profiles against the roofline."""
+import json
+
+import pytest
+
+import zoo
+from ggraph import bench
+from ggraph.cli import main
+
+
+@pytest.fixture(scope="module")
+def model():
+    return str(zoo.cached_model("llama", "q8_0"))
+
+
+def test_bench_json_has_both_speeds(model, capsys):
+    assert main(["bench", model, "--pp", "8", "--tg", "4", "--threads", "2", "--json", "--repeats", "1"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["pp_tok_s"] > 0 and r["tg_tok_s"] > 0 and (r["pp"], r["tg"], r["threads"]) == (8, 4, 2)
+
+
+def test_sweep_compares_pipelines(model, capsys):
+    assert main(["bench", model, "-p", "4,8", "-n", "2", "-t", "1", "--compare", "fused,unfused", "--repeats", "1"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].split()[:3] == ["engine", "passes", "threads"] and len(out) == 5
+    assert sum("default" in line for line in out) == 2 and sum(" none " in line for line in out) == 2
+
+
+def test_profile_covers_every_call(model):
+    prof = bench.profile_ggraph(model, pp=8, threads=2)
+    for step in ("prefill", "decode"):
+        ops = {r["name"]: r for r in prof[step]["op"]}
+        assert {"fused", "rope_attention"} <= set(ops) and any(k.startswith("qmatmul") for k in ops)
+        assert sum(r["share"] for r in prof[step]["op"]) == pytest.approx(1.0)
+        assert all(r["seconds"] >= 0 and r["bytes"] > 0 for r in prof[step]["op"] if r["name"] != "iota")
+        assert {"blk.0", "blk.1", "output"} <= {r["name"] for r in prof[step]["layer"]}
+    assert prof["roofline"]["bandwidth_gb_s"] > 0.5 and prof["roofline"]["peak_gflop_s"] > 1
+
+
+def test_profile_needs_llvm(model, capsys):
+    assert main(["bench", model, "--backend", "numpy", "--profile", "--pp", "2", "--tg", "1", "--repeats", "1"]) == 1
+    assert "use --backend llvm" in capsys.readouterr().err
