@@ -19,9 +19,12 @@ class ContextFullError(ValueError):
 
 
 class Session:
-    """A loaded model ready to run: ``.logits(tokens)``, ``.generate(prompt)``, ``.chat(messages)``."""
+    """A loaded model ready to run: ``.logits(tokens)``, ``.generate(prompt)``, ``.chat(messages)``.
 
-    def __init__(self, path, backend: str = "numpy", threads: int | None = None, passes="default",
+    The default backend is the native one ("llvm"); "numpy" is the slow, exact reference.
+    """
+
+    def __init__(self, path, backend: str = "llvm", threads: int | None = None, passes="default",
                  ctx: int = 4096, disabled=(), profile: bool = False):
         from ggraph.models import load
         from ggraph.tokenizer import Tokenizer

@@ -28,7 +28,7 @@ def agreement(a: np.ndarray, b: np.ndarray) -> tuple[float, float]:
 
 def assert_conforms(path, ids, ctx=128, min_cos=0.995, min_top1=0.9, **session):
     want = oracle.llama_logits(path, ids, n_ctx=ctx)
-    got = Session(path, ctx=ctx, **session).logits(ids)
+    got = Session(path, backend="numpy", ctx=ctx, **session).logits(ids)
     assert got.shape == want.shape and got.dtype == np.float32
     cos, top1 = agreement(got, want)
     assert cos >= min_cos and top1 >= min_top1, f"{path.name}: min cosine {cos:.5f}, top-1 {top1:.3f}"
@@ -76,7 +76,7 @@ def test_prefill_then_decode_equals_one_prefill(arch):
     """The KV cache is right: a prefill then one-token steps give the all-at-once logits."""
     path = zoo.cached_model(arch, "q8_0")
     ids = prompt_ids(20)
-    s = Session(path, ctx=64)
+    s = Session(path, backend="numpy", ctx=64)
     whole = s.logits(ids)
     s.reset()
     parts = np.concatenate([s.step(ids[:7], last_only=False)] + [s.step([t], last_only=False) for t in ids[7:]])
@@ -91,14 +91,14 @@ def test_greedy_generation_matches_llama_cpp_on_a_zoo_model(arch):
     """f32 weights: the same arithmetic as llama.cpp, so random models' near-ties agree too."""
     path = zoo.cached_model(arch, "f32")
     ids = prompt_ids(12)
-    s = Session(path, ctx=64)
+    s = Session(path, backend="numpy", ctx=64)
     want = oracle.llama_greedy(path, ids, 16, n_ctx=64)
     text = s.generate(ids, max_tokens=16, temperature=0)
     assert text == s.tokenizer.decode(want)
 
 
 def test_context_overflow_is_a_clear_error():
-    s = Session(zoo.cached_model("llama", "f32"), ctx=16)
+    s = Session(zoo.cached_model("llama", "f32"), backend="numpy", ctx=16)
     s.logits(prompt_ids(10))
     with pytest.raises(ContextFullError, match=r"context full: 10 tokens in the cache \+ 7 new > ctx=16"):
         s.step(prompt_ids(7))
@@ -107,7 +107,7 @@ def test_context_overflow_is_a_clear_error():
 
 
 def test_sampling_is_seeded_and_stops():
-    s = Session(zoo.cached_model("llama", "f32"), ctx=64)
+    s = Session(zoo.cached_model("llama", "f32"), backend="numpy", ctx=64)
     a = s.generate(prompt_ids(5), max_tokens=8, temperature=0.9, seed=3)
     b = s.generate(prompt_ids(5), max_tokens=8, temperature=0.9, seed=3)
     assert a == b
@@ -149,7 +149,7 @@ def gemma():
 
 @pytest.mark.slow
 def test_gemma3_270m_logits_match_llama_cpp(gemma):
-    s = Session(gemma, ctx=128)
+    s = Session(gemma, backend="numpy", ctx=128)
     ids = s.tokenizer.encode(GEMMA_PROMPT)
     assert len(ids) >= 30 and ids == oracle.llama_tokenize(gemma, GEMMA_PROMPT)
     cos, top1 = agreement(s.logits(ids), oracle.llama_logits(gemma, ids, n_ctx=128))
@@ -158,7 +158,7 @@ def test_gemma3_270m_logits_match_llama_cpp(gemma):
 
 @pytest.mark.slow
 def test_gemma3_270m_greedy_text_matches_llama_cpp(gemma):
-    s = Session(gemma, ctx=128)
+    s = Session(gemma, backend="numpy", ctx=128)
     for prompt in ["Once upon a time, in a land far away,", "def fibonacci(n):"]:
         ids = s.tokenizer.encode(prompt)
         want = oracle.llama_greedy(gemma, ids, 16, n_ctx=128)
