@@ -174,6 +174,17 @@ def cmd_bench(args) -> int:
                 r = bench.bench_llama_cpp(path, pp, tg, threads, repeats=args.repeats)
             results.append(r.row())
             bar.advance()
+    if args.profile:
+        if args.backend != "llvm":
+            raise ValueError("--profile times the native program: use --backend llvm")
+        for (pp, _, threads), pipe in {((c[0], 0, c[2]), p) for c in configs for p in pipelines}:
+            prof = bench.profile_ggraph(path, pp, threads, passes=passes_arg(pipe))
+            for r in results:
+                if r["engine"] == "ggraph" and (r["pp"], r["threads"], r["passes"]) == (pp, threads, pipe):
+                    r["profile"], r["roofline"] = prof, prof["roofline"]
+    if args.plot:
+        from ggraph.bench_plot import plot_results
+        print(f"wrote {plot_results(results, args.plot)}", file=sys.stderr)
     if args.json:
         print(json.dumps(results[0] if len(results) == 1 else {"results": results}, indent=1))
         return 0
@@ -184,7 +195,24 @@ def cmd_bench(args) -> int:
             print(",".join(str(r[k]) for k in keys))
         return 0
     print(bench_table(results))
+    for r in results:
+        if "profile" in r:
+            print(profile_report(r))
     return 0
+
+
+def profile_report(r: dict) -> str:
+    """Per-op and per-layer tables of one profiled configuration, against the roofline."""
+    from ggraph.bench import profile_table
+    roof = r["roofline"]
+    head = (f"\nprofile: {r['passes']} pipeline, {roof['threads']} thread(s), {roof['target']}; roofline: "
+            f"{roof['bandwidth_gb_s']:.1f} GB/s measured, {roof['peak_gflop_s']:.0f} GFLOP/s f32 and "
+            f"{roof['peak_int8_gop_s']:.0f} Gop/s int8 peak ('of roofline' = the time the limit allows / the time taken)")
+    parts = [head]
+    for step, label in (("prefill", f"prefill of {r['pp']} tokens"), ("decode", "one decode step")):
+        parts.append(profile_table(f"{label}, by op:", r["profile"][step]["op"]))
+        parts.append(profile_table(f"{label}, by layer:", r["profile"][step]["layer"]))
+    return "\n".join(parts)
 
 
 def bench_table(results: list[dict]) -> str:
@@ -259,7 +287,8 @@ def _add_model_arg(p):
 
 
 def _add_compile_args(p):
-    p.add_argument("--backend", choices=["numpy", "llvm"], default="numpy", help="backend (default numpy)")
+    p.add_argument("--backend", choices=["numpy", "llvm"], default="llvm",
+                   help="llvm: native code for this CPU (default); numpy: the slow reference interpreter")
     p.add_argument("--threads", "-t", type=int, default=None, help="threads for the llvm backend (default: all cores)")
     p.add_argument("--passes", default="default", help="pipeline: default, none (unfused), or pass,pass,...")
     p.add_argument("--no-pass", action="append", default=[], metavar="NAME", help="switch off one pass (repeatable)")
@@ -312,6 +341,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=3, help="best of this many runs (default 3)")
     p.add_argument("--json", action="store_true", help="print JSON (one object for one configuration)")
     p.add_argument("--csv", action="store_true", help="print CSV rows")
+    p.add_argument("--profile", action="store_true",
+                   help="time every op inside the native program, per op kind and per layer, against the roofline")
+    from ggraph.bench_plot import plot_path
+    p.add_argument("--plot", metavar="FILE.png", type=plot_path,
+                   help="also draw tok/s bars with ratios (and a roofline with a profile)")
     p.set_defaults(fn=cmd_bench)
 
     p = sub.add_parser("target", help="show the host CPU features and the chosen kernel set",

@@ -1,20 +1,33 @@
-"""Pictures of a graph: graphviz ``dot`` when it is installed, else networkx + matplotlib.
+"""Pictures of a graph: graphviz ``dot`` when it is installed, else a layered layout drawn with matplotlib.
 
-    draw(graph, "layer3.png", layer=3)
+    draw(graph, "layer3.png", layer=3)      # one layer: one box per eqn
+    draw(graph, "model.svg")                # a whole model: one box per layer
 
-Both start from the same networkx model as the DOT text (``printing.graph_to_networkx``):
-nodes coloured by op kind, fused and composite nodes outlined, edges labelled by shape.
+Both renderers draw the networkx model the DOT text is made from (``printing.graph_to_networkx``):
+nodes coloured by op kind, fused kernels outlined, edges labelled with value, dtype, shape
+and bytes. The matplotlib layout is a small Sugiyama layout: rows by longest path, long edges
+routed through invisible points, rows ordered by barycentre to cut crossings, and x pulled
+toward each node's neighbours.
 """
 from __future__ import annotations
 
+import dataclasses
 import shutil
 import subprocess
-import textwrap
 from pathlib import Path
 
 from ggraph.core import Graph
 
 FORMATS = ("png", "svg")
+
+# sizes in inches (the axes are laid out in inches, so text and boxes scale together)
+FONT, EDGE_FONT = 6.5, 5.5          # points
+CHAR_W, LINE_H = 0.057, 0.11         # a monospace character and a line at FONT
+EDGE_CHAR_W, EDGE_LINE_H = 0.048, 0.095   # the same at EDGE_FONT
+PAD_X, PAD_Y = 0.14, 0.08            # inside a box
+GAP_X, GAP_Y = 0.22, 0.32            # between boxes
+ROUTE_W = 0.1                        # the width a long edge takes as it passes a row
+MARGIN, HEADER = 0.25, 0.55          # around the drawing, and the title + legend band on top
 
 
 def draw(graph: Graph, path, layer: int | None = None, fmt: str | None = None) -> str:
@@ -33,54 +46,258 @@ def draw(graph: Graph, path, layer: int | None = None, fmt: str | None = None) -
     return "matplotlib"
 
 
-def layered_positions(g) -> dict:
-    """x, y per node: rows by longest path from the inputs, each input just above its first reader."""
-    import networkx as nx
-    depth: dict = {}
-    for n in nx.topological_sort(g):
-        preds = [depth[p] for p in g.predecessors(n)]
-        depth[n] = 1 + max(preds) if preds else 0
-    for n in g:
-        if g.in_degree(n) == 0 and g.out_degree(n):
-            depth[n] = min(depth[c] for c in g.successors(n)) - 1
-    order = {n: k for k, n in enumerate(g.nodes)}
-    rows: dict[int, list] = {}
-    for n in sorted(g, key=order.get):
-        rows.setdefault(depth[n], []).append(n)
-    return {n: (k - (len(row) - 1) / 2, -d) for d, row in rows.items() for k, n in enumerate(row)}
+# ---------------------------------------------------------------------------------------
+# layout
+# ---------------------------------------------------------------------------------------
 
+def box_size(label: str) -> tuple[float, float]:
+    """(width, height) in inches of a box holding ``label`` in monospace."""
+    lines = label.split("\n")
+    return PAD_X * 2 + CHAR_W * max(len(s) for s in lines), PAD_Y * 2 + LINE_H * len(lines)
+
+
+def ranks(g, sweeps: int = 4) -> dict:
+    """Row of each node: longest path from the sources, then each node moved to the median row its
+    neighbours want (within the rows its edges allow), so weights and dequants sit by their readers."""
+    import networkx as nx
+    order = list(nx.topological_sort(g))
+    rank: dict = {}
+    for n in order:
+        rank[n] = max((rank[p] + 1 for p in g.predecessors(n)), default=0)
+    for s in range(sweeps):
+        for n in order[::-1] if s % 2 == 0 else order:
+            lo = max((rank[p] + 1 for p in g.predecessors(n)), default=-10**9)
+            hi = min((rank[c] - 1 for c in g.successors(n)), default=10**9)
+            want = sorted([rank[p] + 1 for p in g.predecessors(n)] + [rank[c] - 1 for c in g.successors(n)])
+            if want:
+                rank[n] = min(max(want[len(want) // 2], lo), hi)
+    low = min(rank.values(), default=0)
+    return {n: r - low for n, r in rank.items()}
+
+
+def route_long_edges(g, rank: dict) -> tuple[list[list], dict, dict, dict]:
+    """Rows of nodes plus one routing point ``("route", a, b, row)`` per row an edge a->b passes.
+
+    Returns (rows, routes: edge -> its chain of nodes and points, ups, downs: neighbours in the row above/below).
+    """
+    rows: list[list] = [[] for _ in range(max(rank.values(), default=-1) + 1)]
+    for n in g:                                              # networkx keeps insertion (graph) order
+        rows[rank[n]].append(n)
+    routes, ups, downs = {}, {n: [] for n in g}, {n: [] for n in g}
+    for a, b in g.edges:
+        chain = [a] + [("route", a, b, r) for r in range(rank[a] + 1, rank[b])] + [b]
+        for r, p in zip(range(rank[a] + 1, rank[b]), chain[1:-1]):
+            rows[r].append(p)
+            ups[p], downs[p] = [], []
+        for p, q in zip(chain, chain[1:]):
+            downs[p].append(q)
+            ups[q].append(p)
+        routes[(a, b)] = chain
+    return rows, routes, ups, downs
+
+
+def order_rows(rows: list[list], ups: dict, downs: dict, sweeps: int = 4) -> None:
+    """Reorder each row by the mean position of its neighbours in the row before (or after)."""
+    def sweep(row, neighbours, index):
+        here = {n: k for k, n in enumerate(row)}
+        key = {n: sum(index[m] for m in neighbours[n]) / len(neighbours[n]) if neighbours[n] else here[n]
+               for n in row}
+        row.sort(key=key.get)
+    for s in range(sweeps):
+        down = s % 2 == 0
+        for r in range(1, len(rows)) if down else range(len(rows) - 2, -1, -1):
+            near = rows[r - 1] if down else rows[r + 1]
+            sweep(rows[r], ups if down else downs, {n: k for k, n in enumerate(near)})
+
+
+def place_x(rows: list[list], widths: dict, ups: dict, downs: dict, iters: int = 8) -> dict:
+    """x of each node's centre: packed rows, then pulled toward neighbours while keeping the gaps."""
+    x = {}
+    for row in rows:
+        at = 0.0
+        for n in row:
+            x[n] = at + widths[n] / 2
+            at += widths[n] + GAP_X
+    for it in range(iters):
+        down = it % 2 == 0
+        for row in rows if down else rows[::-1]:
+            want = [_pulled(n, x, ups, downs, down) for n in row]
+            sep = [(widths[a] + widths[b]) / 2 + GAP_X for a, b in zip(row, row[1:])]
+            left = want[:]
+            for k in range(1, len(row)):
+                left[k] = max(left[k], left[k - 1] + sep[k - 1])
+            right = want[:]
+            for k in range(len(row) - 2, -1, -1):
+                right[k] = min(right[k], right[k + 1] - sep[k])
+            for n, a, b in zip(row, left, right):
+                x[n] = (a + b) / 2
+    low = min((x[n] - widths[n] / 2 for n in x), default=0.0)
+    return {n: v - low + MARGIN for n, v in x.items()}
+
+
+def _pulled(n, x: dict, ups: dict, downs: dict, down: bool) -> float:
+    """Where ``n``'s neighbours want it: their mean x, the rows already placed in this sweep counted twice."""
+    near = (ups[n] if down else downs[n]) * 2 + (downs[n] if down else ups[n])
+    return sum(x[m] for m in near) / len(near) if near else x[n]
+
+
+# ---------------------------------------------------------------------------------------
+# geometry
+# ---------------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class Layout:
+    """Where everything goes, in inches from the top left (y grows downwards)."""
+    boxes: dict             # node -> (x0, y0, w, h)
+    labels: list            # (text, x0, y0, w, h): each value's label, once, under its producer
+    paths: dict             # edge (a, b) -> the points its curve passes through, top to bottom
+    width: float
+    height: float
+
+
+def layout(g) -> Layout:
+    """Boxes sized to their labels, rows by rank, long edges routed, value labels in the gaps."""
+    g = g.copy()
+    g.remove_nodes_from([n for n in list(g) if g.degree(n) == 0])
+    rank = ranks(g)
+    rows, routes, ups, downs = route_long_edges(g, rank)
+    order_rows(rows, ups, downs)
+    size = {n: box_size(d["label"]) for n, d in g.nodes(data=True)}
+    widths = {n: max(size[n][0], _labels_width(g, n)) if n in size else ROUTE_W for row in rows for n in row}
+    x = place_x(rows, widths, ups, downs)
+    top, bottom = _rows_y(g, rows, size)
+    box_y = {n: (top[rank[n]] + bottom[rank[n]] - size[n][1]) / 2 for n in g}      # centred in its row
+    boxes = {n: (x[n] - size[n][0] / 2, box_y[n], *size[n]) for n in g}
+    port = _ports(g, x, routes, widths)
+    paths = {}
+    for (a, b), chain in routes.items():
+        pts = [(port[((a, b), "out")], box_y[a] + size[a][1])]
+        for p in chain[1:-1]:
+            pts += [(x[p], top[p[3]]), (x[p], bottom[p[3]])]
+        paths[(a, b)] = pts + [(port[((a, b), "in")], box_y[b])]
+    labels = []
+    for n in g:
+        y = box_y[n] + size[n][1] + 0.03
+        for text, _ in _edge_labels(g, n):
+            w, h = _label_size(text)
+            labels.append((text, x[n] - w / 2, y, w, h))
+            y += h
+    width = max(max((x[n] + widths[n] / 2 for n in x), default=1.0) + MARGIN, 6.0)
+    return Layout(boxes, labels, paths, width, max((bottom[-1] if bottom else 0.0) + MARGIN, 2.0))
+
+
+def _rows_y(g, rows: list[list], size: dict) -> tuple[list[float], list[float]]:
+    """Top and bottom y of each row; the gap under a row fits the value labels stacked beneath it."""
+    top, bottom, y = [], [], HEADER
+    for row in rows:
+        h = max((size[n][1] for n in row if n in size), default=LINE_H)
+        below = max((sum(_label_size(s)[1] for s, _ in _edge_labels(g, n)) for n in row if n in size), default=0.0)
+        top.append(y)
+        bottom.append(y + h)
+        y += h + GAP_Y + below
+    return top, bottom
+
+
+def _edge_labels(g, n) -> list[tuple[str, tuple]]:
+    """The distinct labels of the values leaving ``n``, each with its first edge (weights label their box)."""
+    if g.nodes[n]["kind"] == "weight":
+        return []
+    seen: dict[str, tuple] = {}
+    for a, b, d in g.out_edges(n, data=True):
+        if d.get("label"):
+            seen.setdefault(d["label"], (a, b))
+    return list(seen.items())
+
+
+def _label_size(text: str) -> tuple[float, float]:
+    lines = text.split("\n")
+    return max(len(s) for s in lines) * EDGE_CHAR_W + 0.06, len(lines) * EDGE_LINE_H
+
+
+def _labels_width(g, n) -> float:
+    return max((_label_size(s)[0] + 0.04 for s, _ in _edge_labels(g, n)), default=0.0)
+
+
+def _ports(g, x: dict, routes: dict, widths: dict) -> dict:
+    """Where each edge leaves its source and enters its target: spread along the box edges, by x order."""
+    port = {}
+    for n in g:
+        for side, edges in (("out", list(g.out_edges(n))), ("in", list(g.in_edges(n)))):
+            edges.sort(key=lambda e: x[routes[e][1] if side == "out" else routes[e][-2]])
+            step = min(0.7 * widths[n] / max(len(edges) - 1, 1), 0.3)
+            for k, e in enumerate(edges):
+                port[(e, side)] = x[n] + (k - (len(edges) - 1) / 2) * step
+    return port
+
+
+# ---------------------------------------------------------------------------------------
+# drawing
+# ---------------------------------------------------------------------------------------
 
 def draw_matplotlib(graph: Graph, path, layer: int | None, fmt: str) -> None:
-    """Draw the layered graph with matplotlib's object API (no pyplot, no global backend change)."""
+    """Lay out and draw the graph with matplotlib's object API (no pyplot, no global backend change)."""
     from matplotlib.figure import Figure
-    from matplotlib.patches import FancyBboxPatch
-    from ggraph.printing import KIND_COLOURS
     g = graph.to_networkx(layer=layer)
-    g.remove_nodes_from([n for n in list(g) if g.degree(n) == 0])      # inputs this view never reads
-    pos = layered_positions(g)
-    width = max((sum(1 for p in pos.values() if p[1] == y) for y in {p[1] for p in pos.values()}), default=1)
-    depth = 1 - min((p[1] for p in pos.values()), default=0)          # rows
-    xscale, yscale = 2.6, 1.0                            # inches per column and per row
-    fig = Figure(figsize=(max(4.0, width * xscale), max(3.0, depth * yscale)))
+    lay = layout(g)
+    fig = Figure(figsize=(lay.width, lay.height))
     ax = fig.add_axes((0, 0, 1, 1))
-    ax.set_xlim(-width / 2 - 0.2, width / 2 + 0.2)
-    ax.set_ylim(-depth + 0.4, 0.6)
+    ax.set_xlim(0, lay.width)
+    ax.set_ylim(lay.height, 0)                                # inches, y downwards
     ax.axis("off")
-    small = g.number_of_nodes() <= 120
-    for a, b, d in g.edges(data=True):
-        (x0, y0), (x1, y1) = pos[a], pos[b]
-        ax.annotate("", xy=(x1, y1 + 0.22), xytext=(x0, y0 - 0.22),
-                    arrowprops=dict(arrowstyle="->", color="#777777", lw=0.7, shrinkA=0, shrinkB=0), zorder=1)
-        if small and d.get("label"):
-            ax.text((x0 + x1) / 2, (y0 + y1) / 2, d["label"], fontsize=5, color="#555555", ha="center", va="center",
-                    zorder=2)
-    for n, d in g.nodes(data=True):
-        x, y = pos[n]
-        outlined = d.get("fused")
-        ax.add_patch(FancyBboxPatch((x - 0.45, y - 0.2), 0.9, 0.4, boxstyle="round,pad=0.02",
-                                    facecolor=KIND_COLOURS.get(d.get("kind"), "#ffffff"),
-                                    edgecolor="#c9184a" if outlined else "#444444", lw=2.0 if outlined else 0.6,
-                                    zorder=3))
-        label = "\n".join(textwrap.wrap(d.get("label", str(n)), 34)[:3])
-        ax.text(x, y, label, fontsize=6, ha="center", va="center", family="monospace", zorder=4)
+    _draw_header(ax, g, lay)
+    _draw_edges(ax, lay)
+    _draw_nodes(ax, g, lay)
     fig.savefig(str(path), format=fmt, dpi=110)
+
+
+def _curve(points: list[tuple[float, float]]):
+    """A path through ``points`` (top to bottom) of cubic pieces that leave and arrive vertically."""
+    from matplotlib.path import Path as MPath
+    verts, codes = [points[0]], [MPath.MOVETO]
+    for (x0, y0), (x1, y1) in zip(points, points[1:]):
+        mid = (y0 + y1) / 2
+        verts += [(x0, mid), (x1, mid), (x1, y1)]
+        codes += [MPath.CURVE4] * 3
+    return MPath(verts, codes)
+
+
+def _draw_header(ax, g, lay: Layout) -> None:
+    """The title, and a legend of the colours and outlines this picture uses."""
+    from matplotlib.patches import Patch
+    from ggraph.printing import EDGE_NOTE, FUSED_COLOUR, KIND_COLOURS
+    ax.text(MARGIN, 0.12, f"{g.graph.get('title', '')}    ({EDGE_NOTE})", fontsize=8, va="top", ha="left")
+    kinds = list(dict.fromkeys(g.nodes[n]["kind"] for n in lay.boxes))
+    handles = [Patch(facecolor=KIND_COLOURS.get(k, "#ffffff"), edgecolor="#444444", lw=0.6,
+                     linestyle="--" if k == "boundary" else "-",
+                     label="outside this view" if k == "boundary" else k) for k in kinds]
+    if any(g.nodes[n].get("fused") for n in lay.boxes):
+        handles.append(Patch(facecolor="#ffffff", edgecolor=FUSED_COLOUR, lw=2.0, label="fused kernel (outlined)"))
+    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(MARGIN / lay.width, 1 - 0.26 / lay.height),
+              ncol=len(handles), fontsize=6, frameon=False, handlelength=1.6, columnspacing=1.2)
+
+
+def _draw_edges(ax, lay: Layout) -> None:
+    """Each edge as a curve through its routing points; each value's label once, under its producer."""
+    from matplotlib.patches import FancyArrowPatch
+    for pts in lay.paths.values():
+        ax.add_patch(FancyArrowPatch(path=_curve(pts), arrowstyle="-|>", mutation_scale=7, color="#777777",
+                                     lw=0.7, zorder=1))
+    for text, x0, y0, w, _ in lay.labels:
+        ax.text(x0 + w / 2, y0, text, fontsize=EDGE_FONT, color="#333333", ha="center", va="top",
+                family="monospace", zorder=2,
+                bbox=dict(boxstyle="square,pad=0.05", facecolor="white", edgecolor="none", alpha=0.85))
+
+
+def _draw_nodes(ax, g, lay: Layout) -> None:
+    """Boxes filled by op kind; fused kernels outlined, values from outside the view dashed."""
+    from matplotlib.patches import FancyBboxPatch
+    from ggraph.printing import FUSED_COLOUR, KIND_COLOURS
+    for n, (x0, y0, w, h) in lay.boxes.items():
+        d = g.nodes[n]
+        fused = d.get("fused")
+        ax.add_patch(FancyBboxPatch((x0, y0), w, h, boxstyle="round,pad=0,rounding_size=0.05",
+                                    facecolor=KIND_COLOURS.get(d["kind"], "#ffffff"),
+                                    edgecolor=FUSED_COLOUR if fused else "#444444", lw=1.8 if fused else 0.6,
+                                    linestyle="--" if d["kind"] == "boundary" else "-", zorder=3))
+        ax.text(x0 + PAD_X, y0 + h / 2, d["label"], fontsize=FONT, ha="left", va="center",
+                family="monospace", linespacing=1.25, zorder=4)

@@ -100,8 +100,7 @@ def test_layer_view_edges_carry_name_shape_dtype_and_bytes(model, capsys):
         declared = re.findall(rf"\b{m[1]}:(\S+)", text)            # values from outside the layer are only read
         assert m and re.search(rf"\b{m[1]}\b", text) and declared in ([], [f"{m[2]}[{m[3]}]"]), d["label"]
         dims = [1 if s == "T" else int(s) for s in m[3].split(",") if s]
-        block, size = (1, np.dtype(m[2].replace("f32", "float32").replace("i32", "int32")).itemsize) \
-            if m[2] in ("f32", "i32") else gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[m[2].upper()]]
+        block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[m[2].upper()]]
         want = int(np.prod(dims)) // block * size
         assert float(m[4]) == pytest.approx(want / (1024 if m[5] == "KB" else 1), abs=0.05), d["label"]
     outside = [d["label"] for _, d in g.nodes(data=True) if d["kind"] == "boundary"]

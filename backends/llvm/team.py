@@ -3,7 +3,9 @@
 The barrier is emitted into the program module as ``ggraph_barrier(ptr state, i32 nth)``:
 every thread adds one to a counter; the last to arrive resets it and bumps a generation
 word, and the others spin (with ``pause``) until the generation moves. This is ggml's
-scheme. Python only starts the team: each thread makes one ctypes call into the program,
+scheme. A waiter that has spun for a while yields its core (``sched_yield``) between
+checks, so a machine with more runnable threads than cores degrades gently instead of
+stalling at every barrier. Python only starts the team: each thread makes one ctypes call into the program,
 and ctypes releases the GIL for its duration, so no Python runs per op.
 """
 from __future__ import annotations
@@ -15,6 +17,7 @@ import numpy as np
 from llvmlite import ir
 
 BARRIER = "ggraph_barrier"
+SPINS_BEFORE_YIELD = 1 << 12        # ~10-50 µs of pause loops before a waiter gives up its core
 _i32 = ir.IntType(32)
 
 
@@ -25,27 +28,45 @@ def emit_barrier(module: ir.Module, x86: bool) -> ir.Function:
     fn = ir.Function(module, ir.FunctionType(ir.VoidType(), [ir.PointerType(), _i32]), name=BARRIER)
     fn.linkage = "internal"
     state, nth = fn.args
-    entry, arrive, last, spin, done = (fn.append_basic_block(n) for n in ("entry", "arrive", "last", "spin", "done"))
-    b = ir.IRBuilder(entry)
-    b.cbranch(b.icmp_signed("<=", nth, ir.Constant(_i32, 1)), done, arrive)
-    b.position_at_end(arrive)
+    blocks = {n: fn.append_basic_block(n) for n in ("entry", "arrive", "last", "spin", "wait", "yield", "done")}
+    b = ir.IRBuilder(blocks["entry"])
+    b.cbranch(b.icmp_signed("<=", nth, ir.Constant(_i32, 1)), blocks["done"], blocks["arrive"])
+
+    b.position_at_end(blocks["arrive"])                       # count in; remember the generation
     count = state
     gen_ptr = b.gep(state, [ir.Constant(_i32, 1)], source_etype=_i32)
     gen = b.load_atomic(gen_ptr, "acquire", 4, typ=_i32)
     old = b.atomic_rmw("add", count, ir.Constant(_i32, 1), "acq_rel")
-    b.cbranch(b.icmp_signed("==", old, b.sub(nth, ir.Constant(_i32, 1))), last, spin)
-    b.position_at_end(last)
+    b.cbranch(b.icmp_signed("==", old, b.sub(nth, ir.Constant(_i32, 1))), blocks["last"], blocks["spin"])
+
+    b.position_at_end(blocks["last"])                         # the last one in releases everyone
     b.atomic_rmw("xchg", count, ir.Constant(_i32, 0), "release")    # (llvmlite's store_atomic needs typed pointers)
     b.atomic_rmw("add", gen_ptr, ir.Constant(_i32, 1), "release")
-    b.branch(done)
-    b.position_at_end(spin)
+    b.branch(blocks["done"])
+
+    b.position_at_end(blocks["spin"])                         # the others spin until the generation moves
+    spins = b.phi(_i32)
+    spins.add_incoming(ir.Constant(_i32, 0), blocks["arrive"])
     if x86:                                   # pause is SSE2: every x86-64 target has it
-        pause = ir.Function(module, ir.FunctionType(ir.VoidType(), []), name="llvm.x86.sse2.pause") \
-            if "llvm.x86.sse2.pause" not in module.globals else module.globals["llvm.x86.sse2.pause"]
+        pause = module.globals.get("llvm.x86.sse2.pause") or \
+            ir.Function(module, ir.FunctionType(ir.VoidType(), []), name="llvm.x86.sse2.pause")
         b.call(pause, [])
     now = b.load_atomic(gen_ptr, "acquire", 4, typ=_i32)
-    b.cbranch(b.icmp_signed("==", now, gen), spin, done)
-    b.position_at_end(done)
+    more = b.add(spins, ir.Constant(_i32, 1))
+    b.cbranch(b.icmp_signed("!=", now, gen), blocks["done"], blocks["wait"])
+
+    b.position_at_end(blocks["wait"])                         # every so often, give the core away
+    due = b.icmp_signed("==", b.and_(more, ir.Constant(_i32, SPINS_BEFORE_YIELD - 1)), ir.Constant(_i32, 0))
+    b.cbranch(due, blocks["yield"], blocks["spin"])
+    spins.add_incoming(more, blocks["wait"])
+
+    b.position_at_end(blocks["yield"])
+    sched_yield = module.globals.get("sched_yield") or ir.Function(module, ir.FunctionType(_i32, []), name="sched_yield")
+    b.call(sched_yield, [])
+    b.branch(blocks["spin"])
+    spins.add_incoming(more, blocks["yield"])
+
+    b.position_at_end(blocks["done"])
     b.ret_void()
     return fn
 

@@ -1,0 +1,246 @@
+"""Pictures of benchmark results: tok/s bars with ratios, and a roofline when the results carry a profile.
+
+    plot_results(results, "bench.png")     # results: the dicts `ggraph bench --json` prints
+
+A result may carry ``profile`` and ``roofline`` (``ggraph bench --profile`` adds both). The
+profile is ``bench.profile_ggraph``'s {"prefill": {"op": rows}, "decode": {"op": rows}} or a
+plain list of rows; a row has "op" (or "name"), "seconds", "bytes", "flops", and may have
+"phase" and "roofline" (the time the limit allows over the time taken). The roofline is
+{"bandwidth_gb_s", "peak_gflop_s"[, "peak_int8_gop_s"]}. With a profile, two more panels show
+each op kind's achieved GFLOP/s under the roofs, and how near its roof each op kind runs.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+RESULT_FIELDS = ("engine", "pp", "tg", "threads", "pp_tok_s", "tg_tok_s")
+ROW_FIELDS = ("seconds", "bytes", "flops")
+PHASES = ("prefill", "decode")
+COLOURS = ("#4c78a8", "#f58518", "#54a24b", "#e45756", "#72b7b2", "#b279a2", "#ff9da6", "#9d755d")
+PHASE_MARKERS = {"prefill": "o", "decode": "^"}
+TOP_OPS = 12                                   # op kinds shown in the "near the roof" panel
+LABELLED = 4                                   # op kinds named on the roofline, per profile and phase
+PLOT_FORMATS = ("png", "svg", "pdf")
+
+
+def profile_rows(profile, where: str = "profile") -> list[dict]:
+    """The rows of a profile in either form, as {"phase", "op", "seconds", "bytes", "flops"[, "bound_s"]}."""
+    if isinstance(profile, dict):
+        if not set(PHASES) & set(profile):                     # other keys (its roofline) are not rows
+            raise ValueError(f"{where}: expected prefill/decode sections, got keys {sorted(profile)}")
+        listed = [(f"{where}.{phase} row {j}", dict(row, phase=phase)) for phase in PHASES if phase in profile
+                  for j, row in enumerate(_op_section(profile[phase], f"{where}.{phase}"))]
+    elif isinstance(profile, (list, tuple)):
+        listed = [(f"{where} row {j}", row) for j, row in enumerate(profile)]
+    else:
+        raise ValueError(f"{where}: expected a list of rows or prefill/decode sections, got {type(profile).__name__}")
+    rows = []
+    for at, row in listed:
+        op = row.get("op", row.get("name"))
+        gone = [f for f in ROW_FIELDS if f not in row] + ([] if op is not None else ["op"])
+        if gone:
+            raise ValueError(f"{at} has no {', '.join(gone)}")
+        out = {"phase": row.get("phase", ""), "op": str(op), **{f: float(row[f]) for f in ROW_FIELDS}}
+        if "roofline" in row:
+            out["bound_s"] = float(row["roofline"]) * out["seconds"]
+        rows.append(out)
+    return rows
+
+
+def _op_section(section, where: str) -> list:
+    if not isinstance(section, dict) or "op" not in section:
+        raise ValueError(f"{where}: expected {{'op': rows, ...}}")
+    return section["op"]
+
+
+def check(results: list[dict]) -> None:
+    """Raise a ValueError naming the result and field that a plot cannot be drawn without."""
+    if not results:
+        raise ValueError("bench plot: no results to draw")
+    for k, r in enumerate(results):
+        missing = [f for f in RESULT_FIELDS if f not in r]
+        if missing:
+            raise ValueError(f"bench plot: result {k} has no {', '.join(missing)}")
+        if r.get("profile"):
+            profile_rows(r["profile"], f"bench plot: result {k} profile")
+        roof = r.get("roofline")
+        if roof is not None and not {"bandwidth_gb_s", "peak_gflop_s"} <= set(roof):
+            raise ValueError(f"bench plot: result {k} roofline needs bandwidth_gb_s and peak_gflop_s, "
+                             f"got {sorted(roof)}")
+
+
+def run_name(r: dict) -> str:
+    """engine and pipeline: ``ggraph default``, ``ggraph none``, ``llama.cpp``."""
+    return f"{r['engine']} {r['passes']}" if r.get("passes") else r["engine"]
+
+
+def ratios(results: list[dict], field: str) -> list[float]:
+    """Each result's ``field`` over the first result with the same (pp, tg, threads), as ``ggraph bench`` prints."""
+    first: dict[tuple, float] = {}
+    out = []
+    for r in results:
+        base = first.setdefault((r["pp"], r["tg"], r["threads"]), r[field])
+        out.append(r[field] / base if base else float("nan"))
+    return out
+
+
+def op_kinds(rows: list[dict]) -> list[dict]:
+    """Profile rows summed per (phase, op): seconds, bytes, flops (and bound time); slowest first."""
+    kinds: dict[tuple, dict] = {}
+    for e in rows:
+        key = (e["phase"], e["op"])
+        row = kinds.setdefault(key, {"phase": key[0], "op": key[1], "seconds": 0.0, "bytes": 0.0, "flops": 0.0})
+        for f in ("seconds", "bytes", "flops", "bound_s"):
+            if f in e:
+                row[f] = row.get(f, 0.0) + e[f]
+    return sorted(kinds.values(), key=lambda r: -r["seconds"])
+
+
+def roof_fraction(row: dict, roof: dict) -> float:
+    """The time the roofline allows over the time taken (1 = at the limit); the profile's own bound if it has one."""
+    if row["seconds"] <= 0:
+        return float("nan")
+    if "bound_s" in row:
+        return row["bound_s"] / row["seconds"]
+    if not roof:
+        return float("nan")
+    bound = max(row["bytes"] / (roof["bandwidth_gb_s"] * 1e9), row["flops"] / (roof["peak_gflop_s"] * 1e9))
+    return bound / row["seconds"]
+
+
+# ---------------------------------------------------------------------------------------
+# panels
+# ---------------------------------------------------------------------------------------
+
+def _speed_bars(ax, results: list[dict], field: str, size_field: str, title: str) -> None:
+    """Grouped bars: one group per (threads, size), one bar per engine/pipeline, labelled with the ratio."""
+    names = list(dict.fromkeys(run_name(r) for r in results))
+    groups = list(dict.fromkeys((r["threads"], r[size_field]) for r in results))
+    width = 0.8 / len(names)
+    for r, ratio in zip(results, ratios(results, field)):
+        k, g = names.index(run_name(r)), groups.index((r["threads"], r[size_field]))
+        x = g + (k - (len(names) - 1) / 2) * width
+        ax.bar(x, r[field], width * 0.92, color=COLOURS[k % len(COLOURS)], label=run_name(r) if g == 0 else None)
+        ax.text(x, r[field], f"{r[field]:.1f}\n{ratio:.2f}x", ha="center", va="bottom", fontsize=7)
+    ax.set_xticks(range(len(groups)), [f"{t} thread{'s' * (t != 1)}\n{size_field}={n}" for t, n in groups])
+    ax.set_ylabel("tokens / s")
+    ax.set_title(title, fontsize=10)
+    ax.margins(y=0.25)
+    ax.legend(fontsize=7, loc="upper left")
+
+
+def _profiled(results: list[dict]) -> list[tuple[str, dict, list[dict]]]:
+    """(name, roofline or {}, op kinds) of each result that carries a profile."""
+    return [(f"{run_name(r)} {r['threads']}t pp={r['pp']}", r.get("roofline") or {},
+             op_kinds(profile_rows(r["profile"]))) for r in results if r.get("profile")]
+
+
+def _roofline(ax, profiled) -> None:
+    """Achieved GFLOP/s against arithmetic intensity, under the bandwidth slope and the compute roof."""
+    import numpy as np
+    roofs = [roof for _, roof, _ in profiled if roof]
+    points = [(name, row) for name, _, rows in profiled for row in rows
+              if row["flops"] > 0 and row["bytes"] > 0 and row["seconds"] > 0]
+    ai = [row["flops"] / row["bytes"] for _, row in points] or [1.0]
+    xs = np.geomspace(min(ai) / 4, max(ai) * 4, 64)
+    for roof in roofs[:1]:
+        bw, peak = roof["bandwidth_gb_s"], roof["peak_gflop_s"]
+        ax.plot(xs, np.minimum(peak, bw * xs), color="#333333", lw=1.2,
+                label=f"roof: {bw:.1f} GB/s, {peak:.0f} GFLOP/s f32")
+        if roof.get("peak_int8_gop_s"):
+            ax.plot(xs, np.minimum(roof["peak_int8_gop_s"], bw * xs), color="#333333", lw=0.8, ls="--",
+                    label=f"int8 roof: {roof['peak_int8_gop_s']:.0f} Gop/s")
+    names = list(dict.fromkeys(name for name, _, _ in profiled))
+    ranked: dict[tuple, int] = {}
+    for name, row in points:                      # rows come slowest first: name the slowest few per phase
+        rank = ranked[(name, row["phase"])] = ranked.get((name, row["phase"]), -1) + 1
+        colour = COLOURS[names.index(name) % len(COLOURS)]
+        x, y = row["flops"] / row["bytes"], row["flops"] / row["seconds"] / 1e9
+        ax.scatter(x, y, color=colour, marker=PHASE_MARKERS.get(row["phase"], "s"), s=22 if rank < LABELLED else 8,
+                   alpha=1.0 if rank < LABELLED else 0.5, zorder=3)
+        if rank < LABELLED:
+            ax.annotate(f"{row['phase'] + ' ' if row['phase'] else ''}{row['op']}", (x, y), fontsize=6,
+                        xytext=(3, 3), textcoords="offset points")
+    for k, name in enumerate(names):
+        ax.scatter([], [], color=COLOURS[k % len(COLOURS)], label=name)
+    for phase in dict.fromkeys(row["phase"] for _, row in points):
+        ax.scatter([], [], color="#777777", marker=PHASE_MARKERS.get(phase, "s"), label=phase or "(no phase)")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("arithmetic intensity (flop / byte)")
+    ax.set_ylabel("achieved GFLOP/s")
+    ax.set_title("roofline per op kind (the slowest named)" + ("" if roofs else " - no roofline measured"),
+                 fontsize=10)
+    ax.legend(fontsize=7, loc="lower right")
+    ax.grid(True, which="both", lw=0.3, alpha=0.5)
+
+
+def _near_roof(ax, profiled) -> None:
+    """Per op kind: % of its roofline bound (bars) and share of the time (text), slowest op kinds first."""
+    rows = []
+    for name, roof, kinds in profiled:
+        phase_s: dict[str, float] = {}
+        for r in kinds:
+            phase_s[r["phase"]] = phase_s.get(r["phase"], 0.0) + r["seconds"]
+        for r in kinds:
+            rows.append((r["seconds"], f"{name + ': ' if len(profiled) > 1 else ''}{r['phase']} {r['op']}".strip(),
+                         roof_fraction(r, roof), r["seconds"] / (phase_s[r["phase"]] or 1),
+                         r["bytes"] / r["seconds"] / 1e9 if r["seconds"] else 0.0))
+    rows = sorted(rows, reverse=True)[:TOP_OPS][::-1]
+    ys = range(len(rows))
+    ax.barh(ys, [100 * f if f == f else 0 for _, _, f, _, _ in rows], color="#4c78a8")
+    for y, (_, _, frac, share, gbs) in zip(ys, rows):
+        near = f"{100 * frac:.0f}% of roof, " if frac == frac else ""
+        ax.text(1, y, f"{near}{gbs:.1f} GB/s, {100 * share:.0f}% of its phase's time", va="center", fontsize=6.5)
+    ax.set_yticks(list(ys), [label for _, label, _, _, _ in rows], fontsize=7)
+    ax.set_xlim(0, max([110.0] + [105 * f for _, _, f, _, _ in rows if f == f]))
+    ax.axvline(100, color="#333333", lw=0.8)
+    ax.set_xlabel("% of the roofline bound at the op's intensity")
+    ax.set_title("how near its roof each op kind runs (slowest first)", fontsize=10)
+
+
+# ---------------------------------------------------------------------------------------
+# the figure
+# ---------------------------------------------------------------------------------------
+
+def figure(results: list[dict], title: str | None = None):
+    """A matplotlib Figure (object API: no pyplot state) with the speed bars and, given profiles, the roofline."""
+    from matplotlib.figure import Figure
+    check(results)
+    profiled = _profiled(results)
+    rows = 2 if profiled else 1
+    fig = Figure(figsize=(12, 4.6 * rows), layout="constrained")
+    axes = fig.subplots(rows, 2, squeeze=False)
+    _speed_bars(axes[0][0], results, "pp_tok_s", "pp", "prefill (pp tokens in one step)")
+    _speed_bars(axes[0][1], results, "tg_tok_s", "tg", "decode (one token per step)")
+    if profiled:
+        _roofline(axes[1][0], profiled)
+        _near_roof(axes[1][1], profiled)
+    model = Path(str(results[0].get("model", ""))).name
+    fig.suptitle(title or f"ggraph bench{' · ' + model if model else ''} · ratios to the first row of each group",
+                 fontsize=11)
+    return fig
+
+
+def plot_format(path) -> str:
+    """The picture format of ``path`` from its suffix; a ValueError for any other suffix."""
+    fmt = Path(path).suffix.lstrip(".").lower()
+    if fmt not in PLOT_FORMATS:
+        raise ValueError(f"bench plot: write a {', '.join('.' + f for f in PLOT_FORMATS)} file, got {str(path)!r}")
+    return fmt
+
+
+def plot_path(text: str) -> str:
+    """argparse type for ``--plot``: checks the suffix before the benchmark runs, not after."""
+    import argparse
+    try:
+        plot_format(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
+def plot_results(results: list[dict], path, title: str | None = None) -> str:
+    """Write the figure to ``path`` (png, svg or pdf by its suffix); returns the path."""
+    figure(results, title).savefig(str(path), format=plot_format(path), dpi=110)
+    return str(path)

