@@ -89,8 +89,8 @@ def bench_llama_cpp(path, pp: int = 64, tg: int = 32, threads: int = 1, repeats:
 # profiles and the roofline
 # ---------------------------------------------------------------------------------------
 
-def stream_bandwidth(threads: int, mbytes: int = 256, repeats: int = 3) -> float:
-    """Memory read bandwidth in GB/s, measured now: native threads summing a large array."""
+def stream_bandwidth(threads: int, mbytes: int = 1024, repeats: int = 3) -> float:
+    """Memory read bandwidth in GB/s, measured now: native threads summing an array larger than the caches."""
     from ggraph import f32 as F32
     from ggraph import ops, trace
     from ggraph.compiler import compile_graph
