@@ -16,22 +16,17 @@ import os
 import re
 import tempfile
 import threading
-from pathlib import Path
 
 import llvmlite
 import llvmlite.binding as llvm
 
 from ggraph.backends.llvm.target import Target, init_llvm, target_machine
+from ggraph.demo import cache_dir          # one cache root for models and object code
 
 _DEFINE = re.compile(r'^define\s+([^@]*)@"?([^"(\s]+)"?\s*\(', re.MULTILINE)
 _jit_lock = threading.Lock()
 _jit: list = []                    # the one LLJIT instance, created on first use
 _names = itertools.count()
-
-
-def cache_dir() -> Path:
-    """Where object code is cached: $GGRAPH_CACHE, else ~/.cache/ggraph."""
-    return Path(os.environ.get("GGRAPH_CACHE") or Path.home() / ".cache" / "ggraph")
 
 
 def cache_key(ir_text: str, target: Target) -> str:
