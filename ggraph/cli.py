@@ -360,6 +360,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    from ggraph.passes import PassError
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "fn", None):
@@ -370,7 +371,7 @@ def main(argv=None) -> int:
     except BrokenPipeError:                     # `ggraph inspect x | head` is fine
         sys.stdout = open(__import__("os").devnull, "w")
         return 0
-    except (OSError, ValueError, KeyError) as e:
+    except (OSError, ValueError, KeyError, NotImplementedError, PassError) as e:   # the user's input, not our bug
         msg = e.args[0] if isinstance(e, KeyError) and e.args else e
         print(f"ggraph {args.command}: error: {msg}", file=sys.stderr)
         return 1
