@@ -134,7 +134,7 @@ def cmd_run(args) -> int:
         pieces = session.generate(args.prompt, **options)
     for piece in pieces:
         print(piece, end="", flush=True)
-    print()
+    print(flush=True)
     st = session.stats
     pp = st["prompt_tokens"] / st["prompt_s"] if st.get("prompt_s") else 0.0
     tg = st["generated_tokens"] / st["generate_s"] if st.get("generate_s") else 0.0
