@@ -30,6 +30,9 @@ def describe(target: Target) -> dict[str, str]:
     out.update({f"qmatmul {dt.name}": _qmatmul.variant(dt, target) for dt in QUANT_TYPES})
     out.update({f"fmatmul {dt.name}": _fmatmul.variant(dt, target) for dt in FLOAT_TYPES})
     out.update({f"get_rows {dt.name}": how for dt in QUANT_TYPES + FLOAT_TYPES})
+    from ggraph.backends.llvm.kernels import attention, elementwise
+    out["fused (elementwise)"] = elementwise.variant(target)
+    out["rope_attention"] = attention.variant(target)
     return out
 
 
