@@ -6,7 +6,12 @@ an abstract value for tracing: ``f32["T", 640]``, ``q4_k[1024, 640]``.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
+
+if TYPE_CHECKING:
+    from ggraph.core import Aval
 
 
 class DType:

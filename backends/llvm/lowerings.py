@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ggraph.core import Aval, DimAval, Literal, Sym, Var
+from ggraph.core import DimAval, Literal, Sym, Var
 from ggraph.backends.llvm import kernels as K
 from ggraph.backends.llvm.kernels import attention as A
 from ggraph.backends.llvm.kernels import elementwise as E
