@@ -80,7 +80,15 @@ def test_object_code_is_cached(tmp_path, monkeypatch):
     first = Session(path, backend="llvm", threads=1, ctx=16).program(True)
     again = Session(path, backend="llvm", threads=1, ctx=16).program(True)
     assert not first.lib.from_cache and again.lib.from_cache
-    assert list(tmp_path.glob("*.o"))
+    assert list(tmp_path.glob("*.o")) and list(tmp_path.glob("*.program"))
+    assert first.spec.module is not None and again.spec.module is None     # a warm start builds no IR
+    ids = prompt_ids(6)
+    a = Session(path, backend="llvm", threads=1, ctx=16).logits(ids)
+    b = Session(path, backend="llvm", threads=1, ctx=16).logits(ids)
+    np.testing.assert_array_equal(a, b)
+    for cached in tmp_path.glob("*.program"):
+        cached.write_bytes(b"torn")                                         # a broken entry is rebuilt
+    assert Session(path, backend="llvm", threads=1, ctx=16).program(True).spec.module is not None
 
 
 @pytest.fixture(scope="module")

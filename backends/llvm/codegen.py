@@ -25,12 +25,36 @@ i32, i64, ptr = ir.IntType(32), ir.IntType(64), ir.PointerType()
 SYMBOLS = ("T", "P")               # the runtime dims a program takes
 
 
+@dataclasses.dataclass(frozen=True)
+class Bytes:
+    """A buffer's size in bytes at given dims: ``kind`` with its arguments (picklable, unlike a lambda).
+
+    "fixed" (n) · "aval" (aval) · "plan" (the memory plan's size polynomials) · "act" (fmt, rows, K)
+    """
+    kind: str
+    args: tuple
+
+    def __call__(self, dims: dict) -> int:
+        if self.kind == "fixed":
+            return self.args[0]
+        if self.kind == "aval":
+            return self.args[0].nbytes(dims)
+        if self.kind == "plan":
+            from ggraph.passes.plan_memory import size_bytes
+            return size_bytes(self.args[0], dims)
+        if self.kind == "act":
+            from ggraph.backends.llvm.kernels import act_bytes
+            fmt, R, K = self.args
+            return act_bytes(fmt, eval_size(R, dims), K)
+        raise ValueError(f"unknown size kind {self.kind!r}")
+
+
 @dataclasses.dataclass
 class Buffer:
     """A memory region: a graph input, a weight, an activation, scratch, or a constant."""
     kind: str                              # "input" | "param" | "act" | "scratch" | "const" | "dim"
     name: str
-    size: Callable[[dict], int]            # bytes, given the dims
+    size: Bytes                            # bytes, given the dims
     data: np.ndarray | None = None         # constants: their bytes
 
 
@@ -73,7 +97,7 @@ class Lowering:
             if isinstance(v.aval, DimAval):
                 if v.aval.symbol not in SYMBOLS:
                     raise LoweringError(f"llvm backend: dim input {v.aval.symbol} (only {SYMBOLS} are runtime dims)")
-                self.where[v] = Ref(self._add(Buffer("dim", v.aval.symbol, lambda dims: 4)))  # its value, as i32
+                self.where[v] = Ref(self._add(Buffer("dim", v.aval.symbol, Bytes("fixed", (4,)))))  # its value, as i32
                 continue
             self.input_index[v] = self._add(Buffer("input", v.hint or f"in{len(self.buffers)}", _aval_size(v.aval)))
             self.where[v] = Ref(self.input_index[v])
@@ -92,7 +116,7 @@ class Lowering:
         """Where operand ``a`` lives (constants become const buffers)."""
         if isinstance(a, Literal):
             data = np.ascontiguousarray(a.value)
-            return Ref(self._add(Buffer("const", f"const{len(self.buffers)}", lambda d, n=data.nbytes: n,
+            return Ref(self._add(Buffer("const", f"const{len(self.buffers)}", Bytes("fixed", (data.nbytes,)),
                                         data.view(np.uint8).reshape(-1))))
         return self.where[a]
 
@@ -105,8 +129,7 @@ class Lowering:
                 raise LoweringError(f"the memory plan has no buffer for a value of {v.aval}")
             b = self.plan.buffer_of[v]
             if b not in self._plan_buffers:
-                self._plan_buffers[b] = self._add(Buffer("act", f"buf{b}",
-                                                         lambda dims, b=b: self.plan.buffer_bytes(b, dims)))
+                self._plan_buffers[b] = self._add(Buffer("act", f"buf{b}", Bytes("plan", (self.plan.sizes[b],))))
             r = Ref(self._plan_buffers[b])
         self.where[v] = r
         return r
@@ -115,7 +138,7 @@ class Lowering:
         """``v`` is a view of existing memory (reshape, a leading-axis slice, an in-place op)."""
         self.where[v] = r
 
-    def scratch(self, size: Callable[[dict], int], name: str) -> Ref:
+    def scratch(self, size: Bytes, name: str) -> Ref:
         return Ref(self._add(Buffer("scratch", name, size)))
 
     def call(self, kernel: str, *args, writes=()) -> None:
@@ -141,8 +164,8 @@ def lowering(*names: str):
     return wrap
 
 
-def _aval_size(aval: Aval) -> Callable[[dict], int]:
-    return lambda dims: aval.nbytes(dims)
+def _aval_size(aval: Aval) -> Bytes:
+    return Bytes("aval", (aval,))
 
 
 def rows(aval: Aval):
@@ -182,7 +205,7 @@ def lower(graph: Graph, target: Target, profile: bool = False) -> ProgramSpec:
         rule(lw, e)
     outputs = [o if isinstance(o, Literal) else lw.where[o] for o in graph.outvars]
     if profile:                           # one i64 cycle stamp per call, plus the start
-        lw.profile_buffer = lw._add(Buffer("profile", "cycles", lambda dims, n=len(lw.calls) + 1: 8 * n))
+        lw.profile_buffer = lw._add(Buffer("profile", "cycles", Bytes("fixed", (8 * (len(lw.calls) + 1),))))
     spec = ProgramSpec(module, lw.buffers, lw.calls, outputs, lw.input_index, lw.param_index)
     emit_program(spec, target, profile)
     return spec

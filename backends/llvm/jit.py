@@ -118,8 +118,13 @@ def compile(module, target: Target) -> Library:
     if not names:
         raise ValueError("module defines no external functions to load")
     obj, hit = object_code(text, target)
+    return link(obj, names, hit)
+
+
+def link(obj: bytes, names, from_cache: bool = True) -> Library:
+    """Load object code into this process and export ``names`` from it."""
     builder = llvm.JITLibraryBuilder().add_object_img(obj).add_current_process()
     for name in names:
         builder.export_symbol(name)
     tracker = builder.link(_lljit(), f"ggraph{next(_names)}")
-    return Library(tracker, names, hit)
+    return Library(tracker, list(names), from_cache)

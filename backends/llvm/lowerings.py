@@ -12,7 +12,7 @@ from ggraph.backends.llvm import kernels as K
 from ggraph.backends.llvm.kernels import attention as A
 from ggraph.backends.llvm.kernels import elementwise as E
 from ggraph.backends.llvm.kernels import generic_ops as G
-from ggraph.backends.llvm.codegen import LoweringError, Ref, eval_size, lowering, rows
+from ggraph.backends.llvm.codegen import Bytes, LoweringError, Ref, lowering, rows
 from ggraph.passes.plan_memory import leading_slice
 
 
@@ -67,7 +67,7 @@ def _qmatmul(lw, e):
     fmt = K.act_format(dt)
     xq = lw.memo(("act_quant", x, fmt))
     if xq is None:
-        xq = lw.scratch(lambda dims, R=R: K.act_bytes(fmt, eval_size(R, dims), Kdim), f"xq_{fmt}")
+        xq = lw.scratch(Bytes("act", (fmt, R, Kdim)), f"xq_{fmt}")
         lw.call(K.act_quant(lw.module, fmt, Kdim, lw.target), lw.ref(x), xq, R, writes=(xq,))
         lw.memo(("act_quant", x, fmt), xq)
     lw.call(K.qmatmul(lw.module, dt, Kdim, N, lw.target), lw.ref(w), xq, out, R, writes=(out,))

@@ -9,14 +9,18 @@ thread enters the program once.
 """
 from __future__ import annotations
 
+import functools
+import hashlib
 import os
+import pickle
 import time
+from pathlib import Path
 
 import numpy as np
 
 from ggraph.core import Literal, Var
 from ggraph.backends.llvm import jit
-from ggraph.backends.llvm.codegen import lower
+from ggraph.backends.llvm.codegen import Call, ProgramSpec, lower
 from ggraph.backends.llvm.target import host_target
 from ggraph.backends.llvm.team import PROGRAM_ARGS, Team
 from ggraph.backends.numpy_ref import as_value, bind_symbols
@@ -24,6 +28,71 @@ from ggraph.prims import Blocks
 from ggraph.trace import tree_flatten, tree_unflatten
 
 ALIGN = 64
+
+
+def _load_or_build(graph, target, profile: bool):
+    """The lowered program and its loaded code: from the program cache when this exact graph,
+    target and kernel source were compiled before (no IR is built then), else built and saved."""
+    key = program_key(graph, target, profile)
+    path = jit.cache_dir() / f"{key}.program"
+    if path.exists():
+        try:
+            with open(path, "rb") as f:
+                state = pickle.load(f)
+            return _spec_from_state(state, graph), jit.link(state["object"], state["names"], True)
+        except (OSError, pickle.UnpicklingError, EOFError, KeyError, IndexError, AttributeError, ValueError):
+            path.unlink(missing_ok=True)                     # a stale or torn entry: rebuild it
+    spec = lower(graph, target, profile)
+    text = str(spec.module)
+    lib = jit.compile(text, target)
+    obj, _ = jit.object_code(text, target)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    with open(tmp, "wb") as f:
+        pickle.dump(_spec_state(spec, graph, obj, lib.names), f, protocol=pickle.HIGHEST_PROTOCOL)
+    os.replace(tmp, path)
+    return spec, lib
+
+
+@functools.cache
+def _kernel_sources() -> bytes:
+    """A digest of the code that decides a program: the llvm backend and the memory planner."""
+    from ggraph.passes import plan_memory
+    root = Path(__file__).parent
+    h = hashlib.sha256()
+    for p in sorted(root.rglob("*.py")) + [Path(plan_memory.__file__)]:
+        h.update(p.read_bytes())
+    return h.digest()
+
+
+def program_key(graph, target, profile: bool) -> str:
+    """What decides a compiled program: the graph's text and constants, the target, the code."""
+    import llvmlite
+    h = hashlib.sha256(graph.pretty(expand=True).encode())
+    for e in graph.walk(expand=True):
+        for a in e.inputs:
+            if isinstance(a, Literal) and a.value.ndim:
+                h.update(a.value.tobytes())
+    for part in (target.name, target.cpu, target.features, llvmlite.__version__, str(profile)):
+        h.update(part.encode())
+    h.update(_kernel_sources())
+    return h.hexdigest()
+
+
+def _spec_state(spec, graph, obj: bytes, names) -> dict:
+    index = {id(e): i for i, e in enumerate(graph.eqns)}
+    return {"buffers": spec.buffers, "outputs": spec.outputs, "name": spec.name, "object": obj, "names": list(names),
+            "calls": [(c.kernel, c.args, c.writes, index.get(id(c.eqn))) for c in spec.calls],
+            "inputs": [(graph.invars.index(v), b) for v, b in spec.input_index.items()],
+            "params": [(v.aval.source, b) for v, b in spec.param_index.items()]}
+
+
+def _spec_from_state(state: dict, graph) -> ProgramSpec:
+    by_source = {v.aval.source: v for v in graph.params}
+    calls = [Call(k, args, writes, graph.eqns[i] if i is not None else None) for k, args, writes, i in state["calls"]]
+    return ProgramSpec(None, state["buffers"], calls, state["outputs"],
+                       {graph.invars[i]: b for i, b in state["inputs"]},
+                       {by_source[src]: b for src, b in state["params"]}, state["name"])
 
 
 class LLVMProgram:
@@ -35,8 +104,7 @@ class LLVMProgram:
         self.profile = profile
         self.last_profile: list[tuple] = []           # (call, seconds) of the last run, when profiling
         t0 = time.perf_counter()
-        self.spec = lower(graph, self.target, profile)
-        self.lib = jit.compile(self.spec.module, self.target)
+        self.spec, self.lib = _load_or_build(graph, self.target, profile)
         self.compile_s = time.perf_counter() - t0
         self.fn = self.lib.function(self.spec.name, None, PROGRAM_ARGS)
         self.threads = int(threads or os.cpu_count() or 1)
