@@ -67,6 +67,20 @@ def as_value(aval, x):
     return x
 
 
+def weight_value(aval, weights):
+    """A weight's value, checked against its aval: a view of its tensor in a GGUFFile's mmap,
+    or the array a ``{name: array}`` mapping holds under its source name."""
+    src = aval.source
+    if hasattr(weights, "tensors"):
+        if src not in weights.tensors:
+            raise KeyError(f"weight {src!r} is not in {getattr(weights, 'path', 'the file')}")
+        t = weights.tensors[src]
+        data = t.data.view(t.dtype.np_dtype).reshape(t.shape) if t.dtype.np_dtype is not None else t.data
+    else:
+        data = weights[src]
+    return as_value(aval, data)
+
+
 def _blocks(aval, x: np.ndarray, rows) -> Blocks:
     shape = aval.shape
     if any(not isinstance(d, int) for d in shape):
@@ -91,15 +105,7 @@ class NumpyProgram:
     def bind_weights(self, weights) -> None:
         """Bind params by source name from a GGUFFile or a {name: array} mapping."""
         for v in self.graph.params:
-            src = v.aval.source
-            if hasattr(weights, "tensors"):
-                if src not in weights.tensors:
-                    raise KeyError(f"weight {src!r} is not in {getattr(weights, 'path', 'the file')}")
-                t = weights.tensors[src]
-                data = t.data.view(t.dtype.np_dtype).reshape(t.shape) if t.dtype.np_dtype is not None else t.data
-            else:
-                data = weights[src]
-            self.weights[src] = as_value(v.aval, data)
+            self.weights[v.aval.source] = weight_value(v.aval, weights)
 
     def __call__(self, *args):
         g = self.graph

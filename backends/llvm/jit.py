@@ -90,8 +90,9 @@ def _lljit() -> llvm.LLJIT:
 class Library:
     """Loaded native code. Keep it alive while any of its addresses may be called."""
 
-    def __init__(self, tracker, names: list[str], from_cache: bool):
+    def __init__(self, tracker, names: list[str], from_cache: bool, obj: bytes):
         self._tracker = tracker
+        self.object = obj                  # the object code, for callers that cache more alongside it
         self.names = tuple(names)
         self.from_cache = from_cache
 
@@ -127,4 +128,4 @@ def link(obj: bytes, names, from_cache: bool = True) -> Library:
     for name in names:
         builder.export_symbol(name)
     tracker = builder.link(_lljit(), f"ggraph{next(_names)}")
-    return Library(tracker, list(names), from_cache)
+    return Library(tracker, list(names), from_cache, obj)

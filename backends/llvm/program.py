@@ -23,7 +23,7 @@ from ggraph.backends.llvm import jit
 from ggraph.backends.llvm.codegen import Call, ProgramSpec, lower
 from ggraph.backends.llvm.target import host_target
 from ggraph.backends.llvm.team import PROGRAM_ARGS, Team
-from ggraph.backends.numpy_ref import as_value, bind_symbols
+from ggraph.backends.numpy_ref import as_value, bind_symbols, weight_value
 from ggraph.prims import Blocks
 from ggraph.trace import tree_flatten, tree_unflatten
 
@@ -45,11 +45,10 @@ def _load_or_build(graph, target, profile: bool):
     spec = lower(graph, target, profile)
     text = str(spec.module)
     lib = jit.compile(text, target)
-    obj, _ = jit.object_code(text, target)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
     with open(tmp, "wb") as f:
-        pickle.dump(_spec_state(spec, graph, obj, lib.names), f, protocol=pickle.HIGHEST_PROTOCOL)
+        pickle.dump(_spec_state(spec, graph, lib.object, lib.names), f, protocol=pickle.HIGHEST_PROTOCOL)
     os.replace(tmp, path)
     return spec, lib
 
@@ -136,14 +135,7 @@ class LLVMProgram:
     def bind_weights(self, weights) -> None:
         """Point each weight at its tensor in a GGUFFile (in place) or at an array of a mapping."""
         for v, i in self.spec.param_index.items():
-            src = v.aval.source
-            if hasattr(weights, "tensors"):
-                if src not in weights.tensors:
-                    raise KeyError(f"weight {src!r} is not in {getattr(weights, 'path', 'the file')}")
-                data = weights.tensors[src].data
-            else:
-                data = as_value(v.aval, weights[src])
-            self._bind(i, data)
+            self._bind(i, weight_value(v.aval, weights))
         self._weights = weights
 
     def _layout(self, dims: dict) -> None:
