@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import threading
-import time
 
 import numpy as np
 from llvmlite import ir
@@ -22,6 +20,7 @@ from llvmlite import ir
 from ggraph.backends.llvm import jit
 from ggraph.backends.llvm.kernels.attention import Attention, Rope, attention_kernels
 from ggraph.backends.llvm.target import named_target, runnable_targets
+from ggraph.backends.llvm.team import Team
 
 GEMMA = Attention(H=4, Hkv=1, D=256, Dv=256, scale=256 ** -0.5)
 GEMMA_ROPE = Rope(dims=256, base=1e6)
@@ -33,16 +32,11 @@ def timed(call, reps: int, nth: int) -> float:
     def worker(ith):
         for r in range(reps):
             call(r, ith, nth)
-    best = float("inf")
-    for _ in range(5):
-        team = [threading.Thread(target=worker, args=(ith,)) for ith in range(nth)]
-        t0 = time.perf_counter()
-        for th in team:
-            th.start()
-        for th in team:
-            th.join()
-        best = min(best, (time.perf_counter() - t0) / reps)
-    return best
+    team = Team(nth)
+    try:
+        return team.best_time(worker) / reps
+    finally:
+        team.close()
 
 
 def bench(target, T: int, P: int, threads: list[int], rng) -> dict:

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import threading
-import time
 
 import numpy as np
 from llvmlite import ir
@@ -21,6 +19,7 @@ from llvmlite import ir
 from ggraph import dtypes
 from ggraph.backends.llvm import jit, kernels
 from ggraph.backends.llvm.target import named_target, runnable_targets
+from ggraph.backends.llvm.team import Team
 
 #  wtype   K      N       what it is in gemma 3 270m
 SHAPES = [
@@ -50,16 +49,11 @@ def timed(fn, args_for, reps: int, nth: int) -> float:
     def worker(ith):
         for r in range(reps):
             fn(*args_for(r), ith, nth)
-    best = float("inf")
-    for _ in range(5):
-        team = [threading.Thread(target=worker, args=(ith,)) for ith in range(nth)]
-        t0 = time.perf_counter()
-        for th in team:
-            th.start()
-        for th in team:
-            th.join()
-        best = min(best, (time.perf_counter() - t0) / reps)
-    return best
+    team = Team(nth)
+    try:
+        return team.best_time(worker) / reps
+    finally:
+        team.close()
 
 
 def bench_shape(target, wtype: str, K: int, N: int, threads: list[int], rng, hot: bool = False) -> dict:

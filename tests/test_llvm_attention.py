@@ -11,6 +11,7 @@ import threading
 
 import numpy as np
 import pytest
+from llvm_targets import runnable_target
 from llvmlite import ir
 
 import ggraph
@@ -18,7 +19,7 @@ from ggraph import f32, ops
 from ggraph.backends.llvm import jit
 from ggraph.backends.llvm.kernels.attention import (Attention, Rope, attention_kernels, from_rope_attention,
                                                      kernel_names)
-from ggraph.backends.llvm.target import X86_NAMES, named_target, runnable_targets
+from ggraph.backends.llvm.target import X86_NAMES, named_target
 from ggraph.passes.fuse_rope_attention import fuse_rope_attention
 
 #  name: (attention, rope)
@@ -53,12 +54,7 @@ _LIBS: dict = {}
 
 @pytest.fixture(params=X86_NAMES)
 def target(request):
-    name = request.param
-    if name not in [t.name for t in runnable_targets()]:
-        pytest.skip(f"host cannot run {name}")
-    if name not in _LIBS:
-        _LIBS[name] = _build(name)
-    return name
+    return runnable_target(request.param, _LIBS, _build)
 
 
 def reference(a: dict, P, attn: Attention, rope: Rope | None):

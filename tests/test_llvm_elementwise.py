@@ -12,6 +12,7 @@ import threading
 
 import numpy as np
 import pytest
+from llvm_targets import runnable_target
 from llvmlite import ir
 
 import ggraph
@@ -19,7 +20,7 @@ from ggraph import dtypes, f32, i32, ops
 from ggraph.backends.llvm import jit
 from ggraph.core import Sym, eval_dim
 from ggraph.backends.llvm.kernels import elementwise as ew
-from ggraph.backends.llvm.target import X86_NAMES, named_target, runnable_targets
+from ggraph.backends.llvm.target import X86_NAMES, named_target
 from ggraph.passes.inline_composites import inline_composites
 
 P = ctypes.c_void_p
@@ -113,12 +114,7 @@ _LIBS: dict = {}
 @pytest.fixture(params=X86_NAMES)
 def target(request):
     """A target name this host can run, with its compiled kernel library."""
-    name = request.param
-    if name not in [t.name for t in runnable_targets()]:
-        pytest.skip(f"host cannot run {name}")
-    if name not in _LIBS:
-        _LIBS[name] = _build(name)
-    return name
+    return runnable_target(request.param, _LIBS, _build)
 
 
 def call(target: str, name: str, arrays: list, sizes: list, nth: int, threads: bool = False) -> None:

@@ -9,6 +9,7 @@ import threading
 
 import numpy as np
 import pytest
+from llvm_targets import runnable_target
 from llvmlite import ir
 
 gq = pytest.importorskip("gguf.quants")
@@ -64,12 +65,7 @@ _LIBS: dict = {}
 @pytest.fixture(params=TARGETS)
 def target(request):
     """A target name this host can run, with its compiled kernel library."""
-    name = request.param
-    if name not in [t.name for t in runnable_targets()]:
-        pytest.skip(f"host cannot run {name}")
-    if name not in _LIBS:
-        _LIBS[name] = _build(name)
-    return name
+    return runnable_target(request.param, _LIBS, _build)
 
 
 def fn(target: str, name: str, abi=ABI, lib=None):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import threading
+import time
 
 import numpy as np
 from llvmlite import ir
@@ -118,6 +119,15 @@ class Team:
         if self._errors:
             err, self._errors = self._errors[0], []
             raise err
+
+    def best_time(self, job, tries: int = 5) -> float:
+        """Seconds of the fastest of ``tries`` runs of ``job`` (for benchmarks)."""
+        best = float("inf")
+        for _ in range(tries):
+            t0 = time.perf_counter()
+            self.run(job)
+            best = min(best, time.perf_counter() - t0)
+        return best
 
     def close(self) -> None:
         self._job = None
