@@ -16,7 +16,7 @@ import ctypes
 import numpy as np
 from llvmlite import ir
 
-from ggraph import dtypes
+from ggraph.ir import dtypes
 from ggraph.backends.llvm import jit, kernels
 from ggraph.backends.llvm.target import named_target, runnable_targets
 from ggraph.backends.llvm.team import Team

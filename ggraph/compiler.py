@@ -1,7 +1,7 @@
 """compile: run a pipeline of passes over a graph, then hand it to a backend."""
 from __future__ import annotations
 
-from ggraph.core import Graph
+from ggraph.ir.graph import Graph
 
 
 def _numpy_backend(graph, **options):

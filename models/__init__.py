@@ -1,5 +1,8 @@
 """Model architectures: a config read from GGUF metadata, and one shared traced decoder.
 
+Architectures are registered by name (``register_architecture``, see ``registry.py``); the
+five shipped ones are llama, qwen2, phi3, gemma2 and gemma3, and plugins add more.
+
     model = ggraph.models.load("model.gguf")
     graph = model.graph(ctx=4096)            # prefill/decode step: tokens, P, KV caches -> logits
 """
@@ -7,8 +10,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ggraph.core import Aval, Graph, dim, param
-from ggraph.dtypes import f32, i32
+from ggraph.ir.dtypes import Aval, dim, f32, i32, param
+from ggraph.ir.graph import Graph
+from ggraph.models import llama, qwen2, phi3, gemma2, gemma3  # noqa: F401,I001  (register them, in this order)
+from ggraph.models.registry import ARCHITECTURES, Architecture, architecture, register_architecture
+
+__all__ = ["ARCHITECTURES", "Architecture", "Model", "architecture", "load", "register_architecture"]
 
 
 class Model:
@@ -30,9 +37,10 @@ class Model:
 
     def graph(self, ctx: int = 4096, last_only: bool = False) -> Graph:
         """The step graph: (tokens i32[T], P, k_caches, v_caches, weights) -> (logits, k_caches, v_caches)."""
-        from ggraph.models.transformer import forward
-        from ggraph.trace import trace
+        from ggraph.ir.trace import trace
+        from ggraph.models.transformer import forward as shared
         cfg = self.config
+        forward = architecture(cfg.arch).forward or shared
         kshape, vshape = self.kv_shapes(ctx)
         factors = self._rope_factors_name(ctx)
 

@@ -1,7 +1,8 @@
 """ModelConfig: every number and flag the shared decoder needs, read from GGUF metadata.
 
-Each architecture module (llama.py, qwen2.py, ...) contributes a ``flags(md, names, n_layer)``
-function that returns the flags that make it different; everything common is read here.
+Each architecture (llama.py, qwen2.py, ..., or a plugin) registers a ``flags(key, names,
+n_layer)`` function that returns the flags that make it different (``models/registry.py``);
+everything common is read here.
 """
 from __future__ import annotations
 
@@ -9,15 +10,7 @@ import dataclasses
 import math
 from typing import Mapping
 
-from ggraph.models import gemma2, gemma3, llama, phi3, qwen2
-
-ARCHITECTURES = {
-    "llama": llama.flags,
-    "qwen2": qwen2.flags,
-    "phi3": phi3.flags,
-    "gemma2": gemma2.flags,
-    "gemma3": gemma3.flags,
-}
+from ggraph.models.registry import architecture
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +48,8 @@ class ModelConfig:
     sliding_window: int | None = None
     swa_layers: tuple[bool, ...] = ()   # per layer: True where attention is windowed
     tied_output: bool = False           # no output.weight: logits use token_embd
+    extra: Mapping = dataclasses.field(default_factory=dict, compare=False, hash=False)
+    #                                     flags of an architecture with its own forward that are not fields here
 
     def layer_rope(self, i: int) -> tuple[float, float]:
         """(base, position scale) of layer i's rope: local layers may have their own."""
@@ -73,8 +68,7 @@ class ModelConfig:
 def config_from_gguf(metadata: Mapping, tensor_names) -> ModelConfig:
     """Build the config from a GGUF file's metadata and tensor names."""
     arch = metadata.get("general.architecture")
-    if arch not in ARCHITECTURES:
-        raise ValueError(f"unsupported architecture {arch!r}; supported: {', '.join(ARCHITECTURES)}")
+    spec = architecture(arch)
     names = set(tensor_names)
 
     def key(k, default=None, required=False):
@@ -116,8 +110,21 @@ def config_from_gguf(metadata: Mapping, tensor_names) -> ModelConfig:
     )
     if scale_type not in ("none", "linear"):
         raise ValueError(f"{arch}.rope.scaling.type {scale_type!r} is not supported (none, linear)")
-    common.update(ARCHITECTURES[arch](key, names, n_layer))
-    return ModelConfig(**common)
+    try:
+        flags = spec.flags(key, names, n_layer)
+    except (KeyError, TypeError, ValueError, ArithmeticError) as e:
+        raise ValueError(f"architecture {arch!r} ({spec.origin}): its flags function failed: "
+                         f"{type(e).__name__}: {e}") from e
+    if not isinstance(flags, Mapping):
+        raise TypeError(f"architecture {arch!r} ({spec.origin}): flags must return a dict, got {type(flags).__name__}")
+    fields = {f.name for f in dataclasses.fields(ModelConfig)}
+    unknown = sorted(set(flags) - fields)
+    if unknown and spec.forward is None:
+        raise ValueError(f"architecture {arch!r} ({spec.origin}): flags {', '.join(unknown)} are not ModelConfig "
+                         f"fields, and the shared decoder would ignore them (register a forward of its own, "
+                         f"which reads them as cfg.extra)")
+    common.update({k: v for k, v in flags.items() if k in fields})
+    return ModelConfig(**common, extra={k: flags[k] for k in unknown})
 
 
 def _first(v):

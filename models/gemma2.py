@@ -1,6 +1,7 @@
 """gemma2: scaled embeddings, GELU FFN, post-norms, logit softcaps, sliding window on even layers."""
 import math
 
+from ggraph.models.registry import register_architecture
 from ggraph.models.swa import swa_layers
 
 
@@ -12,3 +13,6 @@ def flags(key, names, n_layer) -> dict:
                 swa_layers=swa_layers(key, n_layer, 2), tied_output=True,       # output.weight is never read
                 rope_base_local=float(key("rope.freq_base_swa", key("rope.freq_base", 10000.0))),
                 attn_scale=1.0 / math.sqrt(n_embd / n_head) if n_layer == 46 else 0.0)   # 27B: n_embd/n_head
+
+
+register_architecture("gemma2", flags)

@@ -4,6 +4,7 @@ Unlike gemma2 there is no attention softcap, and the final softcap only when the
 """
 import math
 
+from ggraph.models.registry import register_architecture
 from ggraph.models.swa import swa_layers
 
 
@@ -16,3 +17,6 @@ def flags(key, names, n_layer) -> dict:
                 rope_base_local=float(key("rope.freq_base_swa", 10000.0)),
                 swa_layers=swa_layers(key, n_layer, 6) if key("attention.sliding_window") else (),
                 attn_scale=1.0 / math.sqrt(n_embd / n_head) if n_layer == 62 else 0.0)   # 27B: n_embd/n_head
+
+
+register_architecture("gemma3", flags)

@@ -2,6 +2,7 @@
 
 llama.cpp disables phi3's sliding window (it ignores phi3.attention.sliding_window), so we do too.
 """
+from ggraph.models.registry import register_architecture
 
 
 def flags(key, names, n_layer) -> dict:
@@ -12,3 +13,6 @@ def flags(key, names, n_layer) -> dict:
                 fused_gate_up="blk.0.ffn_gate.weight" not in names, rope_freq_factors=factors,
                 sliding_window=None, n_ctx_orig=int(key("rope.scaling.original_context_length",
                                                         key("context_length", 4096))))
+
+
+register_architecture("phi3", flags)

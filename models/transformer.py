@@ -7,9 +7,9 @@ tokens in the cache, D = n_embd, H/Hkv heads, Dh head dim, F = n_ff, V = n_vocab
 from __future__ import annotations
 
 from ggraph import ops
-from ggraph.core import Sym
+from ggraph.ir.dims import Sym
 from ggraph.models.config import ModelConfig
-from ggraph.trace import scope
+from ggraph.ir.trace import scope
 
 
 def forward(cfg: ModelConfig, w: dict, tokens, P, k_caches, v_caches, *, last_only=False, rope_factors=None):

@@ -1,12 +1,9 @@
 """cse: compute each distinct expression once."""
 from __future__ import annotations
 
-from ggraph.core import Graph, Literal
+from ggraph.ir.graph import Graph, Literal
 from ggraph.passes.manager import graph_pass, note
 from ggraph.passes.rewrite import rewrite
-
-EFFECTFUL = {"cache_update"}   # writes a donated buffer: two of them are two writes
-
 
 def _key(e):
     ins = tuple(("lit",) + a.key() if isinstance(a, Literal) else ("var", a.id) for a in e.inputs)
@@ -20,7 +17,7 @@ def cse(graph: Graph) -> Graph:
     seen = {}
 
     def visit(rw, e):
-        if e.prim.name in EFFECTFUL:
+        if e.prim.effects:                  # writes a donated buffer: two of them are two writes
             rw.emit(e)
             return
         k = _key(e)

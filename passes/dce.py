@@ -1,7 +1,7 @@
 """dce: drop eqns whose outputs nobody reads."""
 from __future__ import annotations
 
-from ggraph.core import Graph, Var
+from ggraph.ir.graph import Graph, Var
 from ggraph.passes.manager import graph_pass, note
 
 

@@ -8,18 +8,19 @@ user needs the f32 value, the dequant and all its users are left alone, with the
 """
 from __future__ import annotations
 
-from ggraph import fused  # noqa: F401  (registers qmatmul)
-from ggraph.core import Eqn, Graph, ParamAval, Var, get_primitive
-from ggraph.dtypes import f32
+from ggraph.ir import prims as P
+from ggraph.ir.dtypes import ParamAval, f32
+from ggraph.ir.fused import qmatmul_p
+from ggraph.ir.graph import Eqn, Graph, Var
 from ggraph.passes.manager import graph_pass, note, skip
 from ggraph.passes.rewrite import Rewriter
 
 
 def _reads_blocks(e: Eqn, d: Var) -> bool:
     """True if eqn ``e`` can read weight value ``d`` as stored: as a matmul's 2-D right operand or a take table."""
-    if e.prim.name == "matmul":
+    if e.prim is P.matmul_p:
         return e.inputs[1] is d and e.inputs[0] is not d and d.aval.ndim == 2
-    return e.prim.name == "take" and e.inputs[0] is d and e.inputs[1] is not d
+    return e.prim is P.take_p and e.inputs[0] is d and e.inputs[1] is not d
 
 
 def _source(w) -> str:
@@ -32,7 +33,7 @@ def _droppable_dequants(graph: Graph) -> dict[Var, Var]:
     outputs = {o for o in graph.outvars if isinstance(o, Var)}
     out = {}
     for e in graph.eqns:
-        if e.prim.name != "dequant":
+        if e.prim is not P.dequant_p:
             continue
         d, w = e.outputs[0], e.inputs[0]
         needs_f32 = [u for u in users.get(d, []) if not _reads_blocks(u, d)]
@@ -52,24 +53,23 @@ def _f32_weights(graph: Graph) -> set[Var]:
     return {v for v in graph.params if v.aval.dtype is f32 and v.aval.ndim == 2}
 
 
-@graph_pass("fuse_dequant_matmul")
+@graph_pass("fuse_dequant_matmul", explain=True)
 def fuse_dequant_matmul(graph: Graph) -> Graph:
     """matmul(x, dequant(w)) -> qmatmul(x, w) and take(dequant(w), ids) -> take(w, ids): weights stay in blocks."""
     weight_of = _droppable_dequants(graph)
     f32_weights = _f32_weights(graph)
-    qmatmul = get_primitive("qmatmul")
     rw = Rewriter(graph)
     for e in graph.eqns:
         e = rw.renamed(e)
-        name, ins = e.prim.name, e.inputs
-        if name == "dequant" and e.outputs[0] in weight_of:
+        prim, ins = e.prim, e.inputs
+        if prim is P.dequant_p and e.outputs[0] in weight_of:
             continue                                            # every user now reads the weight itself
-        if name == "matmul" and (ins[1] in weight_of or ins[1] in f32_weights):
+        if prim is P.matmul_p and (ins[1] in weight_of or ins[1] in f32_weights):
             w = weight_of.get(ins[1], ins[1])
-            rw.emit(Eqn(qmatmul, (ins[0], w), e.outputs, {}, e.scope))
+            rw.emit(Eqn(qmatmul_p, (ins[0], w), e.outputs, {}, e.scope))
             what = f"dequant({_source(w)})" if ins[1] in weight_of else _source(w)
             note(f"matmul · {what} -> qmatmul on {w.aval.dtype}", e.scope)
-        elif name == "take" and ins[0] in weight_of:
+        elif prim is P.take_p and ins[0] in weight_of:
             w = weight_of[ins[0]]
             rw.emit(e.replace(inputs=(w, ins[1])))
             note(f"take · dequant({_source(w)}) -> take on {w.aval.dtype} rows", e.scope)

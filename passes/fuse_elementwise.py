@@ -2,7 +2,8 @@
 
 A region is a set of eqns that loop over the same rows: the same leading dims, and a row
 width W (values of width 1, such as reductions, broadcast along it). Members are elementwise
-primitives, reduce_sum/reduce_max, and the elementwise composites, whose bodies are inlined.
+primitives, last-axis reductions, and the composites whose bodies hold only those (the op
+table says which: ``fusable``); their bodies are inlined into the loop.
 Regions grow from producer to consumer in program order and must stay convex: no path may
 leave a region and come back into it. A value used outside its region is an output of the
 fused eqn. A lone primitive is left as it is.
@@ -15,12 +16,12 @@ from __future__ import annotations
 
 import heapq
 
-from ggraph.core import Atom, Eqn, Graph, Var
-from ggraph.fused import FUSED
+from ggraph.ir.fused import fused_p
+from ggraph.ir.prims import transpose_p
+from ggraph.ir.graph import Atom, Eqn, Graph, Var, op_label
+from ggraph.ir.primitive import fusable
 from ggraph.passes.manager import graph_pass, note, skip
 from ggraph.passes.rewrite import clone_eqns
-
-ELEMENTWISE_COMPOSITES = frozenset({"rms_norm", "silu", "gelu_tanh", "swiglu", "softmax"})
 
 Domain = tuple[tuple, object]       # (leading dims, row width)
 
@@ -31,14 +32,14 @@ Domain = tuple[tuple, object]       # (leading dims, row width)
 
 def domain(e: Eqn) -> Domain | None:
     """The (leading dims, row width) ``e`` loops over, or None when it cannot be part of a fused loop."""
-    if e.prim.kind == "elementwise":
-        shape = e.outputs[0].aval.shape
-    elif e.prim.kind == "reduce":
-        shape = e.inputs[0].aval.shape                      # it reads whole rows of its input
-    elif e.prim.name in ELEMENTWISE_COMPOSITES or e.prim is FUSED:
-        return _body_domain(e.body)
-    else:
+    if not fusable(e):
         return None
+    if e.body is not None:
+        return _body_domain(e.body)
+    if e.prim.kind == "reduce":
+        shape = e.inputs[0].aval.shape                      # it reads whole rows of its input
+    else:
+        shape = e.outputs[0].aval.shape
     return (shape[:-1], shape[-1]) if shape else None
 
 
@@ -66,11 +67,11 @@ def _fmt(d: Domain) -> str:
 
 
 def _what(e: Eqn) -> str:
-    return "fused{" + ",".join(e.params["ops"]) + "}" if e.prim is FUSED else e.prim.name
+    return op_label(e) if e.prim is fused_p else e.prim.name
 
 
 def _ops(e: Eqn) -> tuple[str, ...]:
-    return tuple(e.params["ops"]) if e.prim is FUSED else (e.prim.name,)
+    return tuple(e.params["ops"]) if e.prim is fused_p else (e.prim.name,)
 
 
 # ---------------------------------------------------------------------------------------
@@ -116,7 +117,7 @@ def _log_shape_break(e: Eqn, s: Eqn, producer: dict, eqns) -> None:
     for a in s.inputs:
         j = producer.get(a)
         if j is not None and domain(eqns[j]) is not None:
-            if e.prim.kind == "reduce" and s.prim.name == "transpose":
+            if e.prim.kind == "reduce" and s.prim is transpose_p:
                 skip(f"{_what(e)} not fused with {_what(eqns[j])}: reduction not over the last axis of its rows "
                      f"(transpose in between)", e.scope)
             else:
@@ -204,7 +205,7 @@ def fused_eqn(members: list[Eqn], used_outside: set[Var]) -> Eqn:
         _inline_into(e, subst, body)
     outs = [o for e in members for o in e.outputs if o in used_outside]
     ops = tuple(op for e in members for op in _ops(e))
-    return Eqn(FUSED, inputs, outs, {"ops": ops}, members[-1].scope,
+    return Eqn(fused_p, inputs, outs, {"ops": ops}, members[-1].scope,
                Graph(body_invars, (), body, [subst[o] for o in outs]))
 
 
@@ -232,7 +233,7 @@ def _schedule(nodes: list[tuple[int, Eqn]]) -> list[Eqn]:
     return order
 
 
-@graph_pass("fuse_elementwise")
+@graph_pass("fuse_elementwise", explain=True)
 def fuse_elementwise(graph: Graph) -> Graph:
     """Chains of elementwise ops, last-axis reductions and elementwise composites -> one fused loop each."""
     eqns = graph.eqns
@@ -249,7 +250,7 @@ def fuse_elementwise(graph: Graph) -> Graph:
     for r in regions:
         members = [eqns[k] for k in r.members]
         if len(members) == 1 and not members[0].prim.composite:
-            if members[0].prim is not FUSED:
+            if members[0].prim is not fused_p:
                 skip(f"{_what(members[0])} left alone: nothing to fuse it with", members[0].scope)
             continue
         mine = {o for m in members for o in m.outputs}

@@ -10,8 +10,9 @@ Each attention is a candidate; one left alone is logged with the reason.
 """
 from __future__ import annotations
 
-from ggraph import fused  # noqa: F401  (registers rope_attention)
-from ggraph.core import Eqn, Graph, Var, get_primitive
+from ggraph.ir.composites import attention_p, rope_p
+from ggraph.ir.fused import rope_attention_p
+from ggraph.ir.graph import Eqn, Graph, Var
 from ggraph.passes.manager import graph_pass, note, skip
 from ggraph.passes.rewrite import Rewriter
 
@@ -22,7 +23,7 @@ def _ropes(e: Eqn, producers: dict, users: dict, outputs: set) -> tuple[Eqn, Eqn
         return "attention has no KV cache"
     rq, rk = producers.get(e.inputs[0]), producers.get(e.inputs[1])
     for name, r in (("q", rq), ("k", rk)):
-        if r is None or r.prim.name != "rope":
+        if r is None or r.prim is not rope_p:
             return f"{name} is not the output of rope"
     for p in sorted(rq.params.keys() | rk.params.keys()):
         if rq.params.get(p) != rk.params.get(p):
@@ -38,7 +39,7 @@ def _ropes(e: Eqn, producers: dict, users: dict, outputs: set) -> tuple[Eqn, Eqn
     return rq, rk
 
 
-@graph_pass("fuse_rope_attention")
+@graph_pass("fuse_rope_attention", explain=True)
 def fuse_rope_attention(graph: Graph) -> Graph:
     """rope(q), rope(k), the KV-cache write and masked softmax attention -> one rope_attention."""
     producers = graph.producers()
@@ -46,14 +47,13 @@ def fuse_rope_attention(graph: Graph) -> Graph:
     outputs = {o for o in graph.outvars if isinstance(o, Var)}
     fusing: dict[int, tuple[Eqn, Eqn]] = {}            # index of attention eqn -> its q and k ropes
     for i, e in enumerate(graph.eqns):
-        if e.prim.name == "attention":
+        if e.prim is attention_p:
             got = _ropes(e, producers, users, outputs)
             if isinstance(got, str):
                 skip(got, e.scope)
             else:
                 fusing[i] = got
     absorbed = {id(r) for pair in fusing.values() for r in pair}
-    prim = get_primitive("rope_attention")
     rw = Rewriter(graph)
     for i, e in enumerate(graph.eqns):
         if id(e) in absorbed:
@@ -70,7 +70,7 @@ def fuse_rope_attention(graph: Graph) -> Graph:
         if clash:
             raise ValueError(f"fuse_rope_attention: rope and attention both have params {sorted(clash)}")
         params.update(e.params)
-        rw.emit(Eqn(prim, (q, k) + e.inputs[2:6] + rest, e.outputs, params, e.scope))
+        rw.emit(Eqn(rope_attention_p, (q, k) + e.inputs[2:6] + rest, e.outputs, params, e.scope))
         extras = [f"{k_}={v}" for k_, v in (("window", e.params.get("window")), ("softcap", e.params.get("softcap")))
                   if v]
         note(f"rope(q), rope(k), attention -> rope_attention{' (' + ', '.join(extras) + ')' if extras else ''}",

@@ -12,13 +12,14 @@ import contextvars
 import dataclasses
 from typing import Callable, Iterable
 
-from ggraph.core import Graph, VerifyError
+from ggraph.ir.graph import Graph, VerifyError
 
 
 @dataclasses.dataclass(frozen=True)
 class Pass:
     name: str
     fn: Callable[[Graph], Graph]
+    explain: bool = False       # its log entries are decisions worth reading one by one (--explain)
 
     @property
     def doc(self) -> str:
@@ -31,14 +32,17 @@ class Pass:
 PASSES: dict[str, Pass] = {}
 
 
-def graph_pass(name: str):
-    """Register ``fn`` as the pass called ``name``; it must have a one-line docstring."""
+def graph_pass(name: str, *, explain: bool = False):
+    """Register ``fn`` as the pass called ``name``; it must have a one-line docstring.
+
+    ``explain=True`` marks a pass whose every rewrite and skip ``ggraph dump --explain`` lists
+    (the fusion passes); the others are summarised as counts."""
     def wrap(fn):
         if not (fn.__doc__ or "").strip():
             raise ValueError(f"pass {name!r} needs a docstring saying what it rewrites")
         if name in PASSES:
             raise ValueError(f"pass {name!r} is already registered")
-        PASSES[name] = Pass(name, fn)
+        PASSES[name] = Pass(name, fn, explain)
         return fn
     return wrap
 

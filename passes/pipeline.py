@@ -6,9 +6,10 @@ from typing import Iterable, Sequence
 PIPELINES: dict[str, tuple[str, ...]] = {
     # the optimising pipeline
     "default": ("dce", "cse", "fold",
-                "fuse_dequant_matmul",      # matmul(x, dequant(w)) -> qmatmul(x, w): weights stay in blocks
                 "fuse_rope_attention",      # rope(q), rope(k), cache write, attention -> rope_attention
-                "fuse_elementwise",         # elementwise chains and row reductions -> fused loops
+                "inline_unfusable",         # other composites no kernel takes whole -> their primitives
+                "fuse_dequant_matmul",      # matmul(x, dequant(w)) -> qmatmul(x, w): weights stay in blocks
+                "fuse_elementwise",         # elementwise chains, row reductions, their composites -> fused loops
                 "plan_memory"),             # activation buffers by liveness, in place where safe
     # the unfused baseline: plain primitives with explicit dequant
     "none": ("inline_composites", "dce", "cse", "fold"),

@@ -13,27 +13,15 @@ lifetimes it recomputes itself, and runs on every plan.
 """
 from __future__ import annotations
 
-from ggraph.core import Eqn, Graph, Var, dim_product, poly_str
+from ggraph.ir.dims import dim_product, poly_str
+from ggraph.ir.graph import Eqn, Graph, Var
+from ggraph.ir.primitive import aliases
 from ggraph.passes.manager import graph_pass, note
+from ggraph.units import fmt_bytes
 
 Poly = dict[tuple[str, ...], int]      # bytes as a polynomial: {("T",): 2560, (): 64} = 2560·T + 64
 Size = list[Poly]                      # a buffer's bytes: the max of these polynomials
 
-ALIASES = {  # op: {output index: operand index} whose storage the output is
-    "cache_update": {0: 0},
-    "rope_attention": {1: 3, 2: 4},
-    "reshape": {0: 0},
-}
-
-
-def leading_slice(e: Eqn) -> bool:
-    """A slice whose dims before the axis are all 1 is a contiguous view of its operand."""
-    return e.prim.name == "slice" and all(d == 1 for d in e.inputs[0].aval.shape[:e.params["axis"] % e.inputs[0].aval.ndim])
-
-
-def aliases(e: Eqn) -> dict[int, int]:
-    """{output index: operand index} of the outputs that are views of (or updates to) an operand."""
-    return {0: 0} if leading_slice(e) else ALIASES.get(e.prim.name, {})
 REF_DIMS = (1, 64)                     # best fit weighs symbolic sizes at each of these (decode, prefill)
 
 
@@ -92,8 +80,8 @@ def _at_ref(size: Size) -> int:
 
 
 def in_place_ok(e: Eqn) -> bool:
-    """Elementwise ops and fused row loops may write an output over an operand that dies there."""
-    return e.prim.kind == "elementwise" or e.prim.name == "fused"
+    """The op's kernel reads row r of every operand before writing row r (the op table's in_place)."""
+    return e.prim.in_place
 
 
 # ---------------------------------------------------------------------------------------
@@ -213,7 +201,7 @@ def _namer(graph: Graph):
 
     def name(v: Var) -> str:
         if not cache:
-            from ggraph.printing import Names, graph_to_str
+            from ggraph.ir.graph import Names, graph_to_str
             cache.append(Names())
             graph_to_str(graph, names=cache[0])
         names = cache[0]
@@ -334,19 +322,12 @@ def plan(graph: Graph) -> MemoryPlan:
     return p
 
 
-@graph_pass("plan_memory")
+@graph_pass("plan_memory", explain=True)
 def plan_memory(graph: Graph) -> Graph:
     """Assign activation buffers by liveness, in place where safe; the checked plan goes to graph.meta."""
     p = plan(graph)
     t1, t64 = {s: 1 for s in graph.symbols} | {"T": 1, "P": 0}, {s: 1 for s in graph.symbols} | {"T": 64, "P": 0}
     note(f"{len(p.buffer_of)} values in {len(p.sizes)} buffers ({len(p.in_place)} in place): "
-         f"{_mb(p.peak_bytes(t1))} vs {_mb(p.naive_bytes(t1))} one per value at T=1, "
-         f"{_mb(p.peak_bytes(t64))} vs {_mb(p.naive_bytes(t64))} at T=64")
+         f"{fmt_bytes(p.peak_bytes(t1))} vs {fmt_bytes(p.naive_bytes(t1))} one per value at T=1, "
+         f"{fmt_bytes(p.peak_bytes(t64))} vs {fmt_bytes(p.naive_bytes(t64))} at T=64")
     return graph.replace(meta={**graph.meta, "memory_plan": p})
-
-
-def _mb(n: float) -> str:
-    for unit in ("B", "KiB", "MiB"):
-        if n < 1024 or unit == "MiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Callable, Iterable
 
-from ggraph.core import Atom, Eqn, Graph, Var
+from ggraph.ir.graph import Atom, Eqn, Graph, Var
 
 
 class Rewriter:

@@ -76,6 +76,21 @@ def llama_greedy(path, prompt_tokens, n: int, n_ctx: int = 512, kv_f16: bool = F
     return out
 
 
+def llama_decided(path, prompt_tokens, greedy: list[int], n_ctx: int = 512, margin: float = 0.1) -> int:
+    """How many of llama.cpp's ``greedy`` tokens it is sure of: the length of the prefix before the first
+    step where its own prefill over the same tokens puts the runner-up within ``margin`` of the top
+    logit, or picks another token than its decode did (llama.cpp's batch and decode kernels round
+    differently, so past such a near-tie greedy text is chaos, not a reference)."""
+    seq = [int(t) for t in prompt_tokens] + [int(t) for t in greedy]
+    logits = llama_logits(path, seq, n_ctx)
+    for i, tok in enumerate(greedy):
+        row = logits[len(prompt_tokens) - 1 + i]
+        top2 = np.sort(row)[-2:]
+        if int(np.argmax(row)) != tok or top2[1] - top2[0] < margin:
+            return i
+    return len(greedy)
+
+
 def llama_tokenize(path, text: str, add_bos: bool = True, special: bool = True) -> list[int]:
     """llama.cpp's tokenisation of ``text`` with the model's own tokenizer."""
     p = Path(path).resolve()

@@ -1,7 +1,7 @@
 """``ggraph bench --plot``: tok/s bars with ratios, and a roofline panel when results carry a profile."""
 import pytest
 
-from ggraph import bench_plot
+from ggraph.bench import plot as bench_plot
 from ggraph.cli import main
 
 PNG = b"\x89PNG\r\n\x1a\n"

@@ -6,7 +6,7 @@ import pytest
 
 from ggraph.cli import main
 from ggraph.gguf import write
-from ggraph.quants import quantize
+from ggraph.gguf.quants import quantize
 
 
 @pytest.fixture

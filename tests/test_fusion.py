@@ -10,10 +10,11 @@ import ggraph
 import zoo
 from ggraph import dim, dtypes, f32, i32, ops
 from ggraph.compiler import compile_graph
-from ggraph.core import VerifyError, get_primitive
-from ggraph.parse import parse
+from ggraph.ir.graph import VerifyError
+from ggraph.ir.primitive import get_primitive
+from ggraph.ir.text import parse
 from ggraph.passes import PIPELINES, RewriteLog, pipeline, run
-from ggraph.printing import in_layer
+from ggraph.ir.graph import in_layer
 from test_composites import attention_ref, rope_ref
 
 gguf = pytest.importorskip("gguf")
@@ -100,8 +101,8 @@ def test_qmatmul_against_gguf_py(dt, monkeypatch):
     """qmatmul's numpy rule = x · dequantise(w)ᵀ with gguf-py's dequantisation; repeated calls reuse the f32."""
     import gc
     from gguf.quants import dequantize as gg_dequantize
-    from ggraph.fused import _F32_WEIGHTS, f32_weight
-    from ggraph.prims import Blocks
+    from ggraph.ir.fused import _F32_WEIGHTS, f32_weight
+    from ggraph.ir.prims import Blocks
     calls = []
     real = Blocks.dequantize
     monkeypatch.setattr(Blocks, "dequantize", lambda self: calls.append(self.dtype) or real(self))
@@ -126,7 +127,7 @@ def test_qmatmul_against_gguf_py(dt, monkeypatch):
 
 def test_qmatmul_rejects_bad_operands():
     qm = get_primitive("qmatmul")
-    from ggraph.core import ShapeError, infer
+    from ggraph.ir.primitive import ShapeError, infer
     with pytest.raises(ShapeError, match=r"contracted dims differ.*K=64 vs 32"):
         infer(qm, [f32["T", 64], dtypes.q8_0[8, 32]], {})
     with pytest.raises(ShapeError, match="the weight must be 2-D"):
@@ -400,8 +401,8 @@ def test_none_pipeline_is_plain_primitives_with_dequant():
     g = run(model.graph(32), pipeline("none"))
     assert not any(e.body is not None for e in g.eqns)
     assert g.count("dequant") > 0 and g.count("qmatmul") == g.count("fused") == g.count("rope_attention") == 0
-    assert PIPELINES["default"] == ("dce", "cse", "fold", "fuse_dequant_matmul", "fuse_rope_attention",
-                                    "fuse_elementwise", "plan_memory")
+    assert PIPELINES["default"] == ("dce", "cse", "fold", "fuse_rope_attention", "inline_unfusable",
+                                    "fuse_dequant_matmul", "fuse_elementwise", "plan_memory")
 
 
 def test_each_pass_can_be_switched_off():

@@ -14,7 +14,7 @@ import pytest
 
 gguf = pytest.importorskip("gguf")
 
-from ggraph import dtypes
+from ggraph.ir import dtypes
 from ggraph.gguf import GGUFError, GGUFFile, StringArray, Typed, write
 
 VOCAB_DIR = "/work/shared/vocab"

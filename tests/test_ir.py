@@ -4,7 +4,8 @@ import pytest
 
 import ggraph
 from ggraph import dim, dtypes, f32, ops, param
-from ggraph.core import Sym, Var, VerifyError
+from ggraph.ir.dims import Sym
+from ggraph.ir.graph import Var, VerifyError
 
 
 def mlp(x, g, w_up, w_down):
@@ -97,7 +98,7 @@ def test_custom_block_two_lengths_one_program():
     assert "attention[scale=0.25]" in str(g)
     fn = ggraph.compile(g)
     rng = np.random.default_rng(0)
-    from ggraph.quants import quantize
+    from ggraph.gguf.quants import quantize
     ws = [rng.standard_normal(s).astype(np.float32) * 0.2 for s in [(32,), (32, 32), (32, 32), (64, 32), (32, 64)]]
     ws[2] = quantize(ws[2], "q8_0")
     x = rng.standard_normal((7, 32)).astype(np.float32)
@@ -118,11 +119,12 @@ def test_compile_checks_inputs():
 
 
 def test_dot_and_networkx():
+    from ggraph.view.dot import graph_to_dot, graph_to_networkx
     g = trace_mlp()
-    nx_graph = g.to_networkx()
+    nx_graph = graph_to_networkx(g)
     kinds = {d["kind"] for _, d in nx_graph.nodes(data=True)}
     assert {"composite", "matmul", "memory", "elementwise", "input"} <= kinds
-    dot = g.to_dot()
+    dot = graph_to_dot(g)
     assert dot.startswith('digraph "mlp"') and "matmul" in dot and "f32[T,512]" in dot
 
 

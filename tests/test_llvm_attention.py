@@ -1,4 +1,4 @@
-"""The rope + KV-store and attention kernels against ops._np_rope and ops._np_attention
+"""The rope + KV-store and attention kernels against composites._np_rope and composites._np_attention
 (the composites' own numpy rules, in float64), on every x86 feature set this host runs.
 
 Each configuration covers a different corner (GQA ratio, head dims with vector tails,
@@ -16,6 +16,7 @@ from llvmlite import ir
 
 import ggraph
 from ggraph import f32, ops
+from ggraph.ir import composites
 from ggraph.backends.llvm import jit
 from ggraph.backends.llvm.kernels.attention import (Attention, Rope, attention_kernels, from_rope_attention,
                                                      kernel_names)
@@ -63,8 +64,8 @@ def reference(a: dict, P, attn: Attention, rope: Rope | None):
     q, k = a["q"], a["k"]
     if rope is not None:
         kw = dict(dims=rope.dims, base=rope.base, scale=rope.scale, style=rope.style, mscale=rope.mscale)
-        q, k = (ops._np_rope(x, a["positions"], a.get("freq_factors"), **kw) for x in (q, k))
-    return ops._np_attention(q, k, a["v"], a["k_cache"].copy(), a["v_cache"].copy(), P, scale=attn.scale,
+        q, k = (composites._np_rope(x, a["positions"], a.get("freq_factors"), **kw) for x in (q, k))
+    return composites._np_attention(q, k, a["v"], a["k_cache"].copy(), a["v_cache"].copy(), P, scale=attn.scale,
                              window=attn.window, softcap=attn.softcap)
 
 

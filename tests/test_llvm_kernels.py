@@ -15,7 +15,7 @@ from llvmlite import ir
 gq = pytest.importorskip("gguf.quants")
 from gguf import GGMLQuantizationType  # noqa: E402
 
-from ggraph import dtypes  # noqa: E402
+from ggraph.ir import dtypes  # noqa: E402
 from ggraph.backends.llvm import jit, kernels  # noqa: E402
 from ggraph.backends.llvm.kernels.act_quant import ActLayout, tokens_per_group  # noqa: E402
 from ggraph.backends.llvm.target import X86_NAMES, named_target, runnable_targets  # noqa: E402
@@ -29,6 +29,7 @@ SMALL = ((dtypes.q4_0, 32, 5), (dtypes.q6_k, 256, 3), (dtypes.q8_0, 64, 21))   #
 P = ctypes.c_void_p
 ABI = [P, P, P, ctypes.c_int64, ctypes.c_int32, ctypes.c_int32]
 ACT_ABI = [P, P, ctypes.c_int64, ctypes.c_int32, ctypes.c_int32]
+ROWS_ABI = [P, P, P, P, ctypes.c_int64, ctypes.c_int32, ctypes.c_int32]    # get_rows: table, ids, out, status
 # fp16 fields per block, overwritten with sane values in random blocks
 F16_FIELDS = {"q4_0": (0,), "q4_1": (0, 2), "q5_0": (0,), "q5_1": (0, 2), "q8_0": (0,),
               "iq4_nl": (0,), "q2_k": (80, 82), "q3_k": (108,), "q4_k": (0, 2), "q5_k": (0, 2),
@@ -229,11 +230,13 @@ def test_get_rows_quantized_is_gguf_dequant(target, dt):
     K = k_of(dt)
     tab = random_blocks(dt, V, K, rng)
     ref = dequant(tab, dt, V, K)
-    out = np.zeros((len(IDS), K), np.float32)
-    run(fn(target, f"get_rows_{dt.name}_k{K}_v{V}"), (tab.ctypes.data, IDS.ctypes.data, out.ctypes.data),
-        len(IDS), 3)
+    out = np.full((len(IDS), K), np.nan, np.float32)
+    status = np.zeros(2, np.int64)
+    run(fn(target, f"get_rows_{dt.name}_k{K}_v{V}", ROWS_ABI),
+        (tab.ctypes.data, IDS.ctypes.data, out.ctypes.data, status.ctypes.data), len(IDS), 3)
     np.testing.assert_array_equal(out[:-2], ref[IDS[:-2]])
-    assert np.isnan(out[-2:]).all(), "out-of-range ids must give NaN rows"
+    assert (out[-2:] == 0).all(), "an out-of-range id never reads the table: its row is zeroed"
+    assert status[0] == 1 and status[1] in (V, -1), "and the kernel reports the id in its status slot"
 
 
 @pytest.mark.parametrize("dt", kernels.FLOAT_TYPES, ids=lambda d: d.name)
@@ -243,12 +246,13 @@ def test_get_rows_float(target, dt):
     tab = {"f32": w32, "f16": w32.astype(np.float16), "bf16": bf16_bits(w32)}[dt.name]
     ref = tab.astype(np.float32) if dt.name != "bf16" else (tab.astype(np.uint32) << 16).view(np.float32)
     for suffix, mult in (("", None), (f"_s{EMB_SCALE:.9g}".replace(".", "p"), np.float32(EMB_SCALE))):
-        out = np.zeros((len(IDS), FK), np.float32)
-        run(fn(target, f"get_rows_{dt.name}_k{FK}_v{V}{suffix}"),
-            (tab.ctypes.data, IDS.ctypes.data, out.ctypes.data), len(IDS), 2, threads=True)
+        out = np.full((len(IDS), FK), np.nan, np.float32)
+        status = np.zeros(2, np.int64)
+        run(fn(target, f"get_rows_{dt.name}_k{FK}_v{V}{suffix}", ROWS_ABI),
+            (tab.ctypes.data, IDS.ctypes.data, out.ctypes.data, status.ctypes.data), len(IDS), 2, threads=True)
         want = ref[IDS[:-2]] if mult is None else ref[IDS[:-2]] * mult
         np.testing.assert_array_equal(out[:-2], want)
-        assert np.isnan(out[-2:]).all()
+        assert (out[-2:] == 0).all() and status[0] == 1 and status[1] in (V, -1)
 
 
 def test_unknown_types_are_refused():
@@ -298,7 +302,9 @@ def test_gemma_tensors_on_host_target(gemma):
     ids = np.array([2, 106, 1, 262143, 9000], np.int32)
     out = np.zeros((len(ids), 640), np.float32)
     table = emb.data.reshape(V, -1)                                        # (V, 680) q8_0 rows
-    run(fn(host, f"get_rows_q8_0_k640_v{V}_s{EMB_SCALE:.9g}".replace(".", "p"), lib=lib),
-        (table.ctypes.data, ids.ctypes.data, out.ctypes.data), len(ids), 2)
+    status = np.zeros(2, np.int64)
+    run(fn(host, f"get_rows_q8_0_k640_v{V}_s{EMB_SCALE:.9g}".replace(".", "p"), ROWS_ABI, lib=lib),
+        (table.ctypes.data, ids.ctypes.data, out.ctypes.data, status.ctypes.data), len(ids), 2)
+    assert not status.any()
     want = dequant(np.ascontiguousarray(table[ids]), dtypes.q8_0, len(ids), 640) * np.float32(EMB_SCALE)
     np.testing.assert_array_equal(out, want)

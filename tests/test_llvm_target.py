@@ -6,7 +6,7 @@ import re
 import pytest
 from llvmlite import ir
 
-from ggraph import dtypes
+from ggraph.ir import dtypes
 from ggraph.backends.llvm import jit, kernels, target
 from ggraph.backends.llvm.kernels.builder import Kernel, i8, i32, vec
 from ggraph.backends.llvm.kernels.isa import Isa

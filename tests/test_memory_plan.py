@@ -6,11 +6,12 @@ import numpy as np
 import pytest
 
 import zoo
-from ggraph.backends.numpy_ref import as_value, bind_symbols, eval_eqn
+from ggraph.backends.numpy_ref import eval_eqn
+from ggraph.backends.values import as_value, bind_symbols
 from ggraph.compiler import compile_graph
-from ggraph.core import Literal
-from ggraph.dump import show_buffers
-from ggraph.parse import parse
+from ggraph.ir.graph import Literal
+from ggraph.cli.dump import show_buffers
+from ggraph.ir.text import parse
 from ggraph.passes import RewriteLog, pipeline, run
 from ggraph.passes.plan_memory import MemoryPlan, PlanError, covers, lifetimes, plan, size_of
 

@@ -5,8 +5,8 @@ import pytest
 
 import ggraph
 from ggraph import f32, ops
-from ggraph.core import Var
-from ggraph.parse import ParseError, parse
+from ggraph.ir.graph import Var
+from ggraph.ir.text import ParseError, parse
 from ggraph.passes import PASSES, PassError, RewriteLog, graph_pass, run
 
 

@@ -4,7 +4,7 @@ import pytest
 
 import ggraph
 from ggraph import ops, f32, i32, dtypes
-from ggraph.core import ShapeError
+from ggraph.ir.primitive import ShapeError
 
 rng = np.random.default_rng(0)
 
@@ -120,7 +120,7 @@ def test_matmul_contracts_last_axes_with_batch():
 
 @pytest.mark.parametrize("dtype", ["q8_0", "q4_0", "f16"])
 def test_dequant_and_linear(dtype):
-    from ggraph.quants import dequantize, quantize
+    from ggraph.gguf.quants import dequantize, quantize
     w = randn(64, 96)
     wq = quantize(w, dtype) if dtype != "f16" else w.astype(np.float16)
     wd = dequantize(wq.view(np.uint8).reshape(-1), dtype, w.shape) if dtype != "f16" else w.astype(np.float16).astype(np.float32)
@@ -132,7 +132,7 @@ def test_dequant_and_linear(dtype):
 
 
 def test_take_quantised_and_plain():
-    from ggraph.quants import dequantize, quantize
+    from ggraph.gguf.quants import dequantize, quantize
     table = randn(50, 64)
     ids = np.array([3, 0, 49, 3], dtype=np.int32)
     out, _ = run1(ops.take, table, ids, avals=[f32[50, 64], i32["T"]])

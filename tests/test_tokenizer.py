@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 from ggraph import gguf
-from ggraph.chat import CHATML_TEMPLATE, GEMMA_TEMPLATE, ChatTemplateError, render_chat
-from ggraph.tokenizer import BYTE, CONTROL, NORMAL, Detokenizer, Tokenizer
+from ggraph.runtime.chat import CHATML_TEMPLATE, GEMMA_TEMPLATE, ChatTemplateError, render_chat
+from ggraph.runtime.tokenizer import BYTE, CONTROL, NORMAL, Detokenizer, Tokenizer
 
 DATA = Path(__file__).parent / "data" / "vocab"
 VOCABS = ("llama-spm", "qwen2", "gpt-2")
@@ -146,7 +146,7 @@ def test_bpe_applies_merges_by_rank():
 
 
 def test_gpt2_pretokenizer_splits_words():
-    from ggraph.tokenizer import _split_gpt2, _split_llama3, _split_qwen2
+    from ggraph.runtime.tokenizer import _split_gpt2, _split_llama3, _split_qwen2
     text = "I'm  42 cats!!\n\n  Ok"
     assert _split_gpt2(text) == ["I", "'m", " ", " 42", " cats", "!!", "\n\n ", " Ok"]
     assert _split_llama3(text) == ["I", "'m", " ", " ", "42", " cats", "!!\n\n", " ", " Ok"]

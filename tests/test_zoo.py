@@ -6,7 +6,7 @@ import pytest
 
 import oracle
 import zoo
-from ggraph import dtypes  # noqa: E402
+from ggraph.ir import dtypes  # noqa: E402
 
 gguf = pytest.importorskip("gguf")
 

@@ -1,212 +1,78 @@
-"""Lower a fused graph to one native program: a straight list of kernel calls.
+"""Lower a graph to one native program: a straight list of kernel calls.
 
     program(ptr table, i64 T, i64 P, i32 ith, i32 nth, ptr barrier)
 
 ``table`` holds one base address per buffer (graph inputs, weights in the GGUF mmap,
-activations, scratch, constants). Each eqn lowers, through the LOWERINGS table keyed by
-op name, to zero or more kernel calls whose pointer arguments are (buffer, byte offset)
-references; reshapes and leading-axis slices are views and emit nothing. Every thread
-walks the same list; a barrier follows each call that writes something a later call
-reads. An op without a lowering fails here, naming the op.
+activations, scratch, constants). Each eqn lowers through its primitive's rule in
+``LOWERINGS`` to zero or more kernel calls; reshapes and leading-axis slices are views and
+emit nothing. An eqn whose primitive has no rule lowers by what the op table says of it:
+elementwise ops and reductions become one-op fused loops, a composite becomes one fused
+loop when its body is elementwise, else its body's eqns are lowered in its place. Anything
+else fails here, naming the op. Every thread walks the same list; a barrier follows each
+call that writes something a later call reads.
+
+The kernels are units of their own (``jit.unit``), compiled once each and cached; the
+program function is a small module of calls that only declares them.
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
 
 import numpy as np
 from llvmlite import ir
 
-from ggraph.core import Aval, DimAval, Eqn, Graph, Literal, Sym, Var, eval_dim
+from ggraph.ir.dims import Sym
+from ggraph.ir.graph import Eqn, Graph, Literal
+from ggraph.backends.llvm import jit
+from ggraph.backends.llvm.lowering import (LOWERINGS, SYMBOLS, Buffer, Bytes, Call, Lowering, LoweringError,
+                                           Ref)
 from ggraph.backends.llvm.target import Target
 from ggraph.backends.llvm.team import emit_barrier
 
 i32, i64, ptr = ir.IntType(32), ir.IntType(64), ir.PointerType()
-SYMBOLS = ("T", "P")               # the runtime dims a program takes
+PROGRAM_SPEED_LEVEL = 1            # the program is a list of calls: O1 is all it needs, and it is quick
 
-
-@dataclasses.dataclass(frozen=True)
-class Bytes:
-    """A buffer's size in bytes at given dims: ``kind`` with its arguments (picklable, unlike a lambda).
-
-    "fixed" (n) · "aval" (aval) · "plan" (the memory plan's size polynomials) · "act" (fmt, rows, K)
-    """
-    kind: str
-    args: tuple
-
-    def __call__(self, dims: dict) -> int:
-        if self.kind == "fixed":
-            return self.args[0]
-        if self.kind == "aval":
-            return self.args[0].nbytes(dims)
-        if self.kind == "plan":
-            from ggraph.passes.plan_memory import size_bytes
-            return size_bytes(self.args[0], dims)
-        if self.kind == "act":
-            from ggraph.backends.llvm.kernels import act_bytes
-            fmt, R, K = self.args
-            return act_bytes(fmt, eval_size(R, dims), K)
-        raise ValueError(f"unknown size kind {self.kind!r}")
-
-
-@dataclasses.dataclass
-class Buffer:
-    """A memory region: a graph input, a weight, an activation, scratch, or a constant."""
-    kind: str                              # "input" | "param" | "act" | "scratch" | "const" | "dim"
-    name: str
-    size: Bytes                            # bytes, given the dims
-    data: np.ndarray | None = None         # constants: their bytes
-
-
-@dataclasses.dataclass(frozen=True)
-class Ref:
-    """A pointer argument: buffer ``buf`` plus a byte offset (a dim expression)."""
-    buf: int
-    offset: object = 0
-
-
-@dataclasses.dataclass
-class Call:
-    kernel: str
-    args: tuple                            # Refs and dims (int | Sym), then ith/nth are appended
-    writes: frozenset                      # buffers this call writes; every other Ref is read
-    eqn: Eqn | None = None                 # the eqn it implements (for profiles)
-
-    @property
-    def reads(self) -> frozenset:
-        return frozenset(a.buf for a in self.args if isinstance(a, Ref)) - self.writes
-
-
-class LoweringError(NotImplementedError):
-    """The llvm backend cannot lower an op; the message names it."""
-
-
-class Lowering:
-    """State while lowering one graph: buffers, where each value lives, and the calls."""
-
-    def __init__(self, graph: Graph, target: Target, module: ir.Module):
-        self.graph, self.target, self.module = graph, target, module
-        self.buffers: list[Buffer] = []
-        self.where: dict[Var, Ref] = {}
-        self.calls: list[Call] = []
-        self.input_index: dict[Var, int] = {}
-        self.param_index: dict[Var, int] = {}
-        self._memo: dict = {}
-        self.current: Eqn | None = None
-        for v in graph.invars:
-            if isinstance(v.aval, DimAval):
-                if v.aval.symbol not in SYMBOLS:
-                    raise LoweringError(f"llvm backend: dim input {v.aval.symbol} (only {SYMBOLS} are runtime dims)")
-                self.where[v] = Ref(self._add(Buffer("dim", v.aval.symbol, Bytes("fixed", (4,)))))  # its value, as i32
-                continue
-            self.input_index[v] = self._add(Buffer("input", v.hint or f"in{len(self.buffers)}", _aval_size(v.aval)))
-            self.where[v] = Ref(self.input_index[v])
-        for v in graph.params:
-            self.param_index[v] = self._add(Buffer("param", v.aval.source, _aval_size(v.aval)))
-            self.where[v] = Ref(self.param_index[v])
-        self.plan = graph.meta.get("memory_plan")            # plan_memory's buffers, when it ran
-        self._plan_buffers: dict[int, int] = {}
-
-    def _add(self, buf: Buffer) -> int:
-        self.buffers.append(buf)
-        return len(self.buffers) - 1
-
-    # -- what lowering rules use -----------------------------------------------------
-    def ref(self, a) -> Ref:
-        """Where operand ``a`` lives (constants become const buffers)."""
-        if isinstance(a, Literal):
-            data = np.ascontiguousarray(a.value)
-            return Ref(self._add(Buffer("const", f"const{len(self.buffers)}", Bytes("fixed", (data.nbytes,)),
-                                        data.view(np.uint8).reshape(-1))))
-        return self.where[a]
-
-    def output(self, v: Var) -> Ref:
-        """Memory for ``v``: its buffer in the memory plan, or a buffer of its own without one."""
-        if self.plan is None:
-            r = Ref(self._add(Buffer("act", f"v{v.id}", _aval_size(v.aval))))
-        else:
-            if v not in self.plan.buffer_of:
-                raise LoweringError(f"the memory plan has no buffer for a value of {v.aval}")
-            b = self.plan.buffer_of[v]
-            if b not in self._plan_buffers:
-                self._plan_buffers[b] = self._add(Buffer("act", f"buf{b}", Bytes("plan", (self.plan.sizes[b],))))
-            r = Ref(self._plan_buffers[b])
-        self.where[v] = r
-        return r
-
-    def alias(self, v: Var, r: Ref) -> None:
-        """``v`` is a view of existing memory (reshape, a leading-axis slice, an in-place op)."""
-        self.where[v] = r
-
-    def scratch(self, size: Bytes, name: str) -> Ref:
-        return Ref(self._add(Buffer("scratch", name, size)))
-
-    def call(self, kernel: str, *args, writes=()) -> None:
-        """Append a kernel call; ``writes`` are the Refs it writes (the rest it only reads)."""
-        self.calls.append(Call(kernel, tuple(args), frozenset(r.buf for r in writes), self.current))
-
-    def memo(self, key, value=None):
-        """Remember a lowering product (e.g. quantised activations) for reuse by later eqns."""
-        if value is not None:
-            self._memo[key] = value
-        return self._memo.get(key)
-
-
-LOWERINGS: dict[str, Callable[[Lowering, Eqn], None]] = {}
-
-
-def lowering(*names: str):
-    """Register a lowering rule for the ops called ``names``."""
-    def wrap(fn):
-        for n in names:
-            LOWERINGS[n] = fn
-        return fn
-    return wrap
-
-
-def _aval_size(aval: Aval) -> Bytes:
-    return Bytes("aval", (aval,))
-
-
-def rows(aval: Aval):
-    """The product of all but the last dim (a dim expression)."""
-    out = 1
-    for d in aval.shape[:-1]:
-        out = d * out if isinstance(d, Sym) else out * d
-    return out
-
-
-# ---------------------------------------------------------------------------------------
-# building the program
-# ---------------------------------------------------------------------------------------
 
 @dataclasses.dataclass
 class ProgramSpec:
-    module: ir.Module
+    module: ir.Module | None               # the program function's module (None when loaded from cache)
     buffers: list[Buffer]
     calls: list[Call]
     outputs: list[Ref | Literal]
     input_index: dict
     param_index: dict
+    units: list[jit.Unit]
+    checks: list[str]                      # what each status slot reports when a kernel sets it
     name: str = "ggraph_program"
+
+
+def lower_eqn(lw: Lowering, e: Eqn) -> None:
+    """Lower one eqn by its primitive's rule, or by what the op table says of a primitive without one."""
+    from ggraph.backends.llvm import lowerings
+    lw.current = lw.current or e
+    rule = LOWERINGS.get(e.prim)
+    if rule is not None:
+        return rule(lw, e)
+    if lowerings.fused_loop(e):
+        return lowerings.lower_fused(lw, e)
+    if e.prim.composite:
+        return lowerings.lower_body(lw, e)
+    raise LoweringError(f"llvm backend: no lowering for op {e.prim.name!r} (at {e.scope or 'top'}): it is not "
+                        f"elementwise, a reduction or a composite, and has no rule; lowered ops: "
+                        f"{', '.join(sorted(p.name for p in LOWERINGS))} and any elementwise op with an emitter")
 
 
 def lower(graph: Graph, target: Target, profile: bool = False) -> ProgramSpec:
     """Lower every eqn, then emit the program function that calls the kernels in order."""
-    from ggraph.backends.llvm import lowerings  # noqa: F401  (registers the rules)
-    module = ir.Module(name=graph.name or "ggraph")
-    lw = Lowering(graph, target, module)
+    lw = Lowering(graph, target)
     for e in graph.eqns:
-        lw.current = e
-        rule = LOWERINGS.get(e.prim.name)
-        if rule is None:
-            raise LoweringError(f"llvm backend: no lowering for op {e.prim.name!r} (at {e.scope or 'top'}); "
-                                f"lowered ops: {', '.join(sorted(LOWERINGS))}")
-        rule(lw, e)
+        lw.current = None
+        lower_eqn(lw, e)
     outputs = [o if isinstance(o, Literal) else lw.where[o] for o in graph.outvars]
     if profile:                           # one i64 cycle stamp per call, plus the start
-        lw.profile_buffer = lw._add(Buffer("profile", "cycles", Bytes("fixed", (8 * (len(lw.calls) + 1),))))
-    spec = ProgramSpec(module, lw.buffers, lw.calls, outputs, lw.input_index, lw.param_index)
+        lw._add(Buffer("profile", "cycles", Bytes("fixed", (8 * (len(lw.calls) + 1),))))
+    spec = ProgramSpec(ir.Module(name=graph.name or "ggraph"), lw.buffers, lw.calls, outputs, lw.input_index,
+                       lw.param_index, list(lw.units.values()), lw.checks)
     emit_program(spec, target, profile)
     return spec
 
@@ -245,11 +111,19 @@ def emit_program(spec: ProgramSpec, target: Target, profile: bool = False) -> No
     for i, (c, wait) in enumerate(zip(spec.calls, waits)):
         if wait and not (profile and i == 0):
             b.call(barrier, [bar, nth])
-        b.call(m.globals[c.kernel], [value(a) for a in c.args] + [ith, nth])
+        b.call(_declare(m, c), [value(a) for a in c.args] + [ith, nth])
         if stamp:
             b.call(barrier, [bar, nth])
             stamp(i + 1)
     b.ret_void()
+
+
+def _declare(m: ir.Module, c: Call) -> ir.Function:
+    """The kernel a call names, declared in the program module (a Ref is a pointer, a dim an i64)."""
+    if c.kernel in m.globals:
+        return m.globals[c.kernel]
+    args = [ptr if isinstance(a, Ref) else i64 for a in c.args] + [i32, i32]
+    return ir.Function(m, ir.FunctionType(ir.VoidType(), args), name=c.kernel)
 
 
 def _stamper(m: ir.Module, b: ir.IRBuilder, ith, stamps):
@@ -289,7 +163,3 @@ def dim_value(b: ir.IRBuilder, d, dims: dict) -> ir.Value:
         term = dims[name] if coef == 1 else b.mul(dims[name], ir.Constant(i64, coef))
         out = term if (isinstance(out, ir.Constant) and out.constant == 0) else b.add(out, term)
     return out
-
-
-def eval_size(d, dims: dict) -> int:
-    return eval_dim(d, dims) if isinstance(d, Sym) else int(d)

@@ -1,32 +1,49 @@
 """Compile LLVM IR for a Target to object code, cache it on disk, and load it with LLJIT.
 
-    lib = jit.compile(module, target)       # an llvmlite.ir.Module or IR text
+    lib = jit.compile(module, target)       # one llvmlite.ir.Module or IR text
     fn = lib.function("name", None, [ctypes.c_void_p, ...])
-    addr = lib.address("name")
 
-The cache key hashes the IR text, the target's name, cpu and features, and the
-llvmlite version. The cache lives in $GGRAPH_CACHE, else ~/.cache/ggraph.
+A program is built from kernel *units*: ``unit(emitter, args, target, units)`` stands for
+the kernel(s) ``emitter(module, *args)`` emits. Its key hashes the emitter, its arguments
+(graphs by their signature), the target and the source of the code that emits kernels, so
+a unit seen before is read from the cache without building any IR; a new one is built into
+a module of its own. ``compile_units`` turns the new units into object code, several
+processes at a time when there are many, with a progress bar once it takes a second, and
+``link`` loads the objects of a program together. The cache lives in $GGRAPH_CACHE, else
+~/.cache/ggraph.
 """
 from __future__ import annotations
 
 import ctypes
+import dataclasses
+import functools
 import hashlib
 import itertools
 import os
+import pickle
+import queue
 import re
+import subprocess
+import sys
 import tempfile
 import threading
+from pathlib import Path
 
 import llvmlite
 import llvmlite.binding as llvm
+from llvmlite import ir
 
 from ggraph.backends.llvm.target import Target, init_llvm, target_machine
 from ggraph.demo import cache_dir          # one cache root for models and object code
+from ggraph.ir.dims import Sym
+from ggraph.ir.dtypes import Aval, DType
+from ggraph.ir.graph import Graph
 
 _DEFINE = re.compile(r'^define\s+([^@]*)@"?([^"(\s]+)"?\s*\(', re.MULTILINE)
 _jit_lock = threading.Lock()
 _jit: list = []                    # the one LLJIT instance, created on first use
 _names = itertools.count()
+PARALLEL_MIN = 4                   # compile in worker processes from this many new units on
 
 
 def cache_key(ir_text: str, target: Target) -> str:
@@ -38,16 +55,16 @@ def cache_key(ir_text: str, target: Target) -> str:
     return h.hexdigest()
 
 
-def optimize(module, target: Target) -> llvm.ModuleRef:
-    """Parse, verify and run the O3 pipeline (loop and SLP vectorisers on) for `target`."""
+def optimize(module, target: Target, speed_level: int = 3) -> llvm.ModuleRef:
+    """Parse, verify and run the O``speed_level`` pipeline (loop and SLP vectorisers on) for `target`."""
     tm = target_machine(target)
     mod = llvm.parse_assembly(str(module))
     mod.triple = tm.triple
     mod.data_layout = str(tm.target_data)
     mod.verify()
-    pto = llvm.create_pipeline_tuning_options(speed_level=3)
-    pto.loop_vectorization = True
-    pto.slp_vectorization = True
+    pto = llvm.create_pipeline_tuning_options(speed_level=speed_level)
+    pto.loop_vectorization = speed_level > 1
+    pto.slp_vectorization = speed_level > 1
     pb = llvm.create_pass_builder(tm, pto)
     pb.getModulePassManager().run(mod, pb)
     return mod
@@ -58,18 +75,28 @@ def emit_assembly(module, target: Target) -> str:
     return target_machine(target).emit_assembly(optimize(module, target))
 
 
+def emit_object(text: str, target: Target, speed_level: int = 3) -> bytes:
+    """Object code of IR text for `target` (the work a compile worker does)."""
+    return target_machine(target).emit_object(optimize(text, target, speed_level))
+
+
+def _store(path: Path, data: bytes) -> None:
+    """Write a cache file atomically: readers see the old file or the whole new one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+    os.replace(tmp, path)
+
+
 def object_code(module, target: Target) -> tuple[bytes, bool]:
     """Object code for `module` on `target` and whether it came from the disk cache."""
     text = str(module)
     path = cache_dir() / f"{cache_key(text, target)}.o"
     if path.exists():
         return path.read_bytes(), True
-    obj = target_machine(target).emit_object(optimize(text, target))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
-    with os.fdopen(fd, "wb") as f:
-        f.write(obj)
-    os.replace(tmp, path)
+    obj = emit_object(text, target)
+    _store(path, obj)
     return obj, False
 
 
@@ -78,6 +105,144 @@ def defined_functions(ir_text: str) -> list[str]:
     return [name for linkage, name in _DEFINE.findall(ir_text)
             if "internal" not in linkage and "private" not in linkage]
 
+
+# ---------------------------------------------------------------------------------------
+# kernel units
+# ---------------------------------------------------------------------------------------
+
+@functools.cache
+def code_digest() -> bytes:
+    """A digest of the code that decides kernels: the op table (ggraph/ir) and the llvm backend."""
+    from ggraph import ir as ggraph_ir
+    h = hashlib.sha256(llvmlite.__version__.encode())
+    for root in (Path(__file__).parent, Path(ggraph_ir.__file__).parent):
+        for p in sorted(root.rglob("*.py")):
+            h.update(p.read_bytes())
+    return h.digest()
+
+
+def _key_part(a):
+    if isinstance(a, Graph):
+        return ("graph", a.signature())
+    if isinstance(a, Target):
+        return ("target", a.name, a.cpu, a.features)
+    if isinstance(a, (tuple, list)):
+        return tuple(_key_part(x) for x in a)
+    if isinstance(a, (Aval, DType, Sym)):
+        return str(a)
+    return repr(a)
+
+
+@dataclasses.dataclass
+class Unit:
+    """The kernel(s) one emitter call makes: their names, and object code or the IR still to compile."""
+    key: str
+    names: tuple[str, ...]
+    object: bytes | None = None
+    text: str | None = None
+
+    @property
+    def path(self) -> Path:
+        return cache_dir() / "kernels" / f"{self.key}.kernel"
+
+
+def unit(emitter, args: tuple, target: Target, units: dict) -> Unit:
+    """The unit of ``emitter(module, *args)`` for ``target``: from ``units``, the disk cache, or built now."""
+    h = hashlib.sha256(code_digest())
+    h.update(repr((emitter.__module__, emitter.__qualname__, _key_part(args), _key_part(target))).encode())
+    key = h.hexdigest()
+    if key in units:
+        return units[key]
+    found = _cached_unit(key)
+    if found is None:
+        module = ir.Module(name=emitter.__name__)
+        out = emitter(module, *args)
+        names = (out,) if isinstance(out, str) else tuple(out)
+        found = Unit(key, names, text=str(module))
+    units[key] = found
+    return found
+
+
+def _cached_unit(key: str) -> Unit | None:
+    u = Unit(key, ())
+    try:
+        state = pickle.loads(u.path.read_bytes())
+        u.names, u.object = tuple(state["names"]), bytes(state["object"])
+        return u
+    except FileNotFoundError:
+        return None
+    except (OSError, pickle.UnpicklingError, EOFError, KeyError, TypeError, ValueError):
+        u.path.unlink(missing_ok=True)                      # a torn entry: build it again
+        return None
+
+
+def compile_units(units, target: Target, label: str = "compiling kernels") -> int:
+    """Give every unit still holding IR its object code (and cache it); returns how many were compiled."""
+    from ggraph.progress import Progress
+    todo = [u for u in units if u.object is None]
+    if not todo:
+        return 0
+    workers = min(os.cpu_count() or 1, len(todo) // PARALLEL_MIN)
+    with Progress(len(todo), label, unit=" kernels", stream=sys.stderr, delay=1.0) as bar:
+        if workers > 1:
+            for u, obj in _compile_in_workers(todo, target, workers):
+                _finish(u, obj)
+                bar.advance()
+        else:
+            for u in todo:
+                _finish(u, emit_object(u.text, target))
+                bar.advance()
+    return len(todo)
+
+
+def _compile_in_workers(todo: list[Unit], target: Target, workers: int):
+    """Yield (unit, object code) as worker processes finish them; the biggest units are shared out first."""
+    shares: list[list[int]] = [[] for _ in range(workers)]
+    load = [0] * workers
+    for i in sorted(range(len(todo)), key=lambda i: -len(todo[i].text)):
+        w = load.index(min(load))
+        shares[w].append(i)
+        load[w] += len(todo[i].text)
+    done: queue.Queue = queue.Queue()
+    procs = []
+    for share in shares:
+        p = subprocess.Popen([sys.executable, "-m", "ggraph.backends.llvm.compile_worker"],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        procs.append(p)
+        threading.Thread(target=_feed, args=(p, target, [(i, todo[i].text) for i in share], done),
+                         daemon=True).start()
+    try:
+        for _ in range(len(todo)):
+            i, result = done.get()
+            if i is None or isinstance(result, str):
+                what = "a compile worker died" if i is None else f"kernel {todo[i].names[0]}"
+                raise RuntimeError(f"llvm backend: {what}: {result}")
+            yield todo[i], result
+    finally:
+        for p in procs:
+            p.kill() if p.poll() is None else None
+            p.wait()
+
+
+def _feed(p: subprocess.Popen, target: Target, jobs: list, done: queue.Queue) -> None:
+    """Send a worker its jobs and pass its answers on; a worker that dies early reports (None, why)."""
+    try:
+        pickle.dump((target, jobs), p.stdin, protocol=pickle.HIGHEST_PROTOCOL)
+        p.stdin.close()
+        for _ in jobs:
+            done.put(pickle.load(p.stdout))
+    except (EOFError, OSError, pickle.UnpicklingError) as e:
+        done.put((None, f"exit code {p.wait()} ({type(e).__name__})"))
+
+
+def _finish(u: Unit, obj: bytes) -> None:
+    u.object, u.text = obj, None
+    _store(u.path, pickle.dumps({"names": list(u.names), "object": obj}, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+# ---------------------------------------------------------------------------------------
+# loading
+# ---------------------------------------------------------------------------------------
 
 def _lljit() -> llvm.LLJIT:
     init_llvm()
@@ -90,9 +255,9 @@ def _lljit() -> llvm.LLJIT:
 class Library:
     """Loaded native code. Keep it alive while any of its addresses may be called."""
 
-    def __init__(self, tracker, names: list[str], from_cache: bool, obj: bytes):
+    def __init__(self, tracker, names: list[str], from_cache: bool, objects: tuple[bytes, ...]):
         self._tracker = tracker
-        self.object = obj                  # the object code, for callers that cache more alongside it
+        self.objects = objects             # the object code, for callers that cache more alongside it
         self.names = tuple(names)
         self.from_cache = from_cache
 
@@ -119,13 +284,16 @@ def compile(module, target: Target) -> Library:
     if not names:
         raise ValueError("module defines no external functions to load")
     obj, hit = object_code(text, target)
-    return link(obj, names, hit)
+    return link([obj], names, hit)
 
 
-def link(obj: bytes, names, from_cache: bool = True) -> Library:
-    """Load object code into this process and export ``names`` from it."""
-    builder = llvm.JITLibraryBuilder().add_object_img(obj).add_current_process()
+def link(objects, names, from_cache: bool = True) -> Library:
+    """Load object code (one or several objects that call each other) and export ``names``."""
+    builder = llvm.JITLibraryBuilder()
+    for obj in objects:
+        builder.add_object_img(obj)
+    builder.add_current_process()
     for name in names:
         builder.export_symbol(name)
     tracker = builder.link(_lljit(), f"ggraph{next(_names)}")
-    return Library(tracker, list(names), from_cache, obj)
+    return Library(tracker, list(names), from_cache, tuple(objects))

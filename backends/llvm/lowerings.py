@@ -1,58 +1,56 @@
-"""LLVM lowering rules, one per op (or family), registered in codegen.LOWERINGS.
+"""LLVM lowering rules, one per primitive that needs more than the op table says, in LOWERINGS.
 
-A rule looks up where its operands live, gets or aliases memory for its outputs, and
-appends kernel calls. Views (reshape, leading-axis slices) emit no call.
+A rule looks up where its operands live, gets or aliases memory for its outputs, asks for
+its kernels by signature (``lw.kernel``) and appends calls. Views (reshape, leading-axis
+slices) emit no call. Elementwise ops, reductions and elementwise composites need no
+rule: ``lower_fused`` runs each as one fused loop from the emitters of the op table, and
+any other composite lowers as its body (``lower_body``).
 """
 from __future__ import annotations
 
 import numpy as np
 
-from ggraph.core import DimAval, Literal, Sym, Var
+from ggraph.ir import prims as P
+from ggraph.ir.dims import Sym, product
+from ggraph.ir.dtypes import DimAval
+from ggraph.ir.fused import qmatmul_p, rope_attention_p
+from ggraph.ir.graph import Eqn, Graph, Literal, Var
+from ggraph.ir.primitive import fusable
 from ggraph.backends.llvm import kernels as K
 from ggraph.backends.llvm.kernels import attention as A
 from ggraph.backends.llvm.kernels import elementwise as E
 from ggraph.backends.llvm.kernels import generic_ops as G
-from ggraph.backends.llvm.codegen import Bytes, LoweringError, Ref, lowering, rows
-from ggraph.passes.plan_memory import leading_slice
+from ggraph.backends.llvm.lowering import Bytes, LoweringError, lowering, rows, symbol_args
 
 
-def _offset(r: Ref, extra) -> Ref:
-    if extra == 0:
-        return r
-    if r.offset == 0:
-        return Ref(r.buf, extra)
-    return Ref(r.buf, r.offset + extra)
-
-
-@lowering("reshape")
+@lowering(P.reshape_p)
 def _reshape(lw, e):
     lw.alias(e.outputs[0], lw.ref(e.inputs[0]))            # row-major data: a reshape is a view
 
 
-@lowering("slice")
+@lowering(P.slice_p)
 def _slice(lw, e):
     x, out = e.inputs[0], e.outputs[0]
-    axis = e.params["axis"] % x.aval.ndim
-    if not leading_slice(e):
+    if not P.leading_slice(e):
         return _lower_copy(lw, e)
-    inner = 1
-    for d in x.aval.shape[axis + 1:]:
-        inner = d * inner if isinstance(d, Sym) else inner * d
-    start = e.params["start"]
-    step_bytes = inner * 4 if not isinstance(inner, Sym) else inner * 4
-    lw.alias(out, _offset(lw.ref(x), start * step_bytes if start != 0 else 0))
+    axis = e.params["axis"] % x.aval.ndim
+    step_bytes = product(x.aval.shape[axis + 1:]) * x.aval.dtype.type_size
+    lw.alias(out, lw.ref(x).plus(e.params["start"] * step_bytes))
 
 
-@lowering("take")
+@lowering(P.take_p)
 def _take(lw, e):
+    """The gather kernel; an id outside the table sets a status slot that the run turns into an error."""
     table, ids = e.inputs
     V, D = table.aval.shape
     out = lw.output(e.outputs[0])
-    name = K.get_rows(lw.module, table.aval.dtype, D, V, lw.target)
-    lw.call(name, lw.ref(table), lw.ref(ids), out, rows(e.outputs[0].aval), writes=(out,))
+    status = lw.status(f"take at {e.scope or 'top'}: id {{id}} is out of range for a table of {V} rows "
+                       f"({table.aval})")
+    name = lw.kernel(K.get_rows, table.aval.dtype, D, V, lw.target)
+    lw.call(name, lw.ref(table), lw.ref(ids), out, status, rows(e.outputs[0].aval), writes=(out, status))
 
 
-@lowering("qmatmul")
+@lowering(qmatmul_p)
 def _qmatmul(lw, e):
     """Float weights: one fmatmul. Block weights: quantise x once per format, then qmatmul."""
     x, w = e.inputs
@@ -61,149 +59,109 @@ def _qmatmul(lw, e):
     out = lw.output(e.outputs[0])
     dt = w.aval.dtype
     if K.float_weight(dt):
-        name = K.fmatmul(lw.module, dt, Kdim, N, lw.target)
-        lw.call(name, lw.ref(w), lw.ref(x), out, R, writes=(out,))
+        lw.call(lw.kernel(K.fmatmul, dt, Kdim, N, lw.target), lw.ref(w), lw.ref(x), out, R, writes=(out,))
         return
     fmt = K.act_format(dt)
     xq = lw.memo(("act_quant", x, fmt))
     if xq is None:
         xq = lw.scratch(Bytes("act", (fmt, R, Kdim)), f"xq_{fmt}")
-        lw.call(K.act_quant(lw.module, fmt, Kdim, lw.target), lw.ref(x), xq, R, writes=(xq,))
+        lw.call(lw.kernel(K.act_quant, fmt, Kdim, lw.target), lw.ref(x), xq, R, writes=(xq,))
         lw.memo(("act_quant", x, fmt), xq)
-    lw.call(K.qmatmul(lw.module, dt, Kdim, N, lw.target), lw.ref(w), xq, out, R, writes=(out,))
+    lw.call(lw.kernel(K.qmatmul, dt, Kdim, N, lw.target), lw.ref(w), xq, out, R, writes=(out,))
 
 
-# -- fused loops and single elementwise ops ----------------------------------------------------
+# -- fused loops: elementwise ops, reductions, fused eqns and elementwise composites ----------
 
-def _body_of(e):
-    """A fused eqn carries its body; a lone elementwise op or reduction becomes a one-eqn body."""
-    if e.body is not None:
-        return e.body
-    from ggraph.core import Eqn, Graph, Var
-    ins = [Var(a.aval) for a in e.inputs if not isinstance(a, Literal)]
+def fused_loop(e: Eqn) -> bool:
+    """True if ``e`` runs as one fused loop (the op table's ``fusable``)."""
+    return fusable(e)
+
+
+def _one_op_body(e: Eqn) -> tuple[Graph, list]:
+    """A lone elementwise op or reduction as a body: its variable operands in, scalar constants inline."""
+    ins = [Var(a.aval) for a in e.inputs if not _inline_constant(a)]
     it = iter(ins)
-    operands = [a if isinstance(a, Literal) else next(it) for a in e.inputs]
+    operands = [a if _inline_constant(a) else next(it) for a in e.inputs]
     outs = [Var(o.aval) for o in e.outputs]
-    return Graph(ins, (), [Eqn(e.prim, operands, outs, e.params, e.scope)], outs, name=e.prim.name)
+    return Graph(ins, (), [Eqn(e.prim, operands, outs, e.params, e.scope)], outs, name=e.prim.name), \
+        [a for a in e.inputs if not _inline_constant(a)]
 
 
-@lowering("fused", "add", "sub", "mul", "div", "max", "neg", "exp", "log", "sqrt", "rsqrt", "tanh",
-          "sin", "cos", "cast", "less", "where")
-def _fused(lw, e):
-    if e.body is None and _needs_nd(e.outputs[0].aval):
-        return _elementwise_nd(lw, e)
-    body = _body_of(e)
-    operands = [a for a in e.inputs if not isinstance(a, Literal)] if e.body is None else list(e.inputs)
+def _inline_constant(a) -> bool:
+    return isinstance(a, Literal) and a.value.size == 1
+
+
+def lower_fused(lw, e: Eqn) -> None:
+    """One fused loop kernel for ``e`` (its body, or the op alone)."""
+    body, operands = (e.body, list(e.inputs)) if e.body is not None else _one_op_body(e)
     in_avals = [a.aval for a in operands]
     out_avals = [o.aval for o in e.outputs]
-    name = E.fused_name(body, in_avals, out_avals, lw.target)
-    E.emit_fused(lw.module, lw.target, body, in_avals, out_avals, name)
+    try:
+        name = lw.kernel(E.emit_fused, lw.target, body, in_avals, out_avals)
+    except ValueError as err:
+        raise LoweringError(f"llvm backend: {e.prim.name} at {e.scope or 'top'}: {err}") from None
     outs = [lw.output(o) for o in e.outputs]
-    lw.call(name, *[lw.ref(a) for a in operands], *outs, E.fused_rows(body), writes=outs)
+    lw.call(name, *[lw.ref(a) for a in operands], *outs, *[Sym(s) for s in E.fused_symbols(body)], writes=outs)
 
 
-def _needs_nd(aval) -> bool:
-    """More than one runtime dim, or a runtime row length: beyond the fused loops' iteration space."""
-    symbolic = [d for d in aval.shape if isinstance(d, Sym)]
-    return len(symbolic) > 1 or (bool(aval.shape) and isinstance(aval.shape[-1], Sym))
-
-
-_KINDS = {"f32": "f32", "i32": "i32", "i8": "i8"}
-
-
-def _elementwise_nd(lw, e):
-    """One elementwise op over operands broadcast to a shape with several runtime dims."""
-    out_aval = e.outputs[0].aval
-    if out_aval.ndim > G.RANK:
-        raise LoweringError(f"llvm backend: {e.prim.name} on rank {out_aval.ndim} > {G.RANK}")
-    kinds = tuple(_KINDS[a.aval.dtype.name] for a in e.inputs)
-    name = G.elementwise_nd(lw.module, e.prim.name, kinds, _KINDS[out_aval.dtype.name])
-    out = lw.output(e.outputs[0])
-    pad = lambda shape: (1,) * (G.RANK - len(shape)) + tuple(shape)                 # noqa: E731
-    dims = [d for a in e.inputs for d in pad(a.aval.shape)]
-    lw.call(name, *[lw.ref(a) for a in e.inputs], out, *pad(out_aval.shape), *dims, writes=(out,))
-
-
-@lowering("reduce_sum", "reduce_max")
-def _reduce(lw, e):
-    x = e.inputs[0]
-    n = x.aval.shape[-1]
-    if isinstance(n, int):
-        return _fused(lw, e)
-    out = lw.output(e.outputs[0])                              # a runtime row length: plain loop
-    lw.call(G.reduce_rows(lw.module, e.prim.name), lw.ref(x), out, rows(x.aval), n, writes=(out,))
+def lower_body(lw, e: Eqn) -> None:
+    """A composite with no kernel of its own: lower its body's eqns in its place."""
+    from ggraph.backends.llvm.codegen import lower_eqn
+    for bv, a in zip(e.body.invars, e.inputs):
+        lw.alias(bv, lw.ref(a))
+    for b in e.body.eqns:
+        lower_eqn(lw, b)
+    for o, bo in zip(e.outputs, e.body.outvars):
+        lw.alias(o, lw.ref(bo))
 
 
 # -- data movement ----------------------------------------------------------------------------
 
-def _symbols(*avals) -> list:
-    """The i64 size arguments of a copy kernel: each symbol in the shapes, sorted by name."""
-    names = sorted({s for a in avals for s in a.symbols})
-    return [Sym(n) for n in names]
-
-
-def _copy_name(kind: str, e, *parts) -> str:
-    import hashlib
-    key = "|".join([kind, str(e.inputs[0].aval)] + [str(p) for p in parts])
-    return f"{kind}_{hashlib.sha256(key.encode()).hexdigest()[:12]}_{len(parts)}"
-
-
 def _lower_copy(lw, e):
     """Ops that move data into a new layout: one copy kernel each."""
-    x = e.inputs[0]
-    out = lw.output(e.outputs[0])
+    x, y = e.inputs[0].aval, e.outputs[0].aval
     p = e.params
-    if e.prim.name == "transpose":
-        name = _copy_name("transpose", e, p["perm"], lw.target.name)
-        E.emit_transpose(lw.module, lw.target, x.aval, p["perm"], name)
-        avals = (x.aval,)
-    elif e.prim.name == "slice":
-        name = _copy_name("slice", e, p["axis"], p["start"], p["stop"], lw.target.name)
-        E.emit_slice(lw.module, lw.target, x.aval, p["axis"], p["start"], p["stop"], name)
-        avals = (x.aval, e.outputs[0].aval)
-    elif e.prim.name == "broadcast":
-        name = _copy_name("broadcast", e, p["shape"], lw.target.name)
-        E.emit_broadcast(lw.module, lw.target, x.aval, p["shape"], name)
-        avals = (x.aval, e.outputs[0].aval)
+    if e.prim is P.transpose_p:
+        name, avals = lw.kernel(E.emit_transpose, lw.target, x, p["perm"]), (x,)
+    elif e.prim is P.slice_p:
+        name, avals = lw.kernel(E.emit_slice, lw.target, x, p["axis"], p["start"], p["stop"]), (x, y)
     else:
-        raise LoweringError(f"llvm backend: no copy kernel for {e.prim.name}")
-    lw.call(name, lw.ref(x), out, *_symbols(*avals), writes=(out,))
-
-
-lowering("transpose", "broadcast")(_lower_copy)
-
-
-@lowering("concat")
-def _concat(lw, e):
+        name, avals = lw.kernel(E.emit_broadcast, lw.target, x, p["shape"]), (x, y)
     out = lw.output(e.outputs[0])
+    lw.call(name, lw.ref(e.inputs[0]), out, *symbol_args(*avals), writes=(out,))
+
+
+lowering(P.transpose_p, P.broadcast_p)(_lower_copy)
+
+
+@lowering(P.concat_p)
+def _concat(lw, e):
     avals = [a.aval for a in e.inputs]
-    name = _copy_name("concat", e, *avals, e.params["axis"], lw.target.name)
-    E.emit_concat(lw.module, lw.target, avals, e.params["axis"], name)
-    lw.call(name, *[lw.ref(a) for a in e.inputs], out, *_symbols(*avals, e.outputs[0].aval), writes=(out,))
+    name = lw.kernel(E.emit_concat, lw.target, avals, e.params["axis"])
+    out = lw.output(e.outputs[0])
+    lw.call(name, *[lw.ref(a) for a in e.inputs], out, *symbol_args(*avals, e.outputs[0].aval), writes=(out,))
 
 
-@lowering("cache_update")
+@lowering(P.cache_update_p)
 def _cache_update(lw, e):
     """Write the new rows into the cache at row P, in place: the output is the cache."""
     cache, x, pos = e.inputs
-    row_bytes = 4
-    for d in cache.aval.shape[1:]:
-        row_bytes *= d
     if not isinstance(pos, Var) or not isinstance(pos.aval, DimAval):
         raise LoweringError("llvm backend: cache_update needs the position to be a dim input such as P")
+    row_bytes = product(cache.aval.shape[1:]) * cache.aval.dtype.type_size
     dst = lw.ref(cache)
-    at = Ref(dst.buf, Sym(pos.aval.symbol) * row_bytes if dst.offset == 0 else dst.offset + Sym(pos.aval.symbol) * row_bytes)
-    lw.call(G.copy_bytes(lw.module), lw.ref(x), at, x.aval.shape[0] * row_bytes, writes=(at,))
+    at = dst.plus(Sym(pos.aval.symbol) * row_bytes)
+    lw.call(lw.kernel(G.copy_bytes), lw.ref(x), at, x.aval.shape[0] * row_bytes, writes=(at,))
     lw.alias(e.outputs[0], dst)
 
 
-@lowering("iota")
+@lowering(P.iota_p)
 def _iota(lw, e):
     out = lw.output(e.outputs[0])
-    lw.call(G.iota(lw.module, e.params.get("dtype", "i32")), out, e.params["n"], writes=(out,))
+    lw.call(lw.kernel(G.iota, e.params.get("dtype", "i32")), out, e.params["n"], writes=(out,))
 
 
-@lowering("dequant")
+@lowering(P.dequant_p)
 def _dequant(lw, e):
     """The unfused baseline's explicit dequant: the whole weight through the gather kernel."""
     w = e.inputs[0]
@@ -212,33 +170,27 @@ def _dequant(lw, e):
     N, D = w.aval.shape
     ids = lw.ref(Literal(np.arange(N, dtype=np.int32)))
     out = lw.output(e.outputs[0])
-    lw.call(K.get_rows(lw.module, w.aval.dtype, D, N, lw.target), lw.ref(w), ids, out, N, writes=(out,))
+    status = lw.status(f"dequant at {e.scope or 'top'}: row {{id}} is out of range")
+    lw.call(lw.kernel(K.get_rows, w.aval.dtype, D, N, lw.target), lw.ref(w), ids, out, status, N,
+            writes=(out, status))
 
 
-@lowering("matmul")
+@lowering(P.matmul_p)
 def _matmul(lw, e):
     """The unfused baseline's f32 matmul, batched, contracting the last axes."""
     a, b = e.inputs
     M, Kd = a.aval.shape[-2], a.aval.shape[-1]
     N = b.aval.shape[-2]
-    y = e.outputs[0].aval
-    batch = _dims_product(y.shape[:-2])
-    a_batch = 0 if _dims_product(a.aval.shape[:-2]) == 1 else 1
-    b_batch = 0 if _dims_product(b.aval.shape[:-2]) == 1 else 1
+    batch = product(e.outputs[0].aval.shape[:-2])
+    a_batch = 0 if product(a.aval.shape[:-2]) == 1 else 1
+    b_batch = 0 if product(b.aval.shape[:-2]) == 1 else 1
     out = lw.output(e.outputs[0])
-    lw.call(G.matmul_f32(lw.module), lw.ref(a), lw.ref(b), out, batch, M, N, Kd, a_batch, b_batch, writes=(out,))
-
-
-def _dims_product(dims):
-    out = 1
-    for d in dims:
-        out = d * out if isinstance(d, Sym) else out * d
-    return out
+    lw.call(lw.kernel(G.matmul_f32), lw.ref(a), lw.ref(b), out, batch, M, N, Kd, a_batch, b_batch, writes=(out,))
 
 
 # -- attention ----------------------------------------------------------------------------------
 
-@lowering("rope_attention")
+@lowering(rope_attention_p)
 def _rope_attention(lw, e):
     """Two kernels: rope k and store k, v at rows P.. of the caches; then attend (rope q inside)."""
     attn, rope = A.from_rope_attention(e)
@@ -249,10 +201,11 @@ def _rope_attention(lw, e):
             "positions": lw.ref(positions), "T": q.aval.shape[0], "P": Sym("P")}
     if len(e.inputs) > 7:
         refs["freq_factors"] = lw.ref(e.inputs[7])
-    out = lw.output(e.outputs[0])
-    refs["out"] = out
-    (store, store_args), (attend, attend_args) = A.attention_kernels(lw.module, lw.target, attn, rope)
-    lw.call(store.name, *[refs[a] for a in store_args], writes=(refs["k_cache"], refs["v_cache"]))
-    lw.call(attend.name, *[refs[a] for a in attend_args], writes=(out,))
+    refs["out"] = lw.output(e.outputs[0])
+    store, attend = lw.kernel(A.attention_unit, lw.target, attn, rope)
+    store_args, attend_args = A.kernel_arg_names(rope)
+    lw.call(store, *[refs[a] for a in store_args], writes=(refs["k_cache"], refs["v_cache"]))
+    lw.call(attend, *[refs[a] for a in attend_args], writes=(refs["out"],))
     lw.alias(e.outputs[1], refs["k_cache"])
     lw.alias(e.outputs[2], refs["v_cache"])
+

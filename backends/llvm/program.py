@@ -6,6 +6,11 @@
 Weights are read in place from the GGUF mmap; activations live in one arena that grows
 to the largest step seen and is reused. One call runs the whole graph: every team
 thread enters the program once.
+
+Building is cached at two levels: each kernel unit's object code (``jit.unit``), and the
+whole lowered program (its buffers, calls and the program function's object code) by the
+graph's signature, target and code. A warm start builds no IR; a program already loaded
+in this process is reused as it is.
 """
 from __future__ import annotations
 
@@ -18,83 +23,86 @@ from pathlib import Path
 
 import numpy as np
 
-from ggraph.core import Literal, Var
 from ggraph.backends.llvm import jit
-from ggraph.backends.llvm.codegen import Call, ProgramSpec, lower
+from ggraph.backends.llvm.codegen import PROGRAM_SPEED_LEVEL, Call, ProgramSpec, lower
 from ggraph.backends.llvm.target import host_target
 from ggraph.backends.llvm.team import PROGRAM_ARGS, Team
-from ggraph.backends.numpy_ref import as_value, bind_symbols, weight_value
-from ggraph.prims import Blocks
-from ggraph.trace import tree_flatten, tree_unflatten
+from ggraph.backends.values import Program, bind_symbols
+from ggraph.ir.graph import Literal, Var
+from ggraph.ir.prims import Blocks
 
 ALIGN = 64
+_LOADED: dict[str, tuple[dict, list, jit.Library]] = {}     # program key -> (state, units, code) loaded here
 
 
 def _load_or_build(graph, target, profile: bool):
-    """The lowered program and its loaded code: from the program cache when this exact graph,
-    target and kernel source were compiled before (no IR is built then), else built and saved."""
+    """The lowered program for ``graph`` and its loaded code: already loaded in this process, from the
+    program cache (no IR is built then), or lowered, compiled (new kernels only) and saved."""
     key = program_key(graph, target, profile)
-    path = jit.cache_dir() / f"{key}.program"
-    if path.exists():
-        try:
-            with open(path, "rb") as f:
-                state = pickle.load(f)
-            return _spec_from_state(state, graph), jit.link(state["object"], state["names"], True)
-        except (OSError, pickle.UnpicklingError, EOFError, KeyError, IndexError, AttributeError, ValueError):
-            path.unlink(missing_ok=True)                     # a stale or torn entry: rebuild it
-    spec = lower(graph, target, profile)
-    text = str(spec.module)
-    lib = jit.compile(text, target)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    with open(tmp, "wb") as f:
-        pickle.dump(_spec_state(spec, graph, lib.object, lib.names), f, protocol=pickle.HIGHEST_PROTOCOL)
-    os.replace(tmp, path)
-    return spec, lib
+    if key not in _LOADED:
+        path = jit.cache_dir() / f"{key}.program"
+        loaded = _load(path)
+        from_cache = loaded is not None
+        if loaded is None:
+            spec = lower(graph, target, profile)
+            jit.compile_units(spec.units, target)
+            state = _spec_state(spec, graph, jit.emit_object(str(spec.module), target, PROGRAM_SPEED_LEVEL))
+            jit._store(path, pickle.dumps(state, protocol=pickle.HIGHEST_PROTOCOL))
+            loaded = state, spec.units
+        state, units = loaded
+        lib = jit.link([u.object for u in units] + [state["object"]], [state["name"]], from_cache)
+        _LOADED[key] = state, units, lib
+    state, units, lib = _LOADED[key]
+    return _spec_from_state(state, graph, units), lib
+
+
+def _load(path: Path):
+    """(state, units) from a cache entry whose kernels are all cached too; None otherwise."""
+    try:
+        state = pickle.loads(path.read_bytes())
+        units = [jit._cached_unit(k) for k in state["units"]]
+        return None if any(u is None for u in units) else (state, units)
+    except FileNotFoundError:
+        return None
+    except (OSError, pickle.UnpicklingError, EOFError, KeyError, AttributeError, ValueError, TypeError):
+        path.unlink(missing_ok=True)                         # a stale or torn entry: rebuild it
+        return None
 
 
 @functools.cache
-def _kernel_sources() -> bytes:
-    """A digest of the code that decides a program: the llvm backend and the memory planner."""
+def _planner_source() -> bytes:
     from ggraph.passes import plan_memory
-    root = Path(__file__).parent
-    h = hashlib.sha256()
-    for p in sorted(root.rglob("*.py")) + [Path(plan_memory.__file__)]:
-        h.update(p.read_bytes())
-    return h.digest()
+    return Path(plan_memory.__file__).read_bytes()
 
 
 def program_key(graph, target, profile: bool) -> str:
-    """What decides a compiled program: the graph's text and constants, the target, the code."""
-    import llvmlite
-    h = hashlib.sha256(graph.pretty(expand=True).encode())
-    for e in graph.walk(expand=True):
-        for a in e.inputs:
-            if isinstance(a, Literal) and a.value.ndim:
-                h.update(a.value.tobytes())
-    for part in (target.name, target.cpu, target.features, llvmlite.__version__, str(profile)):
+    """What decides a compiled program: the graph's signature, the target, the code, profiling."""
+    h = hashlib.sha256(graph.signature().encode())
+    for part in (target.name, target.cpu, target.features, str(profile)):
         h.update(part.encode())
-    h.update(_kernel_sources())
+    h.update(jit.code_digest())
+    h.update(_planner_source())
     return h.hexdigest()
 
 
-def _spec_state(spec, graph, obj: bytes, names) -> dict:
+def _spec_state(spec, graph, program_object: bytes) -> dict:
     index = {id(e): i for i, e in enumerate(graph.eqns)}
-    return {"buffers": spec.buffers, "outputs": spec.outputs, "name": spec.name, "object": obj, "names": list(names),
+    return {"buffers": spec.buffers, "outputs": spec.outputs, "name": spec.name, "object": program_object,
+            "units": [u.key for u in spec.units], "checks": spec.checks,
             "calls": [(c.kernel, c.args, c.writes, index.get(id(c.eqn))) for c in spec.calls],
             "inputs": [(graph.invars.index(v), b) for v, b in spec.input_index.items()],
             "params": [(v.aval.source, b) for v, b in spec.param_index.items()]}
 
 
-def _spec_from_state(state: dict, graph) -> ProgramSpec:
+def _spec_from_state(state: dict, graph, units) -> ProgramSpec:
     by_source = {v.aval.source: v for v in graph.params}
     calls = [Call(k, args, writes, graph.eqns[i] if i is not None else None) for k, args, writes, i in state["calls"]]
     return ProgramSpec(None, state["buffers"], calls, state["outputs"],
                        {graph.invars[i]: b for i, b in state["inputs"]},
-                       {by_source[src]: b for src, b in state["params"]}, state["name"])
+                       {by_source[src]: b for src, b in state["params"]}, units, state["checks"], state["name"])
 
 
-class LLVMProgram:
+class LLVMProgram(Program):
     """A graph compiled to one native program for the host's (or a forced) feature set."""
 
     def __init__(self, graph, weights=None, threads: int | None = None, target=None, profile: bool = False):
@@ -112,6 +120,7 @@ class LLVMProgram:
         self._keep: dict[int, object] = {}            # arrays whose addresses are in the table
         self._arena = np.zeros(0, dtype=np.uint8)
         self._dim_values = {}                          # dim inputs (P) as i32 scalars in memory
+        self._status = np.zeros(2 * len(self.spec.checks), dtype=np.int64)
         for i, buf in enumerate(self.spec.buffers):
             if buf.kind == "const":
                 self._bind(i, buf.data)
@@ -121,6 +130,8 @@ class LLVMProgram:
             elif buf.kind == "profile":
                 self._cycles = np.zeros(len(self.spec.calls) + 1, dtype=np.int64)
                 self._bind(i, self._cycles)
+            elif buf.kind == "status":
+                self._bind(i, self._status)
         if weights is not None:
             self.bind_weights(weights)
 
@@ -132,11 +143,13 @@ class LLVMProgram:
         self._keep[i] = array
         self.table[i] = data.ctypes.data
 
-    def bind_weights(self, weights) -> None:
-        """Point each weight at its tensor in a GGUFFile (in place) or at an array of a mapping."""
-        for v, i in self.spec.param_index.items():
-            self._bind(i, weight_value(v.aval, weights))
-        self._weights = weights
+    @property
+    def bound(self) -> set:
+        return {v for v, i in self.spec.param_index.items() if self.table[i] != 0}
+
+    def bind(self, v: Var, value) -> None:
+        """Point weight ``v`` at a checked value (a view of the GGUF mmap, or an array)."""
+        self._bind(self.spec.param_index[v], value)
 
     def _layout(self, dims: dict) -> None:
         """Place activation and scratch buffers in the arena for these dims (growing it)."""
@@ -153,28 +166,6 @@ class LLVMProgram:
             self.table[i] = base + off
 
     # -- calling -----------------------------------------------------------------------
-    def run_inputs(self, inputs: list) -> list:
-        """Run with the graph's non-weight inputs in order; returns the outputs as arrays."""
-        g = self.graph
-        if len(inputs) != len(g.invars):
-            raise TypeError(f"{g.name or 'graph'} has {len(g.invars)} inputs, got {len(inputs)}")
-        return self.run({v: as_value(v.aval, x) for v, x in zip(g.invars, inputs)})
-
-    def __call__(self, *args):
-        g = self.graph
-        leaves, _ = tree_flatten(list(args))
-        if len(leaves) != len(g.args):
-            raise TypeError(f"{g.name or 'graph'} takes {len(g.args)} array arguments, got {len(leaves)}")
-        values = {}
-        for v, x in zip(g.args, leaves):
-            if v in g.params:
-                if x is not None:
-                    self._bind(self.spec.param_index[v], as_value(v.aval, x))
-            else:
-                values[v] = as_value(v.aval, x)
-        outs = self.run(values)
-        return tree_unflatten(g.out_tree, outs) if g.out_tree is not None else outs
-
     def run(self, values: dict[Var, object]) -> list:
         g = self.graph
         for v in g.params:
@@ -186,6 +177,7 @@ class LLVMProgram:
         self._layout(dims)
         for name, cell in self._dim_values.items():
             cell[0] = dims[name]
+        self._status[:] = 0
         T, P = int(dims.get("T", 1)), int(dims.get("P", 0))
         table, bar, n = self.table.ctypes.data, self.team.barrier_ptr, self.threads
         t0 = time.perf_counter()
@@ -195,6 +187,9 @@ class LLVMProgram:
             ticks = np.diff(self._cycles)
             per_tick = wall / max(int(self._cycles[-1] - self._cycles[0]), 1)   # calibrate the counter
             self.last_profile = [(c, float(t) * per_tick) for c, t in zip(self.spec.calls, ticks)]
+        for slot, message in enumerate(self.spec.checks):
+            if self._status[2 * slot]:
+                raise IndexError(message.format(id=int(self._status[2 * slot + 1])))
         return [self._output(o, v, dims) for o, v in zip(self.spec.outputs, g.outvars)]
 
     def _output(self, ref, var, dims):

@@ -9,7 +9,7 @@ its name; asking twice for the same kernel returns the existing one.
 
 Sizing: `act_bytes(act_format(wtype), T, K)` bytes of scratch for the activations.
 """
-from ggraph import dtypes
+from ggraph.ir import dtypes
 from ggraph.backends.llvm.kernels import fmatmul as _fmatmul
 from ggraph.backends.llvm.kernels import qmatmul as _qmatmul
 from ggraph.backends.llvm.kernels.act_quant import GROUP, ActLayout, act_bytes, act_quant

@@ -122,15 +122,25 @@ def kernel_names(attn: Attention, rope: Rope | None, target: Target) -> tuple[st
     return f"rope_kv_store_{tag}_{target.name}", f"attention_{tag}_{target.name}"
 
 
+def kernel_arg_names(rope: Rope | None) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The names of kernel A's and kernel B's arguments before (ith, nth)."""
+    ff = ("freq_factors",) if rope is not None and rope.freq_factors else ()
+    return (("k", "v", "k_cache", "v_cache", "positions") + ff + ("T", "P"),
+            ("q", "k_cache", "v_cache", "positions") + ff + ("out", "T", "P"))
+
+
+def attention_unit(module: ir.Module, target: Target, attn: Attention, rope: Rope | None) -> tuple[str, str]:
+    """Emit both kernels into `module`; their names (the llvm backend's kernel-unit form)."""
+    return tuple(fn.name for fn, _ in attention_kernels(module, target, attn, rope))
+
+
 def attention_kernels(module: ir.Module, target: Target, attn: Attention,
                       rope: Rope | None) -> list[tuple[ir.Function, tuple[str, ...]]]:
     """Emit (once) kernel A then kernel B; each with the names of its arguments before (ith, nth)."""
     if rope is not None and rope.dims > attn.D:
         raise ValueError(f"rope: rotary dims {rope.dims} exceed the head dim {attn.D}")
-    ff = ("freq_factors",) if rope is not None and rope.freq_factors else ()
     name_a, name_b = kernel_names(attn, rope, target)
-    args_a = ("k", "v", "k_cache", "v_cache", "positions") + ff + ("T", "P")
-    args_b = ("q", "k_cache", "v_cache", "positions") + ff + ("out", "T", "P")
+    args_a, args_b = kernel_arg_names(rope)
     if not Kernel.exists(module, name_a):
         _emit_store(module, target, attn, rope, name_a, args_a)
     if not Kernel.exists(module, name_b):

@@ -16,7 +16,7 @@ from llvmlite import ir
 
 from ggraph.backends.llvm.kernels.builder import Kernel, i8, i16, i32, vec
 from ggraph.backends.llvm.kernels.isa import Isa
-from ggraph.dtypes import DType
+from ggraph.ir.dtypes import DType
 
 
 @dataclass

@@ -1,31 +1,36 @@
-"""Fused elementwise row loops, and the copy kernels for the shape ops that move data.
+"""Fused elementwise loops, and the copy kernels for the shape ops that move data.
 
-    emit_fused(module, target, body, in_avals, out_avals, name)
-        void name(ptr in0, ..., ptr out0, ..., i64 rows, i32 ith, i32 nth)
-    emit_transpose / emit_slice / emit_concat / emit_broadcast(module, target, ..., name)
+    emit_fused(module, target, body, in_avals, out_avals) -> name
+        void name(ptr in0, ..., ptr out0, ..., i64 <symbol>..., i32 ith, i32 nth)
+    emit_transpose / emit_slice / emit_concat / emit_broadcast(module, target, ...) -> name
         void name(ptr x0, ..., ptr y, i64 <symbol>..., i32 ith, i32 nth)
-    emit_cast(module, target, aval, dtype, name)             the fused ABI, one cast
+    emit_cast(module, target, aval, dtype) -> name             the fused ABI, one cast
 
-A fused body (a Graph of elementwise primitives and last-axis reductions, composites
-inlined) runs as one loop over rows. Its iteration space is the broadcast of every shape
-in the body: N is its static last dim and rows the product of the others (at most one of
-them symbolic; `fused_rows(body)` gives that count as a dim expression). Each operand reads
-a row at the offset its own leading dims give (0 along broadcast dims) and holds either
-N values along the row or one value for the whole row (a [rows, 1] column, a scalar).
+Every elementwise op and last-axis reduction the llvm backend runs goes through one loop
+form: a fused body (a Graph of elementwise primitives and reductions, composites inlined;
+a lone op is a one-eqn body). The code of each op is its ``emit`` rule in the op table
+(``ggraph/ir/prims.py``), applied by the evaluator here to registers of any width.
 
-Inside a row, values that vary along N are computed a vector chunk at a time, with one
-narrower chunk for the tail; values that do not (columns, reduction results, constants)
-are per-row scalars splatted where needed. A reduction needs the whole row first, so the
-row is walked once per level of reductions: pass 0 accumulates the reductions of inputs,
-pass 1 those that depend on them, and the last pass computes and stores the outputs
-(rms_norm: 2 passes, softmax: 3). Values are recomputed in each pass that needs them; a
-row stays in L1. The generic target gets the same loops one element at a time, with libm.
+The iteration space is the broadcast of every shape in the body: N is its last dim and the
+rows are the product of the others. Any dim may be symbolic; a kernel takes the value of
+every symbol its shapes mention as i64 arguments, in sorted name order (``fused_symbols``).
+Each operand reads a row at the offset its own leading dims give (0 along broadcast dims)
+and holds either N values along the row or one value for the whole row (a [rows, 1]
+column, a scalar).
+
+Inside a row, values that vary along N are computed a vector chunk at a time: with a
+static N, one narrower chunk takes the tail; with a symbolic N, a scalar loop does. Values
+that do not vary (columns, reduction results, constants) are per-row scalars splatted
+where needed. A reduction needs the whole row first, so the row is walked once per level
+of reductions: pass 0 accumulates the reductions of inputs, pass 1 those that depend on
+them, and the last pass computes and stores the outputs (rms_norm: 2 passes, softmax: 3).
+Values are recomputed in each pass that needs them; a row stays in L1. The generic target
+gets the same loops one element at a time, with libm.
 
 An output may overwrite an input of the same shape (plan_memory's in-place outputs): each
 chunk, and each row's per-row outputs, reads everything it needs before it stores, and
-fused kernels make no noalias promise. Copy kernels take the value of every symbol their
-shapes mention as i64 arguments, in sorted name order (`kernel_args(fn)` lists all
-argument names); their pointers are `noalias`, outputs must not overlap inputs.
+fused kernels make no noalias promise. Copy kernels' pointers are ``noalias``: outputs must
+not overlap inputs.
 """
 from __future__ import annotations
 
@@ -36,13 +41,15 @@ from typing import Sequence
 import numpy as np
 from llvmlite import ir
 
-from ggraph import dtypes
-from ggraph.core import Aval, Graph, Literal, Sym, Var
+from ggraph.ir import dtypes
+from ggraph.ir.dims import Sym
+from ggraph.ir.dtypes import Aval
+from ggraph.ir.graph import Graph, Literal, Var
+from ggraph.ir.prims import broadcast_shapes
 from ggraph.backends.llvm.kernels import vmath
 from ggraph.backends.llvm.kernels.builder import Kernel, f32, i8, i16, i32, vec
 from ggraph.backends.llvm.kernels.isa import Isa, mangle, vector_path
 from ggraph.backends.llvm.target import Target
-from ggraph.prims import broadcast_shapes
 
 
 def variant(target: Target) -> str:
@@ -58,8 +65,9 @@ def kernel_args(fn: ir.Function) -> tuple[str, ...]:
     return tuple(a.name for a in fn.args[:-2])
 
 
-def _existing(module: ir.Module, name: str) -> ir.Function | None:
-    return module.globals[name] if Kernel.exists(module, name) else None
+def kernel_name(prefix: str, target: Target, *parts) -> str:
+    """A stable name for a kernel of ``parts`` (anything with a stable repr): prefix_<hash>_<target>."""
+    return f"{prefix}_{hashlib.sha256(repr(parts).encode()).hexdigest()[:16]}_{target.name}"
 
 
 # ---------------------------------------------------------------------------------------
@@ -68,6 +76,8 @@ def _existing(module: ir.Module, name: str) -> ir.Function | None:
 
 #  dtype: (register lane type, memory lane type, bytes)    f16 computes in f32, rounded after each op
 _TYPES = {dtypes.f32: (f32, f32, 4), dtypes.f16: (f32, i16, 2), dtypes.i32: (i32, i32, 4), dtypes.i8: (i8, i8, 1)}
+_REG_NAMES = {f32: "f32", i32: "i32", i8: "i8"}
+_REG_TYPES = {"f32": f32, "i32": i32, "i8": i8}
 
 
 def _check_dtype(aval: Aval, what: str) -> None:
@@ -78,6 +88,10 @@ def _check_dtype(aval: Aval, what: str) -> None:
 
 def _typ(elem: ir.Type, width: int) -> ir.Type:
     return elem if width == 1 else vec(elem, width)
+
+
+def _width(v: ir.Value) -> int:
+    return v.type.count if isinstance(v.type, ir.VectorType) else 1
 
 
 def _load(k: Kernel, isa: Isa, dt, base, index, width: int) -> ir.Value:
@@ -98,102 +112,21 @@ def _const(value, dt, width: int) -> ir.Constant:
     return ir.Constant(reg, v) if width == 1 else ir.Constant(vec(reg, width), [v] * width)
 
 
-# ---------------------------------------------------------------------------------------
-# the ops a fused body may hold
-# ---------------------------------------------------------------------------------------
-
-def _fmax(ev, x, y):
-    """numpy's maximum: the larger, and NaN if either is NaN."""
-    b = ev.b
-    m = b.select(b.fcmp_ordered(">", x, y), x, y)
-    return b.select(b.fcmp_unordered("uno", x, x), x, m)
-
-
-def _imax(ev, x, y):
-    return ev.b.select(ev.b.icmp_signed(">", x, y), x, y)
-
-
-def _less(ev, x, y):
-    b = ev.b
-    elem = x.type.element if isinstance(x.type, ir.VectorType) else x.type
-    c = b.fcmp_ordered("<", x, y) if isinstance(elem, ir.FloatType) else b.icmp_signed("<", x, y)
-    return b.zext(c, _typ(i8, ev.width(x)))
-
-
-def _where(ev, c, x, y):
-    return ev.b.select(ev.b.icmp_signed("!=", c, ir.Constant(c.type, None)), x, y)
-
-
-def _sqrt(ev, x):
-    return ev.k.intrinsic(f"llvm.sqrt.{mangle(x.type)}", x.type, [x])
-
-
-def _rsqrt(ev, x):
-    one = ir.Constant(x.type, [1.0] * x.type.count) if isinstance(x.type, ir.VectorType) else ir.Constant(f32, 1.0)
-    return ev.b.fdiv(one, _sqrt(ev, x))
-
-
-def _math(name):
-    return lambda ev, x: vmath.unary(ev.isa, name, x, ev.poly)
-
-
-#  op: (float emitter, int emitter or None)       emitters take (evaluator, *register values)
-_OPS = {
-    "add": (lambda ev, x, y: ev.b.fadd(x, y), lambda ev, x, y: ev.b.add(x, y)),
-    "sub": (lambda ev, x, y: ev.b.fsub(x, y), lambda ev, x, y: ev.b.sub(x, y)),
-    "mul": (lambda ev, x, y: ev.b.fmul(x, y), lambda ev, x, y: ev.b.mul(x, y)),
-    "div": (lambda ev, x, y: ev.b.fdiv(x, y), None),
-    "max": (_fmax, _imax),
-    "neg": (lambda ev, x: ev.b.fneg(x), None),
-    "sqrt": (_sqrt, None),
-    "rsqrt": (_rsqrt, None),
-    "exp": (_math("exp"), None),
-    "log": (_math("log"), None),
-    "tanh": (_math("tanh"), None),
-    "sin": (_math("sin"), None),
-    "cos": (_math("cos"), None),
-    "less": (_less, _less),
-    "where": (_where, _where),
-}
-#  reduction: (identity, combine)
-_REDUCE = {"reduce_sum": (0.0, lambda ev, x, y: ev.b.fadd(x, y)), "reduce_max": (-np.inf, _fmax)}
-
-
-def _cast(ev, x, src, dst):
-    """numpy's astype between f32, f16, i32, i8 (float -> int truncates toward zero, saturating)."""
-    b, w = ev.b, ev.width(x)
-    s_reg, d_reg = _TYPES[src][0], _TYPES[dst][0]
-    if s_reg is f32 and d_reg is f32:
-        out = x
-    elif s_reg is f32:
-        wide = ev.k.intrinsic(f"llvm.fptosi.sat.{mangle(_typ(i32, w))}.{mangle(x.type)}", _typ(i32, w), [x])
-        out = wide if d_reg is i32 else b.trunc(wide, _typ(i8, w))
-    elif d_reg is f32:
-        out = b.sitofp(x, _typ(f32, w))
-    elif s_reg is d_reg:
-        out = x
-    else:
-        out = b.trunc(x, _typ(i8, w)) if d_reg is i8 else b.sext(x, _typ(i32, w))
-    return out
-
-
 def _check_eqn(e) -> None:
     """Raise before any IR is emitted if the body holds an op or dtype the loop cannot run."""
-    name = e.prim.name
+    p = e.prim
     for a in tuple(e.inputs) + tuple(e.outputs):
-        _check_dtype(a.aval, f"an operand of {name}")
-    if name in _REDUCE:
+        _check_dtype(a.aval, f"an operand of {p.name}")
+    if p.kind == "reduce":
+        if p.reduce is None or p.reduce[1].emit is None:
+            raise ValueError(f"llvm backend: reduction {p.name!r} has no combining op with an llvm emitter")
         if e.inputs[0].aval.dtype is not dtypes.f32:
-            raise ValueError(f"fused: {name} over {e.inputs[0].aval} is not supported (f32 only)")
+            raise ValueError(f"fused: {p.name} over {e.inputs[0].aval} is not supported (f32 only)")
         return
-    if name == "cast":
-        return
-    if name not in _OPS:
-        raise ValueError(f"fused: op {name!r} cannot be part of a fused elementwise loop; supported: "
-                         f"{', '.join(sorted(set(_OPS) | set(_REDUCE) | {'cast'}))}")
-    dt = e.inputs[-1].aval.dtype
-    if _TYPES[dt][0] is not f32 and _OPS[name][1] is None:
-        raise ValueError(f"fused: {name} on {dt} operands is not supported")
+    if p.kind != "elementwise":
+        raise ValueError(f"fused: op {p.name!r} is not elementwise or a last-axis reduction")
+    if p.emit is None:
+        raise ValueError(f"llvm backend: op {p.name!r} has no llvm emitter (register it with emit=...)")
 
 
 # ---------------------------------------------------------------------------------------
@@ -217,42 +150,21 @@ def _flatten(graph: Graph, subst: dict) -> list:
 
 @dataclass(frozen=True)
 class Space:
-    """The iteration space: leading dims (rows) and the static row length N."""
+    """The iteration space: leading dims (the rows) and the row length N; any may be symbolic."""
 
     lead: tuple
-    N: int
-    virtual: bool = False        # True: a symbolic last dim became a lead dim, N = 1
-
-    def shape_of(self, aval: Aval) -> tuple:
-        """aval's shape as the loop sees it (with the virtual unit axis appended)."""
-        return aval.shape + (1,) if self.virtual else aval.shape
+    N: object
 
     @property
-    def sym_axis(self) -> int | None:
-        syms = [j for j, d in enumerate(self.lead) if isinstance(d, Sym)]
-        return syms[0] if syms else None
-
-    def rows(self):
-        """The product of the lead dims: an int, or a Sym (one symbolic dim times the rest)."""
-        n = 1
-        for d in self.lead:
-            n = d * n if isinstance(d, Sym) else n * d
-        return n
+    def symbols(self) -> tuple[str, ...]:
+        return tuple(sorted({n for d in self.lead + (self.N,) if isinstance(d, Sym) for n in d.names}))
 
 
-def _space(avals: list[Aval], has_reduce: bool) -> Space:
+def _space(avals: list[Aval]) -> Space:
     shape = broadcast_shapes("fused", *[a.shape for a in avals])
     if not shape:
         return Space((), 1)
-    lead, N = shape[:-1], shape[-1]
-    virtual = False
-    if isinstance(N, Sym):
-        if has_reduce:
-            raise ValueError(f"fused: the row length (last dim {N}) must be static when the body reduces")
-        lead, N, virtual = shape, 1, True
-    if sum(isinstance(d, Sym) for d in lead) > 1:
-        raise ValueError(f"fused: at most one symbolic leading dim, got [{','.join(map(str, shape))}]")
-    return Space(tuple(lead), int(N), virtual)
+    return Space(tuple(shape[:-1]), shape[-1])
 
 
 @dataclass(frozen=True)
@@ -267,7 +179,7 @@ class Layout:
 
 def _layout(aval: Aval, space: Space, what: str) -> Layout:
     full = space.lead + (space.N,)
-    own = space.shape_of(aval)
+    own = aval.shape
     if len(own) > len(full):
         raise ValueError(f"fused: {what} {aval} has more dims than the iteration space")
     shape = (1,) * (len(full) - len(own)) + tuple(own)
@@ -278,6 +190,10 @@ def _layout(aval: Aval, space: Space, what: str) -> Layout:
     along = shape[-1] == space.N and space.N != 1
     contiguous = all(shape[j] == full[j] for j in range(len(space.lead)))
     return Layout(aval, strides, along, contiguous)
+
+
+def _is_reduction(e) -> bool:
+    return e.prim.kind == "reduce"
 
 
 class Plan:
@@ -301,7 +217,7 @@ class Plan:
         atoms = list(body.invars) + [a for e in self.eqns for a in e.inputs + e.outputs] + list(body.outvars)
         for a in body.invars:
             _check_dtype(a.aval, "input")
-        self.space = _space([a.aval for a in atoms], any(e.prim.name in _REDUCE for e in self.eqns))
+        self.space = _space([a.aval for a in atoms])
         self.inputs = [_layout(v.aval, self.space, f"input {i}") for i, v in enumerate(body.invars)]
         self.outputs = [_layout(o.aval, self.space, f"output {i}") for i, o in enumerate(body.outvars)]
         for i, lay in enumerate(self.outputs):
@@ -317,14 +233,14 @@ class Plan:
 
     def along(self, a) -> bool:
         """True if atom a varies along the row."""
-        shape = self.space.shape_of(a.aval)
+        shape = a.aval.shape
         return bool(shape) and shape[-1] == self.space.N and self.space.N != 1
 
     def _levels(self) -> dict:
         level = {}
         for e in self.eqns:
             lv = max((level.get(a, 0) for a in e.inputs if isinstance(a, Var)), default=0)
-            if e.prim.name in _REDUCE and self.along(e.inputs[0]):
+            if _is_reduction(e) and self.along(e.inputs[0]):
                 lv += 1
             for o in e.outputs:
                 level[o] = lv
@@ -336,7 +252,7 @@ class Plan:
 
     def reductions(self, p: int) -> list:
         """The reductions over the row whose input is ready in pass p."""
-        return [e for e in self.eqns if e.prim.name in _REDUCE and self.along(e.inputs[0])
+        return [e for e in self.eqns if _is_reduction(e) and self.along(e.inputs[0])
                 and self.level.get(e.inputs[0], 0) == p]
 
     def row_deps(self, roots) -> list:
@@ -365,37 +281,30 @@ def _needed(eqns: list, outvars) -> list:
     return keep[::-1]
 
 
-def fused_rows(body: Graph):
-    """The `rows` argument of a fused kernel for `body`: a dim expression (int or Sym)."""
+def fused_symbols(body: Graph) -> tuple[str, ...]:
+    """The symbols a fused kernel for ``body`` takes as i64 arguments, in order."""
     eqns = _flatten(body, {})
-    avals = [v.aval for v in body.invars] + [a.aval for e in eqns for a in e.inputs + e.outputs]
-    return _space(avals, any(e.prim.name in _REDUCE for e in eqns)).rows()
+    return _space([v.aval for v in body.invars] + [a.aval for e in eqns for a in e.inputs + e.outputs]).symbols
 
 
 def fused_name(body: Graph, in_avals, out_avals, target: Target) -> str:
-    """A stable kernel name for a fused body: a hash of its text, constants, avals and target."""
-    h = hashlib.sha256(str(body).encode())
-    for e in _flatten(body, {}):
-        for a in e.inputs:
-            if isinstance(a, Literal):
-                h.update(a.value.tobytes())
-    h.update(" ".join(map(str, list(in_avals) + list(out_avals))).encode())
-    return f"fused_{h.hexdigest()[:16]}_{target.name}"
+    """A stable kernel name for a fused body: its signature (text without scopes, constants), avals, target."""
+    return kernel_name("fused", target, body.signature(), tuple(map(str, list(in_avals) + list(out_avals))))
 
 
 # ---------------------------------------------------------------------------------------
 # emission
 # ---------------------------------------------------------------------------------------
 
-def emit_fused(module: ir.Module, target: Target, body: Graph, in_avals, out_avals, name: str) -> ir.Function:
-    """Emit (once) `body` as one loop over rows: void name(in..., out..., i64 rows, ith, nth)."""
-    found = _existing(module, name)
-    if found is not None:
-        return found
+def emit_fused(module: ir.Module, target: Target, body: Graph, in_avals, out_avals, name: str | None = None) -> str:
+    """Emit (once) `body` as one loop over rows: void name(in..., out..., i64 <symbols>..., ith, nth)."""
+    name = name or fused_name(body, in_avals, out_avals, target)
+    if Kernel.exists(module, name):
+        return name
     plan = Plan(body, in_avals, out_avals)
     n_in, n_out = len(body.invars), len(body.outvars)
     k = Kernel(module, name, tuple(f"in{i}" for i in range(n_in)) + tuple(f"out{i}" for i in range(n_out)),
-                    ("rows",), noalias=False)                            # an output may overwrite its input
+               plan.space.symbols, noalias=False)                        # an output may overwrite its input
     isa = Isa(k, target)
     vector = vector_path(target)
     lanes = isa.vector_bytes // 4 if vector else 1
@@ -403,13 +312,14 @@ def emit_fused(module: ir.Module, target: Target, body: Graph, in_avals, out_ava
     for j, (lit, lay) in enumerate(plan.arrays.items()):
         bases[lit] = _global_array(module, f"{name}.c{j}", lit)
     layouts = dict(zip(body.invars, plan.inputs)) | plan.arrays
-    sym = _sym_value(k, plan.space)
-    start, end = k.thread_share(k.arg["rows"])
+    rows = 1
+    for d in plan.space.lead:
+        rows = k.mul(rows, ir_dim(k, d))
+    start, end = k.thread_share(rows)
     with k.loop(start, end, name="row") as r:
-        row = _Row(k, isa, plan, r, sym, lanes, vector, bases, layouts)
+        row = _Row(k, isa, plan, r, lanes, vector, bases, layouts)
         row.emit([k.arg[f"out{i}"] for i in range(n_out)])
-    k.finish()
-    return k.fn
+    return k.finish()
 
 
 def _global_array(module: ir.Module, name: str, lit: Literal) -> ir.GlobalVariable:
@@ -426,41 +336,91 @@ def _global_array(module: ir.Module, name: str, lit: Literal) -> ir.GlobalVariab
     return g
 
 
-def _sym_value(k: Kernel, space: Space):
-    """The runtime size of the one symbolic lead dim: rows / (product of the static ones)."""
-    if space.sym_axis is None:
-        return None
-    static = 1
-    for d in space.lead:
-        static *= 1 if isinstance(d, Sym) else d
-    return k.b.udiv(k.arg["rows"], k.i64(static)) if static != 1 else k.arg["rows"]
+def ir_dim(k: Kernel, d):
+    """A dim as an int, or as IR computed from the kernel's symbol arguments."""
+    if not isinstance(d, Sym):
+        return int(d)
+    out = d.const
+    for n, c in d.terms:
+        out = k.add(out, k.mul(k.arg[n], c))
+    return out
 
 
-class _Row:
+class Evaluator:
+    """What an op's ``emit`` rule sees as ``ev``: the builder, the eqn, and typed helpers that work
+    on registers of any width (a scalar or a vector of lanes)."""
+
+    def __init__(self, k: Kernel, isa: Isa, poly: bool):
+        self.k, self.b, self.isa, self.poly_ok = k, k.b, isa, poly
+        self.eqn = None
+
+    @staticmethod
+    def is_float(v: ir.Value) -> bool:
+        elem = v.type.element if isinstance(v.type, ir.VectorType) else v.type
+        return isinstance(elem, ir.FloatType)
+
+    @staticmethod
+    def reg(dt) -> str:
+        """The register type ("f32", "i32", "i8") values of dtype ``dt`` are held in."""
+        return _REG_NAMES[_TYPES[dt][0]]
+
+    @staticmethod
+    def typ(like: ir.Value, elem: str) -> ir.Type:
+        """The type of ``like``'s width with lanes of ``elem`` ("f32", "i32", "i8")."""
+        return _typ(_REG_TYPES[elem], _width(like))
+
+    @staticmethod
+    def const(like: ir.Value, value) -> ir.Constant:
+        """``value`` in every lane of ``like``'s type."""
+        elem = like.type.element if isinstance(like.type, ir.VectorType) else like.type
+        v = float(value) if isinstance(elem, ir.FloatType) else int(value)
+        return ir.Constant(like.type, [v] * like.type.count if isinstance(like.type, ir.VectorType) else v)
+
+    def intrinsic(self, name: str, ret: ir.Type, *args: ir.Value) -> ir.Value:
+        """``name.<ret>.<arg>`` with LLVM's overload suffixes, e.g. llvm.fptosi.sat.v8i32.v8f32."""
+        return self.k.intrinsic(f"{name}.{mangle(ret)}.{mangle(args[0].type)}", ret, list(args))
+
+    def math(self, name: str, *args: ir.Value) -> ir.Value:
+        """``llvm.<name>`` on float registers: libm for exp, log, tanh, sin, cos (one call per lane)."""
+        return self.k.intrinsic(f"llvm.{name}.{mangle(args[0].type)}", args[0].type, list(args))
+
+    def poly(self, name: str, x: ir.Value) -> ir.Value:
+        """The polynomial form of exp, log, tanh, sin or cos (``vmath``): a whole vector at a time."""
+        return vmath.POLY[name](self.isa, x)
+
+    def apply(self, e, vals: list) -> ir.Value:
+        """One elementwise eqn on register values by its op's emit rule; f16 results rounded to f16."""
+        self.eqn = e
+        p = e.prim
+        rule = p.emit_vector if p.emit_vector is not None and self.poly_ok and _width(vals[0]) > 1 else p.emit
+        v = rule(self, *vals)
+        return self.isa.round_f16(v) if e.outputs[0].aval.dtype is dtypes.f16 else v
+
+    def combine(self, e, x: ir.Value, y: ir.Value) -> ir.Value:
+        """Reduction ``e``'s combining op on two partial results (its table entry's ``reduce``)."""
+        op = e.prim.reduce[1]
+        self.eqn = e
+        return op.emit(self, x, y)
+
+
+class _Row(Evaluator):
     """Emits the passes of one row."""
 
-    def __init__(self, k, isa, plan: Plan, r, sym, lanes, vector, bases, layouts):
-        self.k, self.b, self.isa, self.plan = k, k.b, isa, plan
-        self.r, self.sym, self.lanes, self.poly = r, sym, lanes, vector
+    def __init__(self, k, isa, plan: Plan, r, lanes, vector, bases, layouts):
+        super().__init__(k, isa, vector)
+        self.plan, self.r, self.lanes = plan, r, lanes
         self.bases, self.layouts = bases, layouts
         self.cols: dict = {}              # atom -> this row's scalar value
         self._idx = None
         self.offsets = {a: self.offset(lay) for a, lay in layouts.items()}   # at the row's start
 
-    @staticmethod
-    def width(v: ir.Value) -> int:
-        return v.type.count if isinstance(v.type, ir.VectorType) else 1
-
     # -- offsets ------------------------------------------------------------------------
-    def _dim(self, d):
-        return self.sym if isinstance(d, Sym) else d
-
     def _indices(self) -> list:
         """This row's index along each lead axis (computed once per row, on first need)."""
         if self._idx is None:
             lead, rest, idx = self.plan.space.lead, self.r, []
             for j in range(len(lead) - 1, 0, -1):
-                n = self.k.i64(self._dim(lead[j]))
+                n = self.k.i64(ir_dim(self.k, lead[j]))
                 idx.append(self.b.urem(rest, n))
                 rest = self.b.udiv(rest, n)
             self._idx = [rest] + idx[::-1] if lead else []
@@ -471,13 +431,13 @@ class _Row:
         if all(s is None for s in lay.strides):
             return 0
         if lay.contiguous:
-            return self.k.mul(self.r, self.plan.space.N if lay.along else 1)
+            return self.k.mul(self.r, ir_dim(self.k, self.plan.space.N) if lay.along else 1)
         k, total = self.k, 0
         for i, factors in zip(self._indices(), lay.strides):
             if factors is not None:
                 stride = 1
                 for d in factors:
-                    stride = k.mul(stride, self._dim(d))
+                    stride = k.mul(stride, ir_dim(k, d))
                 total = k.add(total, k.mul(i, stride))
         return total
 
@@ -493,7 +453,7 @@ class _Row:
             v = _load(self.k, self.isa, a.aval.dtype, self.bases[a], self.offsets[a], 1)
         else:
             e = plan.producer[a]
-            if e.prim.name in _REDUCE:                 # over a unit axis: the value itself
+            if _is_reduction(e):                       # over a unit axis: the value itself
                 if plan.along(e.inputs[0]):
                     raise AssertionError(f"fused: reduction {e} read before its pass ran")
                 v = self.col(e.inputs[0])
@@ -521,17 +481,6 @@ class _Row:
         memo[a] = v
         return v
 
-    def apply(self, e, vals: list) -> ir.Value:
-        """One elementwise eqn on register values; f16 results are rounded to f16."""
-        name = e.prim.name
-        out_dt = e.outputs[0].aval.dtype
-        if name == "cast":
-            v = _cast(self, vals[0], e.inputs[0].aval.dtype, out_dt)
-        else:
-            float_op, int_op = _OPS[name]
-            v = (float_op if _TYPES[e.inputs[-1].aval.dtype][0] is f32 else int_op)(self, *vals)
-        return self.isa.round_f16(v) if out_dt is dtypes.f16 else v
-
     # -- the passes ---------------------------------------------------------------------------
     def emit(self, out_ptrs: list) -> None:
         plan = self.plan
@@ -551,33 +500,40 @@ class _Row:
             _store(self.k, self.isa, lay.aval.dtype, v, base, off)
 
     def _walk(self, reds: list, stores: list) -> None:
-        """One pass along the row: vector chunks, then the tail chunk; reductions become per-row values."""
+        """One pass along the row: vector chunks, then the tail; reductions become per-row values."""
         k, N, lanes = self.k, self.plan.space.N, self.lanes
-        main = N - N % lanes
-        ident = [_REDUCE[e.prim.name][0] for e in reds]
-        combine = [_REDUCE[e.prim.name][1] for e in reds]
-        results = [ir.Constant(f32, v) for v in ident]
+        ident = [e.prim.reduce[0] for e in reds]
 
         def chunk(c, w, accs):
             memo = {}
             for i, e in enumerate(reds):
-                accs[i] = combine[i](self, accs[i], self.along(e.inputs[0], c, w, memo))
+                accs[i] = self.combine(e, accs[i], self.along(e.inputs[0], c, w, memo))
             vals = [(self.along(atom, c, w, memo), lay, base, off) for atom, lay, base, off in stores]
             for v, lay, base, off in vals:                              # every read before any write
                 _store(k, self.isa, lay.aval.dtype, v, base, k.add(off, c))
             return accs
 
-        if main:
-            vars_ = [k.var(_typ(f32, lanes), _const(v, dtypes.f32, lanes)) for v in ident]
-            with k.loop(0, main, step=lanes, name="chunk") as c:
-                accs = chunk(c, lanes, [v.get() for v in vars_])
-                for v, acc in zip(vars_, accs):
-                    v.set(acc)
-            results = [horizontal(k, v.get(), lambda x, y, f=f: f(self, x, y)) for v, f in zip(vars_, combine)]
-        if N - main:
-            tails = chunk(main, N - main, [_const(v, dtypes.f32, N - main) for v in ident])
-            results = [f(self, r, horizontal(k, t, lambda x, y, f=f: f(self, x, y)))
-                       for r, t, f in zip(results, tails, combine)]
+        def loop(lo, hi, w):
+            """Chunks of w from lo to hi; the reductions' partial results, combined across lanes."""
+            accs = [k.var(_typ(f32, w), _const(v, dtypes.f32, w)) for v in ident]
+            with k.loop(lo, hi, step=w, name="chunk") as c:
+                for acc, v in zip(accs, chunk(c, w, [a.get() for a in accs])):
+                    acc.set(v)
+            return [horizontal(k, a.get(), lambda x, y, e=e: self.combine(e, x, y)) for a, e in zip(accs, reds)]
+
+        if isinstance(N, Sym):                          # runtime length: vectors, then one lane at a time
+            n = ir_dim(k, N)
+            main = k.b.sub(n, k.b.urem(n, k.i64(lanes))) if lanes > 1 else n
+            parts = [loop(0, main, lanes)] + ([loop(main, n, 1)] if lanes > 1 else [])
+        else:
+            main = N - N % lanes
+            parts = [loop(0, main, lanes)] if main else []
+            if N - main:
+                tails = chunk(main, N - main, [_const(v, dtypes.f32, N - main) for v in ident])
+                parts.append([horizontal(k, t, lambda x, y, e=e: self.combine(e, x, y)) for t, e in zip(tails, reds)])
+        results = parts[0]
+        for part in parts[1:]:
+            results = [self.combine(e, r, p) for r, p, e in zip(results, part, reds)]
         for e, v in zip(reds, results):
             self.cols[e.outputs[0]] = v
 
@@ -614,16 +570,6 @@ def _plain(aval: Aval, op: str) -> int:
     if aval.dtype.is_quantized or aval.dtype.type_size not in _INT_OF:
         raise ValueError(f"{op}: cannot move elements of {aval} ({aval.dtype})")
     return aval.dtype.type_size
-
-
-def _ir_dim(k: Kernel, d):
-    """A dim as an int, or as IR computed from the kernel's symbol arguments."""
-    if not isinstance(d, Sym):
-        return int(d)
-    out = d.const
-    for n, c in d.terms:
-        out = k.add(out, k.mul(k.arg[n], c))
-    return out
 
 
 def _strides(k: Kernel, dims) -> list:
@@ -674,52 +620,50 @@ def _strided_copy(k: Kernel, isa: Isa, esize: int, shape: list, src, s_strides: 
                 k.store(k.load(elem, src_row, k.mul(k.mul(j, step), esize)), dst_row, k.mul(j, esize))
 
 
-def emit_transpose(module: ir.Module, target: Target, aval: Aval, perm, name: str) -> ir.Function:
+def emit_transpose(module: ir.Module, target: Target, aval: Aval, perm, name: str | None = None) -> str:
     """y = x.transpose(perm): void name(ptr x, ptr y, i64 <symbols of aval>..., ith, nth)."""
-    found = _existing(module, name)
-    if found is not None:
-        return found
+    name = name or kernel_name("transpose", target, str(aval), tuple(perm))
+    if Kernel.exists(module, name):
+        return name
     perm = tuple(int(p) for p in perm)
     if sorted(perm) != list(range(aval.ndim)):
         raise ValueError(f"transpose: perm {perm} is not a permutation of the {aval.ndim} axes of {aval}")
     esize = _plain(aval, "transpose")
     k = _copy_kernel(module, name, ("x",), _symbols(aval.shape))
-    dims = [_ir_dim(k, d) for d in aval.shape]
+    dims = [ir_dim(k, d) for d in aval.shape]
     strides = _strides(k, dims)
     out = [dims[p] for p in perm]
     _strided_copy(k, Isa(k, target), esize, out, k.arg["x"], [strides[p] for p in perm], 0,
                   k.arg["y"], _strides(k, out), 0)
-    k.finish()
-    return k.fn
+    return k.finish()
 
 
-def emit_slice(module: ir.Module, target: Target, aval: Aval, axis: int, start, stop, name: str) -> ir.Function:
+def emit_slice(module: ir.Module, target: Target, aval: Aval, axis: int, start, stop, name: str | None = None) -> str:
     """y = x[..., start:stop, ...] along `axis` (start/stop may be symbolic):
     void name(ptr x, ptr y, i64 <symbols>..., ith, nth)."""
-    found = _existing(module, name)
-    if found is not None:
-        return found
+    name = name or kernel_name("slice", target, str(aval), axis, str(start), str(stop))
+    if Kernel.exists(module, name):
+        return name
     if not -aval.ndim <= axis < aval.ndim:
         raise ValueError(f"slice: axis {axis} out of range for {aval}")
     axis %= aval.ndim
     esize = _plain(aval, "slice")
     k = _copy_kernel(module, name, ("x",), _symbols(aval.shape, (start, stop)))
-    dims = [_ir_dim(k, d) for d in aval.shape]
+    dims = [ir_dim(k, d) for d in aval.shape]
     strides = _strides(k, dims)
-    lo, hi = _ir_dim(k, start), _ir_dim(k, stop)
+    lo, hi = ir_dim(k, start), ir_dim(k, stop)
     out = dims[:axis] + [hi - lo if isinstance(hi, int) and isinstance(lo, int) else k.b.sub(k.i64(hi), k.i64(lo))] \
         + dims[axis + 1:]
     _strided_copy(k, Isa(k, target), esize, out, k.arg["x"], strides, k.mul(lo, strides[axis]),
                   k.arg["y"], _strides(k, out), 0)
-    k.finish()
-    return k.fn
+    return k.finish()
 
 
-def emit_concat(module: ir.Module, target: Target, avals: Sequence[Aval], axis: int, name: str) -> ir.Function:
+def emit_concat(module: ir.Module, target: Target, avals: Sequence[Aval], axis: int, name: str | None = None) -> str:
     """y = concatenate(xs, axis): void name(ptr x0, ..., ptr y, i64 <symbols>..., ith, nth)."""
-    found = _existing(module, name)
-    if found is not None:
-        return found
+    name = name or kernel_name("concat", target, tuple(map(str, avals)), axis)
+    if Kernel.exists(module, name):
+        return name
     if not avals:
         raise ValueError("concat: needs at least one operand")
     nd = avals[0].ndim
@@ -733,7 +677,7 @@ def emit_concat(module: ir.Module, target: Target, avals: Sequence[Aval], axis: 
     esize = _plain(avals[0], "concat")
     k = _copy_kernel(module, name, tuple(f"x{i}" for i in range(len(avals))), _symbols(*[a.shape for a in avals]))
     isa = Isa(k, target)
-    shapes = [[_ir_dim(k, d) for d in a.shape] for a in avals]
+    shapes = [[ir_dim(k, d) for d in a.shape] for a in avals]
     total = 0
     for s in shapes:
         total = k.add(total, s[axis]) if not (isinstance(total, int) and isinstance(s[axis], int)) \
@@ -746,31 +690,29 @@ def emit_concat(module: ir.Module, target: Target, avals: Sequence[Aval], axis: 
                       k.arg["y"], out_strides, k.mul(offset, out_strides[axis]))
         offset = offset + s[axis] if isinstance(offset, int) and isinstance(s[axis], int) \
             else k.add(offset, s[axis])
-    k.finish()
-    return k.fn
+    return k.finish()
 
 
-def emit_broadcast(module: ir.Module, target: Target, aval: Aval, shape, name: str) -> ir.Function:
+def emit_broadcast(module: ir.Module, target: Target, aval: Aval, shape, name: str | None = None) -> str:
     """y = broadcast_to(x, shape), numpy rules: void name(ptr x, ptr y, i64 <symbols>..., ith, nth)."""
-    found = _existing(module, name)
-    if found is not None:
-        return found
+    name = name or kernel_name("broadcast", target, str(aval), tuple(map(str, shape)))
+    if Kernel.exists(module, name):
+        return name
     shape = tuple(Aval(shape, aval.dtype).shape)
     if broadcast_shapes("broadcast", aval.shape, shape) != shape:
         raise ValueError(f"broadcast: {aval} cannot broadcast to [{','.join(map(str, shape))}]")
     esize = _plain(aval, "broadcast")
     k = _copy_kernel(module, name, ("x",), _symbols(aval.shape, shape))
     own = (1,) * (len(shape) - aval.ndim) + aval.shape
-    dims = [_ir_dim(k, d) for d in own]
+    dims = [ir_dim(k, d) for d in own]
     strides = [0 if o == 1 and t != 1 else s for o, t, s in zip(own, shape, _strides(k, dims))]
-    out = [_ir_dim(k, d) for d in shape]
+    out = [ir_dim(k, d) for d in shape]
     _strided_copy(k, Isa(k, target), esize, out, k.arg["x"], strides, 0, k.arg["y"], _strides(k, out), 0)
-    k.finish()
-    return k.fn
+    return k.finish()
 
 
-def emit_cast(module: ir.Module, target: Target, aval: Aval, dtype, name: str) -> ir.Function:
-    """y = x.astype(dtype) as a one-op fused loop: void name(ptr in0, ptr out0, i64 rows, ith, nth)."""
-    from ggraph import ops, trace
-    graph = trace(lambda x: ops.cast(x, dtype), aval)
+def emit_cast(module: ir.Module, target: Target, aval: Aval, dtype, name: str | None = None) -> str:
+    """y = x.astype(dtype) as a one-op fused loop: void name(ptr in0, ptr out0, i64 <symbols>..., ith, nth)."""
+    from ggraph.ir import prims, trace
+    graph = trace(lambda x: prims.cast(x, dtype), aval)
     return emit_fused(module, target, graph, [aval], [graph.outvars[0].aval], name)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from llvmlite import ir
 
-from ggraph import dtypes
+from ggraph.ir import dtypes
 from ggraph.backends.llvm.kernels.builder import Kernel, f32, i16, vec
 from ggraph.backends.llvm.kernels.isa import Isa, vector_path
 from ggraph.backends.llvm.target import Target

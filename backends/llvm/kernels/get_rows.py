@@ -1,20 +1,19 @@
 """Embedding gather with dequantisation: out[t] = table[ids[t]] * scale.
 
     get_rows_<dtype>_k<K>_v<V>_<target>(table: ptr u8 [V, row_bytes], ids: ptr i32 [T],
-                                        out: ptr f32 [T, K], T, ith, nth)
+                                        out: ptr f32 [T, K], status: ptr i64 [2], T, ith, nth)
 
-V (the row count) is baked in so that an id outside [0, V) can be caught: that row of
-`out` is filled with NaN rather than read out of bounds (validate ids before calling).
+V (the row count) is baked in so that an id outside [0, V) is caught: the table is never
+read out of bounds, that row of `out` is zeroed, and the kernel stores {1, id} in
+`status`, which the caller checks after the run and turns into an error naming the op.
 `scale` (e.g. gemma's sqrt(dim)) is an optional constant multiplied into every value;
 without it, values equal gguf-py's dequantisation bit for bit. Threads split tokens.
 """
 from __future__ import annotations
 
-import math
-
 from llvmlite import ir
 
-from ggraph import dtypes
+from ggraph.ir import dtypes
 from ggraph.backends.llvm.kernels.builder import Kernel, f32, i32, vec
 from ggraph.backends.llvm.kernels.fmatmul import FLOAT_LOADERS
 from ggraph.backends.llvm.kernels.isa import Isa, vector_path
@@ -32,7 +31,7 @@ def get_rows(module: ir.Module, dtype, K: int, V: int, target: Target, scale: fl
     name = f"get_rows_{dt.name}_k{K}_v{V}{tag}_{target.name}"
     if Kernel.exists(module, name):
         return name
-    k = Kernel(module, name, ("table", "ids", "out"))
+    k = Kernel(module, name, ("table", "ids", "out", "status"))
     isa = Isa(k, target)
     b = k.b
     start, end = k.thread_share(k.arg["T"])
@@ -46,8 +45,10 @@ def get_rows(module: ir.Module, dtype, K: int, V: int, target: Target, scale: fl
                 emit = _quant_row if dt in FORMATS else _float_row
                 emit(k, isa, dt, K, row, out, scale, vector_path(target))
             with bad:
-                with k.loop(0, K, name="nan") as i:
-                    k.store(ir.Constant(f32, math.nan), out, k.mul(i, 4))
+                k.store(ir.Constant(ir.IntType(64), 1), k.arg["status"])
+                k.store(row_id, k.arg["status"], 8)
+                with k.loop(0, K, name="zero") as i:
+                    k.store(ir.Constant(f32, 0.0), out, k.mul(i, 4))
     return k.finish()
 
 

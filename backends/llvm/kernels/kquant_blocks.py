@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from llvmlite import ir
 
-from ggraph import dtypes
+from ggraph.ir import dtypes
 from ggraph.backends.llvm.kernels.blocks import (BlockFormat, Decoded, bits, byte, bytes_at, half,
                                                  idiv, imod, lanes_f32, lookup, pack, sbyte,
                                                  table, vbits, vshift)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from llvmlite import ir
 
-from ggraph import dtypes
+from ggraph.ir import dtypes
 from ggraph.backends.llvm.kernels import kquant_blocks, quant_blocks
 from ggraph.backends.llvm.kernels.act_quant import GROUP, ActLayout
 from ggraph.backends.llvm.kernels.blocks import BlockFormat, pack

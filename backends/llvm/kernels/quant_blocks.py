@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from llvmlite import ir
 
-from ggraph import dtypes
+from ggraph.ir import dtypes
 from ggraph.backends.llvm.kernels.blocks import (BlockFormat, Decoded, bits, bytes_at, half, lookup,
                                                  nibble32, nibbles32, pack, sbyte, table)
 from ggraph.backends.llvm.kernels.builder import Kernel, i1, i8, i32, vec

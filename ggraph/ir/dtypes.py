@@ -1,17 +1,18 @@
-"""The one table of element types: plain numeric types and GGUF block types.
+"""The one table of element types (plain numeric types and GGUF block types), and avals.
 
 A dtype knows its ggml type id, how many elements one block holds and how many bytes
-that block takes. Plain types have a block of one element. Subscripting a dtype makes
-an abstract value for tracing: ``f32["T", 640]``, ``q4_k[1024, 640]``.
+that block takes. Plain types have a block of one element. An aval is a shape of dims
+and a dtype; subscripting a dtype makes one: ``f32["T", 640]``, ``q4_k[1024, 640]``.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import math
+import re
+from typing import Sequence
 
 import numpy as np
 
-if TYPE_CHECKING:
-    from ggraph.core import Aval
+from ggraph.ir.dims import Sym, as_dim, eval_dim
 
 
 class DType:
@@ -54,7 +55,6 @@ class DType:
         return rows * self.row_bytes(int(shape[-1])) if shape else self.type_size
 
     def __getitem__(self, shape) -> "Aval":
-        from ggraph.core import Aval
         if not isinstance(shape, tuple):
             shape = (shape,)
         return Aval(shape, self)
@@ -151,3 +151,100 @@ def from_numpy(dtype) -> DType:
         if d.np_dtype is not None and d.np_dtype == dtype:   # np.dtype(None) is float64
             return d
     raise ValueError(f"numpy dtype {dtype} has no ggraph dtype")
+
+
+# ---------------------------------------------------------------------------------------
+# avals
+# ---------------------------------------------------------------------------------------
+
+class Aval:
+    """An abstract value: a shape of dims and a dtype. ``f32["T", 640]`` builds one."""
+
+    __slots__ = ("shape", "dtype")
+
+    def __init__(self, shape: Sequence, dtype: DType | str):
+        self.shape = tuple(as_dim(d) for d in shape)
+        self.dtype = from_name(dtype)
+
+    def check_blocks(self) -> None:
+        """Raise unless the innermost dim is a whole number of blocks (ops that read blocks call this)."""
+        if self.dtype.is_quantized and self.shape and isinstance(self.shape[-1], int) \
+                and self.shape[-1] % self.dtype.block_size:
+            raise ValueError(f"{self}: innermost dim {self.shape[-1]} is not a multiple of "
+                             f"the {self.dtype} block size {self.dtype.block_size}")
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def symbols(self) -> set[str]:
+        return {n for d in self.shape if isinstance(d, Sym) for n in d.names}
+
+    def concrete(self, env: dict[str, int]) -> tuple[int, ...]:
+        return tuple(eval_dim(d, env) for d in self.shape)
+
+    def numel(self, env: dict[str, int] | None = None) -> int:
+        """Elements, with the symbols bound by ``env``."""
+        return math.prod(self.concrete(env or {}))
+
+    def nbytes(self, env: dict[str, int] | None = None) -> int:
+        return self.dtype.nbytes(self.concrete(env or {}))
+
+    def update(self, shape=None, dtype=None) -> "Aval":
+        return Aval(self.shape if shape is None else shape, self.dtype if dtype is None else dtype)
+
+    def __eq__(self, other):
+        return isinstance(other, Aval) and self.shape == other.shape and self.dtype is other.dtype
+
+    def __hash__(self):
+        return hash((self.shape, self.dtype.name))
+
+    def __str__(self):
+        return f"{self.dtype}[{','.join(str(d) for d in self.shape)}]"
+
+    __repr__ = __str__
+
+
+class DimAval(Aval):
+    """The aval of a scalar i32 input that binds a symbolic dim by its value."""
+
+    __slots__ = ("symbol",)
+
+    def __init__(self, symbol: str):
+        super().__init__((), _BY_NAME["i32"])
+        if not re.fullmatch(r"[A-Za-z_]\w*", symbol):
+            raise ValueError(f"bad symbol name {symbol!r}")
+        self.symbol = symbol
+
+    def __eq__(self, other):
+        return isinstance(other, DimAval) and other.symbol == self.symbol
+
+    def __hash__(self):
+        return hash(("dim", self.symbol))
+
+
+class ParamAval(Aval):
+    """The aval of a weight: it carries the name of its source tensor (a GGUF tensor name)."""
+
+    __slots__ = ("source",)
+
+    def __init__(self, source: str, aval: Aval):
+        super().__init__(aval.shape, aval.dtype)
+        self.source = source
+
+    def __eq__(self, other):
+        return isinstance(other, ParamAval) and Aval.__eq__(self, other) and other.source == self.source
+
+    def __hash__(self):
+        return hash((self.source, self.shape))
+
+
+def dim(symbol: str) -> DimAval:
+    """Declare a scalar i32 input whose value binds ``symbol``, e.g. ``dim("P")`` for the past length."""
+    return DimAval(symbol)
+
+
+def param(source: str, aval: Aval) -> ParamAval:
+    """Declare a weight read from tensor ``source``: ``param("blk.0.attn_q.weight", q4_k[1024, 640])``."""
+    return ParamAval(source, aval)

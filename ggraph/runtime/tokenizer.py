@@ -719,7 +719,7 @@ class Tokenizer:
 
     def apply_chat_template(self, messages: list, add_generation_prompt: bool = True, **extra) -> str:
         """Render ``messages`` with the file's template (or a built-in one); encode() adds the BOS."""
-        from ggraph.chat import default_template, render_chat
+        from ggraph.runtime.chat import default_template, render_chat
         template = self.chat_template or default_template(self.architecture)
         bos = self._tokens[self.bos_id] if self.bos_id is not None else ""
         eos = self._tokens[self.eos_id] if self.eos_id is not None else ""

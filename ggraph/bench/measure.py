@@ -12,6 +12,8 @@ import time
 
 import numpy as np
 
+from ggraph.ir.fused import qmatmul_p
+
 
 @dataclasses.dataclass
 class Result:
@@ -35,11 +37,12 @@ def prompt_tokens(n: int, n_vocab: int, seed: int = 0) -> list[int]:
 
 
 def bench_ggraph(path, pp: int = 64, tg: int = 32, threads: int = 1, backend: str = "llvm",
-                 passes="default", repeats: int = 3, ctx: int | None = None) -> Result:
+                 passes="default", repeats: int = 3, ctx: int | None = None, disabled=()) -> Result:
     """Best-of-``repeats`` prefill and decode speed of a ggraph Session."""
-    from ggraph.runtime import Session
+    from ggraph.runtime.session import Session
     t0 = time.perf_counter()
-    s = Session(path, backend=backend, threads=threads, passes=passes, ctx=ctx or max(pp + tg + 1, 64))
+    s = Session(path, backend=backend, threads=threads, passes=passes, ctx=ctx or max(pp + tg + 1, 64),
+                disabled=disabled)
     ids = prompt_tokens(pp, s.config.n_vocab)
     s.step(ids[:1])                                            # compile and warm up both step kinds
     s.step(ids[:2])
@@ -127,14 +130,13 @@ def op_kind(eqn) -> str:
     """How a profile groups eqns: qmatmul by weight type, fused loops together, others by name."""
     if eqn is None:
         return "?"
-    if eqn.prim.name == "qmatmul":
+    if eqn.prim is qmatmul_p:
         return f"qmatmul {eqn.inputs[1].aval.dtype}"
     return eqn.prim.name
 
 
 def profile_rows(program, dims: dict, bandwidth: float, peaks: dict) -> dict[str, list[dict]]:
     """Time, bytes and flops of the program's last run, per op kind and per layer."""
-    from ggraph.cost import eqn_cost
     per_eqn: dict[int, list] = {}
     for call, seconds in program.last_profile:
         key = id(call.eqn)
@@ -143,7 +145,7 @@ def profile_rows(program, dims: dict, bandwidth: float, peaks: dict) -> dict[str
         per_eqn[key][1] += seconds
     groups = {"op": {}, "layer": {}}
     for eqn, seconds in per_eqn.values():
-        flops, nbytes = eqn_cost(eqn, dims) if eqn is not None else (0, 0)
+        flops, nbytes = eqn.cost(dims) if eqn is not None else (0, 0)
         layer = ".".join(eqn.scope.split(".")[:2]) if eqn is not None and eqn.scope.startswith("blk.") \
             else (eqn.scope.split(".")[0] if eqn is not None and eqn.scope else "top")
         for by, key in (("op", op_kind(eqn)), ("layer", layer)):
@@ -167,10 +169,12 @@ def profile_rows(program, dims: dict, bandwidth: float, peaks: dict) -> dict[str
     return out
 
 
-def profile_ggraph(path, pp: int = 64, threads: int = 1, passes="default", ctx: int | None = None) -> dict:
+def profile_ggraph(path, pp: int = 64, threads: int = 1, passes="default", ctx: int | None = None,
+                   disabled=()) -> dict:
     """Per-op and per-layer time for one prefill of ``pp`` tokens and one decode step."""
-    from ggraph.runtime import Session
-    s = Session(path, backend="llvm", threads=threads, passes=passes, ctx=ctx or max(pp + 8, 64), profile=True)
+    from ggraph.runtime.session import Session
+    s = Session(path, backend="llvm", threads=threads, passes=passes, ctx=ctx or max(pp + 8, 64), profile=True,
+                disabled=disabled)
     prog = s.program(last_only=True)
     bandwidth = stream_bandwidth(threads)
     peaks = peak_gflops(prog.target, threads)

@@ -1,4 +1,4 @@
-"""GGUF files: a strict, zero-copy reader over mmap, and a writer.
+"""The GGUF reader: strict and zero-copy, over mmap.
 
 Opening a file parses only its header (metadata and tensor infos). Tensor bytes stay in
 the read-only mapping, and each ``TensorInfo.data`` is a view into it. Every malformed
@@ -25,7 +25,6 @@ import itertools
 import math
 import mmap
 import os
-import re
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -33,70 +32,10 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ggraph import dtypes
-
-MAGIC = b"GGUF"
-VERSIONS = (2, 3)
-DEFAULT_ALIGNMENT = 32
-MAX_DIMS = 4
-MAX_NAME_BYTES = 63    # ggml's GGML_MAX_NAME is 64, including the NUL
-EAGER_MAX = 1024       # arrays up to this many elements become lists; longer ones stay in the mapping
-HEADER_BYTES = 24      # magic, version, tensor_count, kv_count
-MIN_KV_BYTES = 8 + 1 + 4 + 1             # key length, a non-empty key, value type, a 1-byte value
-MIN_TENSOR_INFO_BYTES = 8 + 4 + 8 + 4 + 8  # name length, n_dims, one dim, type, offset
-SPLIT_NAME = re.compile(r"^(?P<prefix>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
-
-_U32 = struct.Struct("<I")
-_U64 = struct.Struct("<Q")
-
-
-class VType(NamedTuple):
-    """A GGUF metadata value type."""
-    code: int
-    name: str
-    fmt: str | None        # struct format of one element; None for str and arr
-    np_dtype: np.dtype | None
-
-    @property
-    def size(self) -> int:
-        return struct.calcsize(self.fmt)
-
-
-#                 code  name    struct  numpy
-_VTYPES = [VType(0,  "u8",   "<B", np.dtype("<u1")),
-           VType(1,  "i8",   "<b", np.dtype("<i1")),
-           VType(2,  "u16",  "<H", np.dtype("<u2")),
-           VType(3,  "i16",  "<h", np.dtype("<i2")),
-           VType(4,  "u32",  "<I", np.dtype("<u4")),
-           VType(5,  "i32",  "<i", np.dtype("<i4")),
-           VType(6,  "f32",  "<f", np.dtype("<f4")),
-           VType(7,  "bool", "<B", np.dtype("<u1")),   # one byte, 0 or 1
-           VType(8,  "str",  None, None),              # u64 length + UTF-8 bytes
-           VType(9,  "arr",  None, None),              # u32 element type, u64 count, elements
-           VType(10, "u64",  "<Q", np.dtype("<u8")),
-           VType(11, "i64",  "<q", np.dtype("<i8")),
-           VType(12, "f64",  "<d", np.dtype("<f8"))]
-VTYPE_BY_CODE = {t.code: t for t in _VTYPES}
-_STRUCTS = {t.code: struct.Struct(t.fmt) for t in _VTYPES if t.fmt}
-VTYPE_BY_NAME = {t.name: t for t in _VTYPES}
-_STR, _ARR, _BOOL = VTYPE_BY_NAME["str"], VTYPE_BY_NAME["arr"], VTYPE_BY_NAME["bool"]
-
-# keys whose value type llama.cpp checks exactly (gguf.cpp for the alignment,
-# llama-model-loader's GKV::get_kv for the rest); a wrong type here is a broken file
-KEY_TYPES = {"general.alignment": "u32", "general.architecture": "str",
-             "split.no": "u16", "split.count": "u16", "split.tensors.count": "i32"}
-
-
-class GGUFError(ValueError):
-    """A malformed or unsupported GGUF file; the message names the field and its byte offset."""
-
-    def __init__(self, path: str, field: str, offset: int | None, problem: str):
-        where = field if offset is None else f"{field} at byte {offset}"
-        super().__init__(f"{path}: {where}: {problem}")
-        self.path, self.field, self.offset, self.problem = path, field, offset, problem
-
-    def __reduce__(self):
-        return (GGUFError, (self.path, self.field, self.offset, self.problem))
+from ggraph.ir import dtypes
+from ggraph.gguf.format import (ARR, BOOL, DEFAULT_ALIGNMENT, EAGER_MAX, HEADER_BYTES, KEY_TYPES, MAGIC, MAX_DIMS,
+                                MAX_NAME_BYTES, MIN_KV_BYTES, MIN_TENSOR_INFO_BYTES, SPLIT_NAME, STR, STRUCTS, U32,
+                                U64, VERSIONS, VTYPE_BY_CODE, GGUFError, VType, align)
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -149,7 +88,7 @@ class StringArray(Sequence):
     def _decoded(self) -> list[str]:
         """Decode every string once: one bytes copy of the span, then a tight loop."""
         if self._items is None:
-            span, unpack, pos, out = self._buf[self._start:self._end], _U64.unpack_from, 0, []
+            span, unpack, pos, out = self._buf[self._start:self._end], U64.unpack_from, 0, []
             for i in range(self._count):
                 n = unpack(span, pos)[0]
                 try:
@@ -170,10 +109,6 @@ class _Tensors(dict):
         hint = (f"; close names: {', '.join(close)}" if close else
                 f"; {len(self)} tensors, e.g. {', '.join(list(self)[:3])}")
         raise KeyError(f"no tensor named {name!r}{hint}")
-
-
-def _align(n: int, alignment: int) -> int:
-    return (n + alignment - 1) // alignment * alignment
 
 
 # ---------------------------------------------------------------------------- reading
@@ -211,7 +146,7 @@ class _Parser:
 
     def string(self, field: str) -> str:
         at = self.pos
-        n = self.unpack(_U64, f"{field} length")
+        n = self.unpack(U64, f"{field} length")
         if n > self.size - self.pos:
             raise self.fail(field, at, f"string length {n} runs past the end of the file "
                                        f"({self.size - self.pos} bytes remain)")
@@ -224,13 +159,13 @@ class _Parser:
 
     def value(self, key: str, vt: VType):
         """One metadata value of type ``vt``; returns (value, type name)."""
-        if vt is _STR:
+        if vt is STR:
             return self.string(f"value of '{key}'"), "str"
-        if vt is _ARR:
+        if vt is ARR:
             return self.array(key)
         at = self.pos
-        v = self.unpack(_STRUCTS[vt.code], f"value of '{key}'")
-        if vt is _BOOL:
+        v = self.unpack(STRUCTS[vt.code], f"value of '{key}'")
+        if vt is BOOL:
             if v > 1:
                 raise self.fail(f"value of '{key}'", at, f"bool byte {v} is neither 0 nor 1")
             v = bool(v)
@@ -238,23 +173,23 @@ class _Parser:
 
     def array(self, key: str):
         at = self.pos
-        code = self.unpack(_U32, f"array element type of '{key}'")
-        if code == _ARR.code:
+        code = self.unpack(U32, f"array element type of '{key}'")
+        if code == ARR.code:
             raise self.fail(f"array element type of '{key}'", at, "nested arrays are not allowed (ggml refuses them)")
         vt = VTYPE_BY_CODE.get(code)
         if vt is None:
             raise self.fail(f"array element type of '{key}'", at, f"{code} is not a GGUF value type (0..12)")
         at = self.pos
-        n = self.unpack(_U64, f"array count of '{key}'")
-        least = n * (8 if vt is _STR else vt.size)   # every string has at least its u64 length
+        n = self.unpack(U64, f"array count of '{key}'")
+        least = n * (8 if vt is STR else vt.size)   # every string has at least its u64 length
         if least > self.size - self.pos:
             raise self.fail(f"array count of '{key}'", at, f"{n} {vt.name} elements need at least {least} bytes "
                                                           f"but only {self.size - self.pos} remain")
         kind = f"arr[{vt.name}]"
-        if vt is _STR:
+        if vt is STR:
             return self.strings(key, n), kind
         arr = np.frombuffer(self.buf, vt.np_dtype, n, self.pos)   # (n,) read-only view
-        if vt is _BOOL:
+        if vt is BOOL:
             bad = np.flatnonzero(arr > 1)
             if len(bad):
                 i = int(bad[0])
@@ -279,7 +214,7 @@ class _Parser:
         """Walk ``n`` string lengths one by one, raising at the first that runs past the end."""
         for i in range(n):
             at = self.pos
-            length = self.unpack(_U64, f"'{key}'[{i}] length")
+            length = self.unpack(U64, f"'{key}'[{i}] length")
             if length > self.size - self.pos:
                 raise self.fail(f"'{key}'[{i}]", at, f"string length {length} runs past the end of the file "
                                                      f"({self.size - self.pos} bytes remain)")
@@ -292,7 +227,7 @@ def _walk_strings(buf, pos: int, n: int) -> int | None:
     A tight loop is the fastest pure-Python walk (about 60 ns a string). The caller
     checks that the end lies within the file: offsets only grow, so that bounds them all.
     """
-    unpack = _U64.unpack_from
+    unpack = U64.unpack_from
     try:
         for _ in itertools.repeat(None, n):
             pos += unpack(buf, pos)[0] + 8
@@ -307,12 +242,12 @@ def _parse_header(mm: mmap.mmap, path: str) -> _Header:
     if p.size < 4 or mm[:4] != MAGIC:
         raise p.fail("magic", 0, f"not a GGUF file: starts with {bytes(mm[:4])!r}, expected b'GGUF'")
     p.pos = 4
-    version = p.unpack(_U32, "version")
+    version = p.unpack(U32, "version")
     _check_version(p, version)
-    n_tensors = p.unpack(_U64, "tensor_count")
+    n_tensors = p.unpack(U64, "tensor_count")
     if HEADER_BYTES + n_tensors * MIN_TENSOR_INFO_BYTES > p.size:
         raise p.fail("tensor_count", 8, f"{n_tensors} tensor infos cannot fit in a {p.size}-byte file")
-    n_kv = p.unpack(_U64, "kv_count")
+    n_kv = p.unpack(U64, "kv_count")
     if HEADER_BYTES + n_tensors * MIN_TENSOR_INFO_BYTES + n_kv * MIN_KV_BYTES > p.size:
         raise p.fail("kv_count", 16, f"{n_kv} key-value pairs (and {n_tensors} tensor infos) cannot fit "
                                      f"in a {p.size}-byte file")
@@ -321,7 +256,7 @@ def _parse_header(mm: mmap.mmap, path: str) -> _Header:
     if alignment == 0 or alignment & (alignment - 1):
         raise p.fail("general.alignment", kv_offsets["general.alignment"], f"{alignment} is not a power of two")
     infos = [_parse_tensor_info(p, i) for i in range(n_tensors)]
-    data_offset = _align(p.pos, alignment)
+    data_offset = align(p.pos, alignment)
     tensors = _place_tensors(p, infos, data_offset, alignment)
     return _Header(path, version, alignment, data_offset, metadata, kv_offsets, kv_types, tensors)
 
@@ -346,7 +281,7 @@ def _parse_metadata(p: _Parser, n_kv: int):
         if key in metadata:
             raise p.fail(f"key '{key}'", at, f"duplicate key (first at byte {offsets[key]})")
         t_at = p.pos
-        code = p.unpack(_U32, f"value type of '{key}'")
+        code = p.unpack(U32, f"value type of '{key}'")
         vt = VTYPE_BY_CODE.get(code)
         if vt is None:
             raise p.fail(f"value type of '{key}'", t_at, f"{code} is not a GGUF value type (0..12)")
@@ -366,17 +301,17 @@ def _parse_tensor_info(p: _Parser, i: int):
         raise p.fail(f"tensor #{i} name", at, f"{name[:80]!r} is longer than ggml's {MAX_NAME_BYTES} bytes")
     field = f"tensor '{name}'"
     nd_at = p.pos
-    n_dims = p.unpack(_U32, f"{field} n_dims")
+    n_dims = p.unpack(U32, f"{field} n_dims")
     if not 1 <= n_dims <= MAX_DIMS:
         raise p.fail(f"{field} n_dims", nd_at, f"{n_dims} is not in 1..{MAX_DIMS}")
-    dims = [p.unpack(_U64, f"{field} dim {k}") for k in range(n_dims)]   # dims[0] is the row length
+    dims = [p.unpack(U64, f"{field} dim {k}") for k in range(n_dims)]   # dims[0] is the row length
     for k, d in enumerate(dims):
         if d >= 2**63:   # ggml reads int64 and refuses negatives; zero is allowed, as there
             raise p.fail(f"{field} dim {k}", nd_at + 4 + 8 * k, f"{d} is negative as an int64")
     if math.prod(dims) >= 2**63:
         raise p.fail(f"{field} dims", nd_at + 4, f"{dims} hold {math.prod(dims)} elements, which overflows int64")
     t_at = p.pos
-    type_id = p.unpack(_U32, f"{field} type")
+    type_id = p.unpack(U32, f"{field} type")
     try:
         dtype = dtypes.from_ggml_id(type_id)
     except ValueError as e:
@@ -385,7 +320,7 @@ def _parse_tensor_info(p: _Parser, i: int):
         raise p.fail(f"{field} dim 0", nd_at + 4, f"row length {dims[0]} is not a multiple of "
                                                   f"{dtype.name}'s block size {dtype.block_size}")
     o_at = p.pos
-    offset = p.unpack(_U64, f"{field} offset")
+    offset = p.unpack(U64, f"{field} offset")
     return name, tuple(reversed(dims)), dtype, offset, at, o_at
 
 
@@ -411,7 +346,7 @@ def _place_tensors(p: _Parser, infos, data_offset: int, alignment: int) -> list[
                    f"leaves a gap after {'tensor ' + repr(prev) if prev else 'the data start'}")
             raise p.fail(f"tensor '{name}' offset", o_at, f"{offset} {how}: ggml requires offset {expected}")
         tensors.append(TensorInfo(name, shape, dtype, start, nbytes, whole[start:start + nbytes], p.path))
-        expected, prev = offset + _align(nbytes, alignment), name
+        expected, prev = offset + align(nbytes, alignment), name
     return tensors
 
 
@@ -505,7 +440,7 @@ class GGUFFile:
     def dequantize(self, name: str) -> np.ndarray:
         """Tensor ``name`` as float32 of its numpy shape, via ggraph.quants."""
         t = self.tensors[name]
-        from ggraph import quants   # lazy: reading a header needs no dequantisers
+        from ggraph.gguf import quants   # lazy: reading a header needs no dequantisers
         return quants.dequantize(t.data, t.dtype, t.shape)
 
     def close(self) -> None:
@@ -526,228 +461,3 @@ class GGUFFile:
                 f"{len(self.tensors)} tensors, {self.nbytes / 1e6:.1f} MB, {len(self.metadata)} keys)")
 
 
-# ---------------------------------------------------------------------------- writing
-
-@dataclass(frozen=True)
-class Typed:
-    """A metadata value with an explicit GGUF type: ``Typed(7, "i32")``, ``Typed([1, 2], "u16")``.
-
-    For a list, tuple or array value the type names the element type.
-    """
-    value: object
-    type: str
-
-
-_NP_VTYPES = {t.np_dtype: t for t in _VTYPES if t.np_dtype is not None and t is not _BOOL}
-_NP_VTYPES[np.dtype(bool)] = _BOOL
-
-
-def write(path: str | os.PathLike, metadata: dict, tensors: dict, alignment: int = DEFAULT_ALIGNMENT) -> None:
-    """Write a GGUF v3 file.
-
-    ``metadata``: key -> value. Types are inferred unless wrapped in ``Typed``:
-    bool -> bool; int -> u32 if 0 <= v < 2**32, else i64 (u64 above that); float -> f32;
-    str -> str; numpy scalars keep their dtype; a list/tuple/1-D array -> an array whose
-    element type follows the same rules (ints: u32 if all fit, else i64; any float: f32;
-    a numpy array's dtype maps directly). llama.cpp checks hparam types exactly and its
-    hparams are u32, which is why ints default to u32.
-
-    ``tensors``: name -> a numpy array (float32, float16, int8 or int32; written as
-    that type) or ``(raw_uint8_bytes, dtype, shape)`` for block types, with ``dtype`` a
-    DType or name and ``shape`` in numpy order. ``general.alignment`` is written when
-    ``alignment`` is not 32.
-    """
-    if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
-        raise ValueError(f"alignment {alignment!r} is not a power of two")
-    metadata = dict(metadata)
-    if "general.alignment" in metadata:
-        given = metadata["general.alignment"]
-        given = given.value if isinstance(given, Typed) else given
-        if given != alignment:
-            raise ValueError(f"metadata general.alignment={given!r} disagrees with alignment={alignment}")
-        del metadata["general.alignment"]
-    if alignment != DEFAULT_ALIGNMENT:
-        metadata["general.alignment"] = Typed(alignment, "u32")
-    entries = [_tensor_entry(name, value) for name, value in tensors.items()]   # (name, shape, dtype, raw)
-    head = [MAGIC, struct.pack("<IQQ", 3, len(entries), len(metadata))]
-    head += [_pack_str(key) + _encode_value(key, value) for key, value in _checked_keys(metadata)]
-    offset = 0
-    for name, shape, dtype, raw in entries:
-        head.append(_pack_str(name) + struct.pack(f"<I{len(shape)}QIQ", len(shape), *reversed(shape),
-                                                  dtype.ggml_id, offset))
-        offset += _align(raw.nbytes, alignment)
-    header = b"".join(head)
-    with open(path, "wb") as f:
-        f.write(header + bytes(_align(len(header), alignment) - len(header)))
-        for _, _, _, raw in entries:
-            f.write(raw.data)
-            f.write(bytes(_align(raw.nbytes, alignment) - raw.nbytes))
-
-
-def _checked_keys(metadata: dict):
-    for key, value in metadata.items():
-        if not isinstance(key, str) or not key:
-            raise ValueError(f"metadata key {key!r} must be a non-empty str")
-        yield key, value
-
-
-def _pack_str(s: str) -> bytes:
-    raw = s.encode("utf-8")
-    return _U64.pack(len(raw)) + raw
-
-
-def _encode_value(key: str, value) -> bytes:
-    """The value type code and payload bytes of one metadata value."""
-    if isinstance(value, Typed):
-        vt = VTYPE_BY_NAME.get(value.type)
-        if vt is None or vt is _ARR:
-            raise ValueError(f"metadata '{key}': unknown GGUF type {value.type!r}; known: "
-                             f"{', '.join(n for n in VTYPE_BY_NAME if n != 'arr')}")
-        value, is_array = value.value, _is_sequence(value.value)
-    else:
-        is_array = _is_sequence(value)
-        vt = _infer_array(key, value) if is_array else _infer_scalar(key, value)
-    if not is_array:
-        return _U32.pack(vt.code) + _pack_scalar(key, vt, value)
-    if vt is _STR:
-        body = b"".join(_pack_scalar(f"{key}[{i}]", vt, v) for i, v in enumerate(value))
-    else:
-        body = _pack_numbers(key, vt, value)
-    return struct.pack("<IIQ", _ARR.code, vt.code, len(value)) + body
-
-
-def _pack_numbers(key: str, vt: VType, value) -> bytes:
-    """Little-endian bytes of a numeric or bool array, checking kinds and ranges at once."""
-    try:
-        arr = np.asarray(value)   # (n,)
-    except OverflowError:
-        raise ValueError(f"metadata '{key}': an element does not fit in {vt.name}") from None
-    if arr.ndim != 1:
-        raise ValueError(f"metadata '{key}': arrays must be 1-D and not nested, got shape {arr.shape}")
-    if len(arr):
-        allowed = "b" if vt is _BOOL else "iu" if vt.np_dtype.kind in "iu" else "iuf"
-        if arr.dtype.kind not in allowed:
-            raise TypeError(f"metadata '{key}': {arr.dtype} values cannot be stored as {vt.name}")
-        finite = arr[np.isfinite(arr)] if arr.dtype.kind == "f" else arr   # inf and nan are fine as floats
-        lo, hi = _limits(vt)
-        if len(finite) and (finite.min() < lo or finite.max() > hi):
-            raise ValueError(f"metadata '{key}': values {finite.min()}..{finite.max()} do not fit in {vt.name}")
-    return arr.astype(np.uint8 if vt is _BOOL else vt.np_dtype).tobytes()
-
-
-def _limits(vt: VType):
-    """Smallest and largest (finite) values of a value type; bools are 0..1."""
-    if vt is _BOOL:
-        return 0, 1
-    info = np.iinfo(vt.np_dtype) if vt.np_dtype.kind in "iu" else np.finfo(vt.np_dtype)
-    return info.min, info.max
-
-
-def _is_sequence(value) -> bool:
-    return isinstance(value, (list, tuple, np.ndarray, StringArray))
-
-
-def _infer_scalar(key: str, v) -> VType:
-    if isinstance(v, str):
-        return _STR
-    if isinstance(v, (bool, np.bool_)):
-        return _BOOL
-    if isinstance(v, np.generic):
-        return _np_vtype(key, v.dtype)
-    if isinstance(v, int):
-        return VTYPE_BY_NAME["u32" if 0 <= v < 2**32 else "i64" if -2**63 <= v < 2**63 else "u64"]
-    if isinstance(v, float):
-        return VTYPE_BY_NAME["f32"]
-    raise TypeError(f"metadata '{key}': cannot store a {type(v).__name__} in GGUF")
-
-
-def _np_vtype(key: str, dtype: np.dtype) -> VType:
-    vt = _NP_VTYPES.get(dtype.newbyteorder("<"))
-    if vt is None:
-        raise TypeError(f"metadata '{key}': numpy {dtype} has no GGUF value type")
-    return vt
-
-
-def _infer_array(key: str, value) -> VType:
-    if isinstance(value, np.ndarray):
-        if value.ndim != 1:
-            raise ValueError(f"metadata '{key}': arrays must be 1-D, not shape {value.shape}")
-        return _STR if value.dtype.kind == "U" else _np_vtype(key, value.dtype)
-    if not len(value):
-        raise ValueError(f"metadata '{key}': cannot infer the element type of an empty array; use Typed([], 'u32')")
-    kinds = {_kind(key, v) for v in value}
-    if kinds == {"str"} or kinds == {"bool"}:
-        return VTYPE_BY_NAME[kinds.pop()]
-    if kinds == {"int"}:
-        return VTYPE_BY_NAME["u32" if all(0 <= v < 2**32 for v in value) else "i64"]
-    if kinds <= {"int", "float"}:
-        return VTYPE_BY_NAME["f32"]
-    raise TypeError(f"metadata '{key}': array mixes element kinds {sorted(kinds)}")
-
-
-def _kind(key: str, v) -> str:
-    if isinstance(v, (str, np.str_)):
-        return "str"
-    if isinstance(v, (bool, np.bool_)):
-        return "bool"
-    if isinstance(v, (int, np.integer)):
-        return "int"
-    if isinstance(v, (float, np.floating)):
-        return "float"
-    if _is_sequence(v):
-        raise TypeError(f"metadata '{key}': nested arrays are not allowed in GGUF")
-    raise TypeError(f"metadata '{key}': cannot store a {type(v).__name__} in a GGUF array")
-
-
-def _pack_scalar(key: str, vt: VType, v) -> bytes:
-    if vt is not _STR:
-        return _pack_numbers(key, vt, [v])
-    if not isinstance(v, str):
-        raise TypeError(f"metadata '{key}': {v!r} is not a str")
-    return _pack_str(v)
-
-
-def _tensor_entry(name: str, value):
-    """(name, shape, dtype, raw uint8 array) of one tensor to write, validated."""
-    if not isinstance(name, str) or not name or len(name.encode("utf-8")) > MAX_NAME_BYTES:
-        raise ValueError(f"tensor name {name!r} must be a non-empty str of at most {MAX_NAME_BYTES} UTF-8 bytes")
-    if isinstance(value, tuple):
-        if len(value) != 3:
-            raise ValueError(f"tensor '{name}': expected an array or (raw_uint8_bytes, dtype, shape), "
-                             f"got a {len(value)}-tuple")
-        raw, dtype, shape = value
-        try:
-            dtype = dtypes.from_name(dtype)
-        except ValueError as e:
-            raise ValueError(f"tensor '{name}': {e}") from None
-        shape = tuple(int(d) for d in shape)
-        if not isinstance(raw, np.ndarray):
-            try:
-                raw = np.frombuffer(raw, np.uint8)
-            except TypeError:
-                raise TypeError(f"tensor '{name}': raw data must be bytes-like or a uint8 array, "
-                                f"not {type(raw).__name__}") from None
-        if raw.dtype != np.uint8:
-            raise ValueError(f"tensor '{name}': raw bytes must be uint8, not {raw.dtype}")
-        raw = np.ascontiguousarray(raw).reshape(-1)
-    elif isinstance(value, np.ndarray):
-        arr = value.astype(value.dtype.newbyteorder("<"), copy=False) if value.dtype.byteorder == ">" else value
-        try:
-            dtype = dtypes.from_numpy(arr.dtype)
-        except ValueError as e:
-            raise ValueError(f"tensor '{name}': {e}; cast it or pass (raw, dtype, shape)") from None
-        if dtype.ggml_id is None:
-            raise ValueError(f"tensor '{name}': {dtype.name} has no ggml type id")
-        shape, raw = arr.shape, np.ascontiguousarray(arr).reshape(-1).view(np.uint8)
-    else:
-        raise TypeError(f"tensor '{name}': expected a numpy array or (raw_uint8_bytes, dtype, shape), "
-                        f"got {type(value).__name__}")
-    if not 1 <= len(shape) <= MAX_DIMS or min(shape) < 0:
-        raise ValueError(f"tensor '{name}': shape {shape} must have 1..{MAX_DIMS} non-negative dims")
-    if shape[-1] % dtype.block_size:
-        raise ValueError(f"tensor '{name}': row length {shape[-1]} is not a multiple of "
-                         f"{dtype.name}'s block size {dtype.block_size}")
-    if raw.nbytes != dtype.nbytes(shape):
-        raise ValueError(f"tensor '{name}': {dtype.name}{list(shape)} takes {dtype.nbytes(shape)} bytes, "
-                         f"got {raw.nbytes}")
-    return name, shape, dtype, raw

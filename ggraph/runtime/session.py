@@ -5,13 +5,13 @@
 """
 from __future__ import annotations
 
-import codecs
 import time
 from typing import Iterator, Sequence
 
 import numpy as np
 
-from ggraph.sampling import Sampler
+from ggraph.runtime.sampling import Sampler
+from ggraph.runtime.tokenizer import Detokenizer, Tokenizer
 
 
 class ContextFullError(ValueError):
@@ -27,7 +27,6 @@ class Session:
     def __init__(self, path, backend: str = "llvm", threads: int | None = None, passes="default",
                  ctx: int = 4096, disabled=(), profile: bool = False):
         from ggraph.models import load
-        from ggraph.tokenizer import Tokenizer
         self.model = load(path)
         self.config = self.model.config
         self.tokenizer = Tokenizer.from_metadata(self.model.file.metadata)
@@ -96,7 +95,7 @@ class Session:
             raise ValueError("the prompt encodes to no tokens")
         rng = np.random.default_rng(seed)
         history = list(ids)
-        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        detok = Detokenizer(self.tokenizer, skip_special=True)
         self.reset()
         self.program(last_only=True)                       # compile (or load) before the clock starts
         t0 = time.perf_counter()
@@ -110,7 +109,7 @@ class Session:
                 break
             history.append(tok)
             self.stats["generated_tokens"] = n + 1
-            text += decoder.decode(self.tokenizer.piece_bytes(tok, special=False))
+            text += detok.push(tok)
             cut = _first_stop(text, stop)
             safe = cut if cut is not None else len(text) - _partial_stop(text, stop)
             if safe > emitted:
@@ -123,7 +122,7 @@ class Session:
             self.stats["generate_s"] += time.perf_counter() - t
         else:
             pass
-        tail = text + decoder.decode(b"", final=True)
+        tail = text + detok.flush()
         cut = _first_stop(tail, stop)
         end = cut if cut is not None else len(tail)
         if end > emitted:

@@ -17,8 +17,8 @@ from typing import Callable
 
 import numpy as np
 
-from ggraph import dtypes
-from ggraph.dtypes import DType
+from ggraph.ir import dtypes
+from ggraph.ir.dtypes import DType
 
 QK_K = 256  # elements in a K-quant super-block
 

@@ -1,4 +1,5 @@
-"""Read the printed graph text back into a Graph, so pass tests are text in, text out.
+"""Graph text, the other way: read what ``print(graph)`` writes back into a Graph, so pass tests
+are text in, text out.
 
     graph = parse('''
     { lambda ; x:f32[T,4]. let
@@ -13,8 +14,11 @@ import re
 
 import numpy as np
 
-from ggraph.core import Aval, Eqn, Graph, Literal, ParamAval, Var, as_dim, get_primitive
-from ggraph import dtypes
+from ggraph.ir import dtypes
+from ggraph.ir.dims import as_dim
+from ggraph.ir.dtypes import Aval, ParamAval
+from ggraph.ir.graph import Eqn, Graph, Literal, Var
+from ggraph.ir.primitive import get_primitive
 
 DIM_PARAMS = {"shape", "n", "start", "stop"}     # params whose values are dims (ints or symbols)
 

@@ -16,7 +16,9 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from ggraph.core import (Aval, DimAval, Eqn, Graph, Literal, ParamAval, Primitive, Var, infer)
+from ggraph.ir.dtypes import Aval, DimAval, ParamAval
+from ggraph.ir.graph import Eqn, Graph, Literal, Var
+from ggraph.ir.primitive import Primitive, infer
 
 
 # ---------------------------------------------------------------------------------------
@@ -108,7 +110,7 @@ def _frame() -> _Frame:
 # ---------------------------------------------------------------------------------------
 
 class Tracer:
-    """A traced value. Arithmetic and indexing on it record eqns."""
+    """A traced value. Arithmetic and indexing on it record eqns (see ggraph.ir.methods)."""
 
     __slots__ = ("var",)
     __array_priority__ = 1000   # so `np_array * tracer` defers to us
@@ -141,47 +143,7 @@ class Tracer:
     def __len__(self):
         return self.shape[0]
 
-    # operators, all defined in ops.py terms
-    def __add__(self, o): return _ops().add(self, o)
-    def __radd__(self, o): return _ops().add(o, self)
-    def __sub__(self, o): return _ops().sub(self, o)
-    def __rsub__(self, o): return _ops().sub(o, self)
-    def __mul__(self, o): return _ops().mul(self, o)
-    def __rmul__(self, o): return _ops().mul(o, self)
-    def __truediv__(self, o): return _ops().div(self, o)
-    def __rtruediv__(self, o): return _ops().div(o, self)
-    def __neg__(self): return _ops().neg(self)
-    def __matmul__(self, o): return _ops().dot(self, o)
-    def __rmatmul__(self, o): return _ops().dot(o, self)
-    def __lt__(self, o): return _ops().less(self, o)
-    def __gt__(self, o): return _ops().less(o, self)
-    def __getitem__(self, idx): return _ops().index(self, idx)
-
-    def reshape(self, *shape):
-        shape = shape[0] if len(shape) == 1 and isinstance(shape[0], (tuple, list)) else shape
-        return _ops().reshape(self, shape)
-
-    def transpose(self, *perm):
-        perm = perm[0] if len(perm) == 1 and isinstance(perm[0], (tuple, list)) else perm
-        return _ops().transpose(self, perm or tuple(reversed(range(self.ndim))))
-
-    @property
-    def T(self):
-        return self.transpose()
-
-    def astype(self, dtype):
-        return _ops().cast(self, dtype)
-
-    def sum(self):
-        return _ops().reduce_sum(self)
-
-    def max(self):
-        return _ops().reduce_max(self)
-
-
-def _ops():
-    from ggraph import ops
-    return ops
+    # arithmetic operators, indexing and the numpy-style methods are attached by ggraph.ir.methods
 
 
 def to_atom(x, like: Aval | None = None) -> Var | Literal:

@@ -17,24 +17,13 @@ import weakref
 
 import numpy as np
 
-from ggraph import dtypes, ops
-from ggraph.core import Aval, Literal, ShapeError, impl_rules, print_rules, register
-from ggraph.dtypes import f32, i32
-from ggraph.prims import Blocks
+from ggraph.ir import composites, dtypes
+from ggraph.ir.dtypes import Aval, f32, i32
+from ggraph.ir.graph import evaluate
+from ggraph.ir.primitive import ShapeError, fusable, register
+from ggraph.ir.prims import Blocks, io_bytes, matmul_cost
 
 WEIGHT_TYPES = frozenset(dtypes.QUANTIZED) | {dtypes.f16, dtypes.bf16, dtypes.f32}
-FUSABLE_KINDS = ("elementwise", "reduce")       # what a fused body may contain
-
-
-def _elems(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
-
-
-def _io_bytes(eqn, dims) -> int:
-    return sum(a.aval.nbytes(dims) for a in eqn.inputs) + sum(o.aval.nbytes(dims) for o in eqn.outputs)
 
 
 # ---------------------------------------------------------------------------------------
@@ -75,12 +64,7 @@ def _qmatmul_impl(x, w):
     return np.matmul(x, f32_weight(w).T)                                          # (..., N)
 
 
-def _qmatmul_cost(eqn, dims):
-    x, w = (a.aval for a in eqn.inputs)
-    return 2 * _elems(eqn.outputs[0].aval.concrete(dims)) * x.concrete(dims)[-1], _io_bytes(eqn, dims)
-
-
-register("qmatmul", shape=_qmatmul_shape, impl=_qmatmul_impl, cost=_qmatmul_cost, kind="matmul")
+qmatmul_p = register("qmatmul", shape=_qmatmul_shape, impl=_qmatmul_impl, cost=matmul_cost, kind="matmul")
 
 
 # ---------------------------------------------------------------------------------------
@@ -104,8 +88,8 @@ def _rope_attention_shape(q, k, v, k_cache, v_cache, pos, positions, freq_factor
         raise ShapeError(f"rope_attention: pos must be a scalar i32, got {pos}")
     if positions.dtype is not i32 or positions.shape != (T,):
         raise ShapeError(f"rope_attention: positions must be i32[{T}], got {positions}")
-    if style not in ops.ROPE_STYLES:
-        raise ShapeError(f"rope_attention: style must be one of {ops.ROPE_STYLES}, got {style!r}")
+    if style not in composites.ROPE_STYLES:
+        raise ShapeError(f"rope_attention: style must be one of {composites.ROPE_STYLES}, got {style!r}")
     if dims % 2 or not (0 < dims and (not isinstance(D, int) or dims <= D)):
         raise ShapeError(f"rope_attention: rotary dims {dims} must be even and at most the head dim {D}")
     if freq_factors is not None and (freq_factors.dtype is not f32 or freq_factors.shape != (dims // 2,)):
@@ -116,9 +100,9 @@ def _rope_attention_shape(q, k, v, k_cache, v_cache, pos, positions, freq_factor
 def _rope_attention_impl(q, k, v, k_cache, v_cache, pos, positions, freq_factors=None, *,
                          dims, base, rope_scale, style, scale, mscale=1.0, window=None, softcap=None):
     rope = dict(dims=dims, base=base, scale=rope_scale, style=style, mscale=mscale)
-    qr = ops._np_rope(q, positions, freq_factors, **rope)                         # (T, H, D)
-    kr = ops._np_rope(k, positions, freq_factors, **rope)                         # (T, Hkv, D)
-    return ops._np_attention(qr, kr, v, k_cache, v_cache, pos, scale=scale, window=window, softcap=softcap)
+    qr = composites._np_rope(q, positions, freq_factors, **rope)                         # (T, H, D)
+    kr = composites._np_rope(k, positions, freq_factors, **rope)                         # (T, Hkv, D)
+    return composites._np_attention(qr, kr, v, k_cache, v_cache, pos, scale=scale, window=window, softcap=softcap)
 
 
 def _rope_attention_cost(eqn, dims):
@@ -135,8 +119,9 @@ def _rope_attention_cost(eqn, dims):
     return flops, moved + S * row + T * row                   # cache rows read, new rows written
 
 
-register("rope_attention", shape=_rope_attention_shape, impl=_rope_attention_impl,
-         cost=_rope_attention_cost, kind="fused", multiple_results=True)
+rope_attention_p = register("rope_attention", shape=_rope_attention_shape, impl=_rope_attention_impl,
+                            cost=_rope_attention_cost, kind="fused", multiple_results=True, effects=True,
+                            aliases={1: 3, 2: 4})
 
 
 # ---------------------------------------------------------------------------------------
@@ -145,7 +130,7 @@ register("rope_attention", shape=_rope_attention_shape, impl=_rope_attention_imp
 
 def _fused_shape(*in_avals, body, ops):
     for e in body.eqns:
-        if e.prim.kind not in FUSABLE_KINDS:
+        if not fusable(e):
             raise ShapeError(f"fused: body op {e.prim.name} is not elementwise or a last-axis reduction")
     expected = [v.aval for v in body.invars]
     if len(in_avals) != len(expected) or not all(Aval.__eq__(a, b) for a, b in zip(in_avals, expected)):
@@ -159,26 +144,12 @@ def _fused_shape(*in_avals, body, ops):
 def _fused_impl(*xs, body=None, ops=()):
     if body is None:
         raise TypeError("fused: the numpy rule needs the eqn's body (the interpreter passes body=eqn.body)")
-    env = dict(zip(body.invars, xs))
-    read = lambda a: a.value if isinstance(a, Literal) else env[a]                   # noqa: E731
-    for e in body.eqns:
-        out = impl_rules[e.prim](*[read(a) for a in e.inputs], **e.params)
-        env.update(zip(e.outputs, out if isinstance(out, tuple) else (out,)))
-    return tuple(read(o) for o in body.outvars)
+    return tuple(evaluate(body, xs, lambda e, vals: e.prim.impl(*vals, **e.params)))
 
 
 def _fused_cost(eqn, dims):
-    from ggraph.cost import eqn_cost
-    return sum(eqn_cost(e, dims)[0] for e in eqn.body.eqns), _io_bytes(eqn, dims)   # one pass over memory
+    return sum(e.cost(dims)[0] for e in eqn.body.eqns), io_bytes(eqn, dims)      # one pass over memory
 
 
-def _fused_print(eqn, names) -> str:
-    from ggraph.printing import op_label
-    outs = " ".join(names.decl(o) for o in eqn.outputs)
-    ins = " ".join(names[a] for a in eqn.inputs)
-    return f"{outs} = {op_label(eqn)} {ins}".rstrip()
-
-
-FUSED = register("fused", shape=_fused_shape, impl=_fused_impl, cost=_fused_cost, kind="fused",
-                 multiple_results=True)
-print_rules[FUSED] = _fused_print
+fused_p = register("fused", shape=_fused_shape, impl=_fused_impl, cost=_fused_cost, kind="fused",
+                   multiple_results=True)

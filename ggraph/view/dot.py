@@ -1,139 +1,15 @@
-"""Graphs as text (jaxpr-like), as networkx graphs, and as DOT.
+"""Graphs as networkx graphs and as DOT: what ``ggraph dump --format dot|png|svg`` draws.
 
-The text form is the user interface and the thing pass tests compare:
-
-    { lambda ; x:f32[T,256] g:f32[256]. let
-        # blk.0
-        w:q8_0[512,256] = param "blk.0.ffn_up.weight"
-        a:f32[T,256] = rms_norm[eps=1e-06] x g
-        ...
-      in (e) }
-
-Weights print as ``param`` lines just before their first use, scope changes print as
-comments, and composites print collapsed (one line) unless ``expand=True``.
+With ``layer=N`` there is one node per eqn of that layer; a whole model collapses to one box
+per layer (its op counts, weight bytes and types, the params that differ between layers,
+and the state it carries). Node labels and edge names are the printed text's.
 """
 from __future__ import annotations
 
-import itertools
 import re
 
-import numpy as np
-
-from ggraph.core import Eqn, Graph, Literal, Var, print_rules
-
-
-# ---------------------------------------------------------------------------------------
-# names
-# ---------------------------------------------------------------------------------------
-
-def _letters():
-    """a, b, ..., z, ba, bb, ... (jaxpr's scheme)."""
-    for n in itertools.count(1):
-        for t in itertools.product("abcdefghijklmnopqrstuvwxyz", repeat=n):
-            if n > 1 and t[0] == "a":
-                continue
-            yield "".join(t)
-
-
-class Names:
-    """Stable printing names: argument hints where unique, else fresh letters."""
-
-    def __init__(self):
-        self.names: dict[Var, str] = {}
-        self.used: set[str] = set()
-        self.fresh = _letters()
-
-    def __getitem__(self, v) -> str:
-        if isinstance(v, Literal):
-            return literal_str(v)
-        if v not in self.names:
-            name = v.hint if v.hint and v.hint not in self.used and re.fullmatch(r"[A-Za-z_]\w*", v.hint) else None
-            while name is None or name in self.used:
-                name = next(self.fresh)
-            self.names[v] = name
-            self.used.add(name)
-        return self.names[v]
-
-    def decl(self, v: Var) -> str:
-        return f"{self[v]}:{v.aval}"
-
-
-def literal_str(lit: Literal) -> str:
-    """Scalars print their value (shortest round-trip form of the f32); arrays print their aval."""
-    if lit.value.ndim == 0:
-        return str(lit.value.item()) if not lit.aval.dtype.is_float else str(np.float32(lit.value))
-    return f"const:{lit.aval}"
-
-
-def format_param(v) -> str:
-    if isinstance(v, float):
-        return str(np.float32(v)) if float(np.float32(v)) == v else repr(v)   # an f32 value prints short
-    if isinstance(v, (tuple, list)):
-        return "(" + ",".join(format_param(x) for x in v) + ")"
-    return str(v)
-
-
-def eqn_params(e: Eqn) -> str:
-    items = [(k, v) for k, v in e.params.items() if v is not None]
-    return "[" + ", ".join(f"{k}={format_param(v)}" for k, v in items) + "]" if items else ""
-
-
-def op_label(e: Eqn) -> str:
-    """The op as it prints: ``rms_norm[eps=1e-06]``, or ``fused{rms_norm,mul}`` for a fused loop."""
-    if e.prim.name == "fused":
-        return "fused{" + ",".join(e.params.get("ops", ())) + "}"
-    return e.prim.name + eqn_params(e)
-
-
-def eqn_to_str(e: Eqn, names: Names | None = None) -> str:
-    names = names or Names()
-    if e.prim in print_rules:
-        return print_rules[e.prim](e, names)
-    outs = " ".join(names.decl(o) for o in e.outputs)
-    ins = " ".join(names[a] for a in e.inputs)
-    return f"{outs} = {e.prim.name}{eqn_params(e)} {ins}".rstrip()
-
-
-# ---------------------------------------------------------------------------------------
-# text
-# ---------------------------------------------------------------------------------------
-
-def in_layer(scope: str, layer: int | None) -> bool:
-    if layer is None:
-        return True
-    head = f"blk.{layer}"
-    return scope == head or scope.startswith(head + ".")
-
-
-def graph_to_str(graph: Graph, expand: bool = False, layer: int | None = None, names: Names | None = None) -> str:
-    """The text form; pass ``names`` to reuse its printing names afterwards (e.g. for a memory plan)."""
-    names = Names() if names is None else names
-    lines: list[str] = []
-    _emit_graph(graph, names, lines, indent="", expand=expand, layer=layer)
-    return "\n".join(lines)
-
-
-def _emit_graph(graph: Graph, names: Names, lines: list[str], indent: str, expand: bool, layer: int | None):
-    ins = " ".join(names.decl(v) for v in graph.invars)
-    lines.append(f"{indent}{{ lambda ; {ins}. let")
-    params = set(graph.params)
-    printed: set[Var] = set()
-    scope = ""
-    for e in graph.eqns:
-        if not in_layer(e.scope, layer):
-            continue
-        if e.scope != scope:
-            scope = e.scope
-            lines.append(f"{indent}    # {scope or '(top)'}")
-        for a in e.inputs:
-            if a in params and a not in printed:
-                printed.add(a)
-                lines.append(f'{indent}    {names.decl(a)} = param "{a.aval.source}"')
-        lines.append(f"{indent}    {eqn_to_str(e, names)}")
-        if expand and e.body is not None:
-            _emit_graph(e.body, names, lines, indent + "      ", expand, None)
-    outs = " ".join(names[o] for o in graph.outvars)
-    lines.append(f"{indent}  in ({outs}) }}")
+from ggraph.ir.graph import Eqn, Graph, Names, Var, format_param, graph_to_str, in_layer, op_label
+from ggraph.units import fmt_bytes
 
 
 # ---------------------------------------------------------------------------------------
@@ -192,7 +68,7 @@ def _wrap(label: str, width: int = 40) -> str:
 
 def _value_label(names: Names, v) -> str:
     """``name:dtype[shape] bytes``, bytes with every symbol bound to 1."""
-    return f"{names.decl(v)} {_fmt_bytes(v.aval.nbytes(_default_dims(v.aval)))}"
+    return f"{names.decl(v)} {fmt_bytes(v.aval.nbytes(_default_dims(v.aval)))}"
 
 
 def _eqn_view(graph: Graph, layer: int | None):
@@ -321,7 +197,7 @@ def _group_label(grp: str, eqns: list[Eqn], graph: Graph, varying: list[str], ca
     weights = {a: None for e in eqns for a in e.inputs if a in params}
     wbytes = sum(w.aval.nbytes() for w in weights)
     wtypes = sorted({str(w.aval.dtype) for w in weights})
-    lines = [f"{grp}: {len(eqns)} ops" + (f", weights {_fmt_bytes(wbytes)} ({' '.join(wtypes)})" if weights else ""),
+    lines = [f"{grp}: {len(eqns)} ops" + (f", weights {fmt_bytes(wbytes)} ({' '.join(wtypes)})" if weights else ""),
              ", ".join(f"{n} {op}" for op, n in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))]
     lines += varying
     if carried:
@@ -332,14 +208,6 @@ def _group_label(grp: str, eqns: list[Eqn], graph: Graph, varying: list[str], ca
 
 def _default_dims(aval) -> dict[str, int]:
     return {s: 1 for s in aval.symbols}
-
-
-def _fmt_bytes(n: int) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if n < 1024 or unit == "GB":
-            return f"{n:.0f}{unit}" if unit == "B" else f"{n:.1f}{unit}"
-        n /= 1024
-    return f"{n}B"
 
 
 def _dot_quote(s: str) -> str:

@@ -3,7 +3,7 @@
     draw(graph, "layer3.png", layer=3)      # one layer: one box per eqn
     draw(graph, "model.svg")                # a whole model: one box per layer
 
-Both renderers draw the networkx model the DOT text is made from (``printing.graph_to_networkx``):
+Both renderers draw the networkx model the DOT text is made from (``ggraph.view.dot.graph_to_networkx``):
 nodes coloured by op kind, fused kernels outlined, edges labelled with value, dtype, shape
 and bytes. The matplotlib layout is a small Sugiyama layout: rows by longest path, long edges
 routed through invisible points, rows ordered by barycentre to cut crossings, and x pulled
@@ -16,7 +16,8 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from ggraph.core import Graph
+from ggraph.ir.graph import Graph
+from ggraph.view.dot import EDGE_NOTE, FUSED_COLOUR, KIND_COLOURS, graph_to_dot, graph_to_networkx
 
 FORMATS = ("png", "svg")
 
@@ -37,7 +38,7 @@ def draw(graph: Graph, path, layer: int | None = None, fmt: str | None = None) -
         raise ValueError(f"draw: format must be one of {', '.join(FORMATS)}, got {fmt!r}")
     dot = shutil.which("dot")
     if dot:
-        done = subprocess.run([dot, f"-T{fmt}", "-o", str(path)], input=graph.to_dot(layer=layer).encode(),
+        done = subprocess.run([dot, f"-T{fmt}", "-o", str(path)], input=graph_to_dot(graph, layer=layer).encode(),
                               capture_output=True)
         if done.returncode:
             raise ValueError(f"graphviz dot failed ({done.returncode}): {done.stderr.decode().strip()}")
@@ -237,7 +238,7 @@ def _ports(g, x: dict, routes: dict, widths: dict) -> dict:
 def draw_matplotlib(graph: Graph, path, layer: int | None, fmt: str) -> None:
     """Lay out and draw the graph with matplotlib's object API (no pyplot, no global backend change)."""
     from matplotlib.figure import Figure
-    g = graph.to_networkx(layer=layer)
+    g = graph_to_networkx(graph, layer=layer)
     lay = layout(g)
     fig = Figure(figsize=(lay.width, lay.height))
     ax = fig.add_axes((0, 0, 1, 1))
@@ -264,7 +265,6 @@ def _curve(points: list[tuple[float, float]]):
 def _draw_header(ax, g, lay: Layout) -> None:
     """The title, and a legend of the colours and outlines this picture uses."""
     from matplotlib.patches import Patch
-    from ggraph.printing import EDGE_NOTE, FUSED_COLOUR, KIND_COLOURS
     ax.text(MARGIN, 0.12, f"{g.graph.get('title', '')}    ({EDGE_NOTE})", fontsize=8, va="top", ha="left")
     kinds = list(dict.fromkeys(g.nodes[n]["kind"] for n in lay.boxes))
     handles = [Patch(facecolor=KIND_COLOURS.get(k, "#ffffff"), edgecolor="#444444", lw=0.6,
@@ -291,7 +291,6 @@ def _draw_edges(ax, lay: Layout) -> None:
 def _draw_nodes(ax, g, lay: Layout) -> None:
     """Boxes filled by op kind; fused kernels outlined, values from outside the view dashed."""
     from matplotlib.patches import FancyBboxPatch
-    from ggraph.printing import FUSED_COLOUR, KIND_COLOURS
     for n, (x0, y0, w, h) in lay.boxes.items():
         d = g.nodes[n]
         fused = d.get("fused")

@@ -1,0 +1,199 @@
+"""The state of lowering one graph: buffers, where each value lives, the kernel calls, the kernels.
+
+A lowering rule (``lowerings.py``, one per primitive, in ``LOWERINGS``) looks up where its
+operands live (``ref``), gets or aliases memory for its outputs (``output``, ``alias``),
+asks for the kernels it needs (``kernel``) and appends calls (``call``). A call's pointer
+arguments are (buffer, byte offset) references; its dims are ints or symbolic
+expressions over the program's runtime dims T and P.
+
+Kernels are keyed by signature: ``kernel(emitter, *args)`` names the kernel(s)
+``emitter(module, *args)`` builds, and each distinct (emitter, args) is one unit, built
+once per program however many eqns call it, and its object code cached on disk.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import numpy as np
+
+from ggraph.ir.dims import Sym, eval_dim, product
+from ggraph.ir.dtypes import Aval, DimAval
+from ggraph.ir.graph import Eqn, Graph, Literal, Var
+from ggraph.ir.primitive import Primitive
+from ggraph.backends.llvm import jit
+from ggraph.backends.llvm.target import Target
+
+SYMBOLS = ("T", "P")               # the runtime dims a program takes
+
+
+@dataclasses.dataclass(frozen=True)
+class Bytes:
+    """A buffer's size in bytes at given dims: ``kind`` with its arguments (picklable, unlike a lambda).
+
+    "fixed" (n) · "aval" (aval) · "plan" (the memory plan's size polynomials) · "act" (fmt, rows, K)
+    """
+    kind: str
+    args: tuple
+
+    def __call__(self, dims: dict) -> int:
+        if self.kind == "fixed":
+            return self.args[0]
+        if self.kind == "aval":
+            return self.args[0].nbytes(dims)
+        if self.kind == "plan":
+            from ggraph.passes.plan_memory import size_bytes
+            return size_bytes(self.args[0], dims)
+        if self.kind == "act":
+            from ggraph.backends.llvm.kernels import act_bytes
+            fmt, R, K = self.args
+            return act_bytes(fmt, eval_dim(R, dims), K)
+        raise ValueError(f"unknown size kind {self.kind!r}")
+
+
+@dataclasses.dataclass
+class Buffer:
+    """A memory region: a graph input, a weight, an activation, scratch, or a constant."""
+    kind: str                              # "input" | "param" | "act" | "scratch" | "const" | "dim" | ...
+    name: str
+    size: Bytes                            # bytes, given the dims
+    data: np.ndarray | None = None         # constants: their bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class Ref:
+    """A pointer argument: buffer ``buf`` plus a byte offset (a dim expression)."""
+    buf: int
+    offset: object = 0
+
+    def plus(self, extra) -> "Ref":
+        return self if extra == 0 else Ref(self.buf, extra if self.offset == 0 else self.offset + extra)
+
+
+@dataclasses.dataclass
+class Call:
+    kernel: str
+    args: tuple                            # Refs and dims (int | Sym), then ith/nth are appended
+    writes: frozenset                      # buffers this call writes; every other Ref is read
+    eqn: Eqn | None = None                 # the eqn it implements (for profiles)
+
+    @property
+    def reads(self) -> frozenset:
+        return frozenset(a.buf for a in self.args if isinstance(a, Ref)) - self.writes
+
+
+class LoweringError(NotImplementedError):
+    """The llvm backend cannot lower an op; the message names it."""
+
+
+class Lowering:
+    """State while lowering one graph: buffers, where each value lives, the calls and kernel units."""
+
+    def __init__(self, graph: Graph, target: Target):
+        self.graph, self.target = graph, target
+        self.buffers: list[Buffer] = []
+        self.where: dict[Var, Ref] = {}
+        self.calls: list[Call] = []
+        self.units: dict[str, jit.Unit] = {}
+        self.input_index: dict[Var, int] = {}
+        self.param_index: dict[Var, int] = {}
+        self._memo: dict = {}
+        self.current: Eqn | None = None
+        for v in graph.invars:
+            if isinstance(v.aval, DimAval):
+                if v.aval.symbol not in SYMBOLS:
+                    raise LoweringError(f"llvm backend: dim input {v.aval.symbol} (only {SYMBOLS} are runtime dims)")
+                self.where[v] = Ref(self._add(Buffer("dim", v.aval.symbol, Bytes("fixed", (4,)))))  # its value, as i32
+                continue
+            self.input_index[v] = self._add(Buffer("input", v.hint or f"in{len(self.buffers)}", aval_size(v.aval)))
+            self.where[v] = Ref(self.input_index[v])
+        for v in graph.params:
+            self.param_index[v] = self._add(Buffer("param", v.aval.source, aval_size(v.aval)))
+            self.where[v] = Ref(self.param_index[v])
+        self.plan = graph.meta.get("memory_plan")            # plan_memory's buffers, when it ran
+        self._plan_buffers: dict[int, int] = {}
+        self.checks: list[str] = []                           # what each status slot reports
+        self._status: int | None = None
+
+    def _add(self, buf: Buffer) -> int:
+        self.buffers.append(buf)
+        return len(self.buffers) - 1
+
+    # -- what lowering rules use -----------------------------------------------------
+    def ref(self, a) -> Ref:
+        """Where operand ``a`` lives (constants become const buffers)."""
+        if isinstance(a, Literal):
+            data = np.ascontiguousarray(a.value)
+            return Ref(self._add(Buffer("const", f"const{len(self.buffers)}", Bytes("fixed", (data.nbytes,)),
+                                        data.view(np.uint8).reshape(-1))))
+        return self.where[a]
+
+    def output(self, v: Var) -> Ref:
+        """Memory for ``v``: its buffer in the memory plan, or a buffer of its own for a value the plan
+        does not cover (there is no plan, or ``v`` lives inside a composite lowered by its body)."""
+        if self.plan is None or v not in self.plan.buffer_of:
+            r = Ref(self._add(Buffer("act", f"v{v.id}", aval_size(v.aval))))
+        else:
+            b = self.plan.buffer_of[v]
+            if b not in self._plan_buffers:
+                self._plan_buffers[b] = self._add(Buffer("act", f"buf{b}", Bytes("plan", (self.plan.sizes[b],))))
+            r = Ref(self._plan_buffers[b])
+        self.where[v] = r
+        return r
+
+    def alias(self, v: Var, r: Ref) -> None:
+        """``v`` is a view of existing memory (reshape, a leading-axis slice, an in-place op)."""
+        self.where[v] = r
+
+    def scratch(self, size: Bytes, name: str) -> Ref:
+        return Ref(self._add(Buffer("scratch", name, size)))
+
+    def status(self, message: str) -> Ref:
+        """A status slot (i64 {flag, value}) a kernel sets on bad input; the run raises ``message``
+        (with ``{id}`` filled in from the value) when it is set."""
+        if self._status is None:
+            self._status = self._add(Buffer("status", "status", Bytes("fixed", (0,))))
+        self.checks.append(message)
+        self.buffers[self._status].size = Bytes("fixed", (16 * len(self.checks),))
+        return Ref(self._status, 16 * (len(self.checks) - 1))
+
+    def kernel(self, emitter: Callable, *args):
+        """The name of the kernel ``emitter(module, *args)`` builds (a tuple if it builds several)."""
+        unit = jit.unit(emitter, args, self.target, self.units)
+        return unit.names[0] if len(unit.names) == 1 else unit.names
+
+    def call(self, kernel: str, *args, writes=()) -> None:
+        """Append a kernel call; ``writes`` are the Refs it writes (the rest it only reads)."""
+        self.calls.append(Call(kernel, tuple(args), frozenset(r.buf for r in writes), self.current))
+
+    def memo(self, key, value=None):
+        """Remember a lowering product (e.g. quantised activations) for reuse by later eqns."""
+        if value is not None:
+            self._memo[key] = value
+        return self._memo.get(key)
+
+
+LOWERINGS: dict[Primitive, Callable[[Lowering, Eqn], None]] = {}
+
+
+def lowering(*prims: Primitive):
+    """Register a lowering rule for the primitives ``prims``."""
+    def wrap(fn):
+        for p in prims:
+            LOWERINGS[p] = fn
+        return fn
+    return wrap
+
+
+def aval_size(aval: Aval) -> Bytes:
+    return Bytes("aval", (aval,))
+
+
+def rows(aval: Aval):
+    """The product of all but the last dim (a dim expression)."""
+    return product(aval.shape[:-1])
+
+
+def symbol_args(*avals) -> list[Sym]:
+    """The i64 size arguments of a kernel over ``avals``: each symbol in the shapes, sorted by name."""
+    return [Sym(n) for n in sorted({s for a in avals for s in a.symbols})]

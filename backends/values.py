@@ -1,0 +1,144 @@
+"""What callers hand a compiled program, checked the same way for every backend.
+
+Inputs are numpy arrays (quantised ones as their uint8 block bytes, which become
+``Blocks``), weights come from a GGUFFile (views of its mmap) or a ``{name: array}``
+mapping. Every check names the input or weight: its dtype, its shape, its byte size.
+``Program`` gives both backends one calling convention:
+
+    fn = ggraph.compile(graph, backend="llvm", weights=w)
+    y = fn(x)                  # the graph's non-weight arguments; weights come from `w`
+    y = fn(x, w0, w1)          # or every argument, as traced (None keeps a bound weight)
+    outs = fn.run_inputs([x])  # the graph's inputs in order, flat outputs
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ggraph.ir import dtypes
+from ggraph.ir.dims import Sym
+from ggraph.ir.dtypes import DimAval
+from ggraph.ir.graph import Graph, Var
+from ggraph.ir.prims import Blocks
+from ggraph.ir.trace import tree_flatten, tree_unflatten
+
+
+def bind_symbols(graph: Graph, values: dict[Var, object]) -> dict[str, int]:
+    """Symbol values from dim inputs and from input shapes; mismatches name the input."""
+    env: dict[str, int] = {}
+    for v in graph.invars:
+        if isinstance(v.aval, DimAval):
+            env[v.aval.symbol] = int(values[v])
+    for v in graph.invars:
+        shape = _logical_shape(values[v])
+        for d, n in zip(v.aval.shape, shape):
+            if isinstance(d, Sym) and len(d.terms) == 1 and d.terms[0][1] == 1 and d.const == 0:
+                env.setdefault(d.terms[0][0], n)
+    for v in graph.invars:
+        want = v.aval.concrete(env)
+        got = _logical_shape(values[v])
+        if want != got:
+            raise ValueError(f"input {v.hint or v}: expected shape {v.aval} = {want}, got {got}")
+    return env
+
+
+def _logical_shape(x) -> tuple:
+    return x.shape if isinstance(x, (np.ndarray, Blocks)) else ()
+
+
+def as_value(aval, x, what: str = "input"):
+    """Check and convert a caller's array for a value of ``aval`` (quantised and bf16 -> Blocks)."""
+    dt = aval.dtype
+    x = np.asarray(x)
+    if dt.np_dtype is None:                         # block types and bf16: raw bytes
+        if x.dtype == np.uint16 and dt is dtypes.bf16:
+            x = x.view(np.uint8)
+        if x.dtype != np.uint8:
+            raise TypeError(f"{what}: a {dt} value ({aval}) must be its uint8 block bytes, got {x.dtype}")
+        return _blocks(aval, x, what)
+    if x.dtype != dt.np_dtype:
+        if dt.is_float and x.dtype.kind == "f" or dt in (dtypes.i32, dtypes.i8) and x.dtype.kind in "iu":
+            x = x.astype(dt.np_dtype)
+        else:
+            raise TypeError(f"{what}: expected {dt} data for {aval}, got {x.dtype}")
+    static = all(isinstance(d, int) for d in aval.shape)
+    if static and x.shape != aval.shape:
+        raise ValueError(f"{what}: expected shape {aval} = {aval.shape}, got {x.shape}")
+    return x
+
+
+def weight_value(aval, weights):
+    """A weight's value, checked against its aval: a view of its tensor in a GGUFFile's mmap,
+    or the array a ``{name: array}`` mapping holds under its source name."""
+    src = aval.source
+    what = f"weight {src!r}"
+    if hasattr(weights, "tensors"):
+        if src not in weights.tensors:
+            raise KeyError(f"{what} is not in {getattr(weights, 'path', 'the file')}")
+        t = weights.tensors[src]
+        if t.dtype is not aval.dtype:
+            raise TypeError(f"{what}: the graph reads it as {aval} but the file stores {t.dtype}")
+        if tuple(t.shape) != aval.shape:
+            raise ValueError(f"{what}: the graph reads it as {aval} but the file's tensor is "
+                             f"[{','.join(map(str, t.shape))}]")
+        data = t.data.view(t.dtype.np_dtype).reshape(t.shape) if t.dtype.np_dtype is not None else t.data
+    else:
+        if src not in weights:
+            raise KeyError(f"{what} is not in the weights given ({len(weights)} arrays)")
+        data = weights[src]
+    return as_value(aval, data, what)
+
+
+def _blocks(aval, x: np.ndarray, what: str) -> Blocks:
+    shape = aval.shape
+    if any(not isinstance(d, int) for d in shape):
+        raise ValueError(f"{what}: a quantised value must have a static shape, not {aval}")
+    want = aval.dtype.nbytes(shape)
+    if x.nbytes != want:
+        raise ValueError(f"{what}: expected {want} bytes of {aval.dtype} blocks for {aval}, got {x.nbytes}")
+    n_rows = math.prod(shape[:-1]) if len(shape) > 1 else 1
+    return Blocks(x.reshape(n_rows, -1), aval.dtype, shape)
+
+
+class Program:
+    """The calling convention both backends share; subclasses give ``run(values)`` and ``bind(var, value)``."""
+
+    graph: Graph
+    bound: set                                   # param vars that have a weight
+
+    def __call__(self, *args):
+        g = self.graph
+        leaves, _ = tree_flatten(list(args))
+        plain = [v for v in g.args if v not in g.params]
+        if len(leaves) == len(g.args):
+            pairs = list(zip(g.args, leaves))
+        elif len(leaves) == len(plain) and all(v in self.bound for v in g.params):
+            pairs = list(zip(plain, leaves))       # the weights given at compile time stay bound
+        else:
+            raise TypeError(f"{g.name or 'graph'} takes {len(g.args)} array arguments"
+                            + (f" (or {len(plain)} without the weights bound at compile time)" if g.params else "")
+                            + f", got {len(leaves)}")
+        values = {}
+        for v, x in pairs:
+            if v in g.params:
+                if x is not None:
+                    self.bind(v, as_value(v.aval, x, f"weight {v.aval.source!r}"))
+                elif v not in self.bound:
+                    raise KeyError(f"no value for weight {v.aval.source!r}")
+            else:
+                values[v] = as_value(v.aval, x, f"input {v.hint or g.invars.index(v)}")
+        outs = self.run(values)
+        return tree_unflatten(g.out_tree, outs) if g.out_tree is not None else outs
+
+    def run_inputs(self, inputs: list) -> list:
+        """Run with the graph's non-weight inputs in order; weights come from ``bind_weights``."""
+        g = self.graph
+        if len(inputs) != len(g.invars):
+            raise TypeError(f"{g.name or 'graph'} has {len(g.invars)} inputs, got {len(inputs)}")
+        return self.run({v: as_value(v.aval, x, f"input {v.hint or i}") for i, (v, x) in enumerate(zip(g.invars, inputs))})
+
+    def bind_weights(self, weights) -> None:
+        """Bind every param by its source name from a GGUFFile or a {name: array} mapping."""
+        for v in self.graph.params:
+            self.bind(v, weight_value(v.aval, weights))

@@ -1,0 +1,59 @@
+"""The ``ggraph`` command line: one module per verb, each with ``add_parser`` and its command.
+
+    inspect   a GGUF file's metadata and tensors         run     generate text
+    dump      the graph after the passes, explained      diff    two pipelines compared
+    bench     prefill/decode speed, llama.cpp beside     target  the CPU and its kernels
+
+Every verb takes ``--plugin FILE.py``; plugins load before the command runs.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from ggraph.cli import bench, diff, dump, inspect, run, target
+from ggraph.cli.common import plugin_parent
+
+VERBS = (inspect, run, dump, diff, bench, target)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="ggraph",
+        description="ggraph: trace, fuse and run LLMs from GGUF files on CPUs.",
+        epilog="Run 'ggraph COMMAND --help' for each command's options.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    parents = [plugin_parent()]
+    for verb in VERBS:
+        verb.add_parser(sub, parents)
+    return parser
+
+
+def main(argv=None) -> int:
+    from ggraph import plugins
+    from ggraph.passes import PassError
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "fn", None):
+        parser.print_help()
+        return 2
+    try:
+        plugins.load_defaults()
+        for path in args.plugin:
+            plugins.load_file(path)
+        return args.fn(args)
+    except BrokenPipeError:                     # `ggraph inspect x | head` is fine
+        sys.stdout = open(os.devnull, "w")
+        return 0
+    except (OSError, ValueError, KeyError, IndexError, TypeError, NotImplementedError, PassError,
+            plugins.PluginError) as e:          # the user's input, not our bug
+        msg = e.args[0] if isinstance(e, KeyError) and e.args else e
+        print(f"ggraph {args.command}: error: {msg}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,98 @@
+"""``ggraph diff``: two pipelines run on the numpy backend and compared layer by layer.
+
+    ggraph diff model.gguf --passes default --vs none --prompt "Hello"
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ggraph.cli.common import add_model_arg, model_path, passes_arg, pipeline_names
+
+DEFAULT_PROMPT = "The quick brown fox jumps over the lazy dog"
+
+
+
+def layer_outputs(graph, n_layer: int) -> list:
+    """The residual stream after each block: the first output of the last eqn in scope blk.i."""
+    from ggraph.ir.graph import in_layer
+    outs = []
+    for i in range(n_layer):
+        last = [e for e in graph.eqns if in_layer(e.scope, i)]
+        if not last:
+            raise ValueError(f"diff: the graph has no eqns in scope blk.{i}")
+        outs.append(last[-1].outputs[0])
+    return outs
+
+
+def run_marked(model, graph, ctx: int, passes, disabled, tokens) -> list[np.ndarray]:
+    """Compile ``graph`` with ``passes`` on the numpy backend and run it on ``tokens`` from an empty cache."""
+    from ggraph.compiler import compile_graph
+    prog = compile_graph(graph, passes=passes, disabled=disabled, weights=model.file)
+    kshape, vshape = model.kv_shapes(ctx)
+    n = model.config.n_layer
+    caches = [np.zeros(kshape, np.float32) for _ in range(n)] + [np.zeros(vshape, np.float32) for _ in range(n)]
+    return prog.run_inputs([np.asarray(tokens, np.int32), np.int32(0), *caches])
+
+
+def compare(a: np.ndarray, b: np.ndarray) -> tuple[float, float]:
+    """(max |a-b| / max |b|, cosine of a and b), in float64."""
+    a, b = a.astype(np.float64).ravel(), b.astype(np.float64).ravel()
+    rel = float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30))
+    cos = float(a @ b / max(np.linalg.norm(a) * np.linalg.norm(b), 1e-300))
+    return rel, cos
+
+
+def _tokens(args, model) -> list[int]:
+    if args.tokens:
+        try:
+            ids = [int(t) for t in args.tokens.split(",") if t.strip()]
+        except ValueError:
+            raise ValueError(f"--tokens must be comma-separated integers, got {args.tokens!r}") from None
+    else:
+        from ggraph.runtime.tokenizer import Tokenizer
+        ids = Tokenizer.from_metadata(model.file.metadata).encode(args.prompt or DEFAULT_PROMPT)
+    bad = [t for t in ids if not 0 <= t < model.config.n_vocab]
+    if not ids or bad:
+        raise ValueError(f"diff: need token ids in [0, {model.config.n_vocab}); got {ids if not ids else bad}")
+    return ids
+
+
+def cmd_diff(args) -> int:
+    """Run two pipelines on the numpy backend and print the max relative error per layer and for the logits."""
+    from ggraph.models import load
+    for text in (args.passes, args.vs):
+        pipeline_names(args, text)                             # validate names before the slow part
+    model = load(model_path(args))
+    tokens = _tokens(args, model)
+    graph = model.graph(ctx=len(tokens))
+    n = model.config.n_layer
+    marked = graph.replace(outvars=graph.outvars + tuple(layer_outputs(graph, n)), out_tree=None)
+    runs = []
+    for text in (args.passes, args.vs):
+        outs = run_marked(model, marked, len(tokens), passes_arg(text), args.no_pass, tokens)
+        runs.append((outs[0], outs[len(outs) - n:]))
+    (logits_a, layers_a), (logits_b, layers_b) = runs
+    print(f"ggraph diff: --passes {args.passes} vs --vs {args.vs}, {len(tokens)} tokens, numpy backend")
+    print(f"  {'where':<8}{'max rel err':>14}{'cosine':>14}")
+    for i, (a, b) in enumerate(zip(layers_a, layers_b)):
+        rel, cos = compare(a, b)
+        print(f"  {'blk.' + str(i):<8}{rel:>14.3e}{cos:>14.8f}")
+    rel, cos = compare(logits_a, logits_b)
+    print(f"  {'logits':<8}{rel:>14.3e}{cos:>14.8f}")
+    same = (logits_a.argmax(-1) == logits_b.argmax(-1)).mean()
+    print(f"  top-1 token agrees at {100 * same:.0f}% of {len(tokens)} positions")
+    return 0
+
+
+def add_parser(sub, parents) -> None:
+    p = sub.add_parser("diff", help="compare two pipelines numerically, layer by layer",
+                       description=cmd_diff.__doc__, parents=parents,
+                       epilog="example: ggraph diff --demo --passes default --vs none --prompt 'Hello'")
+    add_model_arg(p)
+    p.add_argument("--passes", default="default", help="the pipeline to check (default: default)")
+    p.add_argument("--vs", default="none", help="the reference pipeline (default: none, the unfused graph)")
+    p.add_argument("--no-pass", action="append", default=[], metavar="NAME", help="switch off one pass in both")
+    what = p.add_mutually_exclusive_group()
+    what.add_argument("--prompt", help=f"text to run (default {DEFAULT_PROMPT!r})")
+    what.add_argument("--tokens", help="token ids to run, e.g. 2,818,5279")
+    p.set_defaults(fn=cmd_diff)

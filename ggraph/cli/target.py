@@ -1,0 +1,59 @@
+"""``ggraph target``: the host CPU as LLVM sees it, the feature sets it runs, the kernel of each op."""
+from __future__ import annotations
+
+import json
+import sys
+
+
+FEATURES_THAT_MATTER = ("sse4.1", "sse4.2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl",
+                        "avx512dq", "avx512vnni", "avxvnni", "amx-tile", "amx-int8", "neon", "dotprod")
+
+
+def target_report() -> dict:
+    """The host CPU as llvmlite sees it, the feature sets it runs, and the kernels of the chosen one."""
+    import os
+    import llvmlite
+    import llvmlite.binding as llvm
+    from ggraph.backends.llvm import target as T
+    feats = T.host_features()
+    chosen = T.host_target()
+    return {
+        "cpu": llvm.get_host_cpu_name(),
+        "llvmlite": llvmlite.__version__,
+        "llvm": ".".join(map(str, llvm.llvm_version_info)),
+        "features": {f: f in feats for f in FEATURES_THAT_MATTER},
+        "runnable": [t.name for t in T.runnable_targets()],
+        "chosen": chosen.name,
+        "forced": bool(os.environ.get("GGRAPH_TARGET")),
+        "kernels": T.describe(chosen),
+    }
+
+
+def cmd_target(args) -> int:
+    """Show the host CPU, the features that matter, and which kernel variant each op gets."""
+    info = target_report()
+    if args.json:
+        json.dump(info, sys.stdout, indent=1)
+        print()
+        return 0
+    print(f"host cpu: {info['cpu']} (as LLVM names it; ggraph trusts the feature map below)")
+    print(f"llvmlite {info['llvmlite']}, LLVM {info['llvm']}")
+    print("features: " + "  ".join(f"{k}{'+' if v else '-'}" for k, v in info["features"].items()))
+    print("note: AMX is never used (it crashes on these machines)" if info["features"]["amx-tile"] else "", end="")
+    print(f"\nfeature sets this host runs: {', '.join(info['runnable'])}")
+    print(f"chosen: {info['chosen']}" + (" (forced by GGRAPH_TARGET)" if info["forced"] else
+                                         " (best available; GGRAPH_TARGET=<set> forces one)"))
+    print("kernels:")
+    for op, variant in info["kernels"].items():
+        print(f"  {op:<20} {variant}")
+    return 0
+
+
+# ---------------------------------------------------------------------------------------
+
+
+def add_parser(sub, parents) -> None:
+    p = sub.add_parser("target", help="show the host CPU features and the chosen kernel set",
+                       description=cmd_target.__doc__, parents=parents)
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(fn=cmd_target)

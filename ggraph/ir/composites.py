@@ -1,0 +1,309 @@
+"""Composites: named regions that carry their decomposition into primitives, as StableHLO's do.
+
+A composite (rms_norm, softmax, silu, gelu_tanh, swiglu, rope, attention, or one a user
+registers with ``@composite``) is recorded as one eqn whose ``body`` is its traced
+decomposition. Passes inline the body (the unfused baseline, and any composite no kernel
+claims), fuse it whole (an elementwise or row-reduction composite becomes one fused
+loop), or replace it with a dedicated kernel (rope + attention). Each composite also has
+a direct numpy rule, so the decomposition itself is checked against it.
+
+    @composite("layer_norm", lambda x, w, b, *, eps: ...)        # the numpy rule
+    def layer_norm(x, w, b, *, eps):                              # the decomposition
+        mu = reduce_sum(x) * (1.0 / x.shape[-1])
+        ...
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ggraph.ir import methods  # noqa: F401  (Tracer operators, used by the decompositions)
+from ggraph.ir.dims import Sym, simplify
+from ggraph.ir.dtypes import Aval, DimAval, f32
+from ggraph.ir.primitive import ShapeError, register
+from ggraph.ir.prims import (cache_update, cast, concat, cos, exp, iota, less, matmul, neg, reduce_max,
+                             reduce_sum, reshape, rsqrt, sin, slice, tanh, transpose, where)
+from ggraph.ir.trace import Tracer, bind_composite, to_atom
+
+__all__ = ["composite", "rms_norm", "softmax", "silu", "gelu_tanh", "swiglu", "rope", "attention",
+           "rope_inv_freq", "to_tracer", "ROPE_STYLES"]
+
+
+# ---------------------------------------------------------------------------------------
+# composites
+# ---------------------------------------------------------------------------------------
+
+def _composite_shape(*in_avals, body, **params):
+    expected = [v.aval for v in body.invars]
+    if len(in_avals) != len(expected) or not all(Aval.__eq__(a, b) for a, b in zip(in_avals, expected)):
+        raise ShapeError(f"operands {', '.join(map(str, in_avals))} do not match the body's inputs "
+                         f"{', '.join(map(str, expected))}")
+    return tuple(o.aval for o in body.outvars)
+
+
+def composite(name: str, numpy_rule, **rules):
+    """Register a composite primitive whose decomposition is the decorated function.
+
+    ``numpy_rule(*arrays, **params)`` states the same computation directly (the numpy backend
+    runs it, and tests check the decomposition against it); ``rules`` are further Primitive
+    rules (a cost rule, say). The decorated function returns the op to call."""
+    def wrap(decomposition):
+        prim = register(name, shape=_composite_shape, impl=numpy_rule, kind="composite",
+                        decomposition=decomposition, doc=(decomposition.__doc__ or "").strip(), **rules)
+
+        def op(*operands, **params):
+            return bind_composite(prim, decomposition, operands, params)
+        op.__name__, op.__doc__ = decomposition.__name__, decomposition.__doc__
+        op.prim, op.decomposition = prim, decomposition
+        return op
+    return wrap
+
+
+# -- numpy rules (the independent statement of each composite) --------------------------
+
+def _np_rms_norm(x, w=None, *, eps):
+    y = x / np.sqrt(np.mean(x.astype(np.float64) ** 2, axis=-1, keepdims=True) + eps)
+    return (y if w is None else y * w).astype(np.float32)
+
+
+def _np_softmax(x):
+    e = np.exp(x - x.max(axis=-1, keepdims=True))
+    return (e / e.sum(axis=-1, keepdims=True)).astype(x.dtype)
+
+
+def _np_silu(x):
+    return (x / (1.0 + np.exp(-x.astype(np.float64)))).astype(np.float32)
+
+
+def _np_gelu_tanh(x, *, f16_table=False):
+    x64 = (x.astype(np.float16) if f16_table else x).astype(np.float64)
+    y = (0.5 * x64 * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (x64 + 0.044715 * x64 ** 3)))).astype(np.float32)
+    if f16_table:
+        y = np.where(x <= -10.0, 0.0, np.where(x >= 10.0, x, y.astype(np.float16).astype(np.float32)))
+    return y.astype(np.float32)
+
+
+def _np_swiglu(g, u):
+    return (_np_silu(g) * u).astype(np.float32)
+
+
+def rope_inv_freq(dims: int, base: float) -> np.ndarray:
+    """base^(-2i/dims) for i < dims/2, the per-pair rotation speed."""
+    return (base ** (-np.arange(0, dims, 2, dtype=np.float64) / dims)).astype(np.float32)
+
+
+def _np_rope(x, positions, freq_factors=None, *, dims, base, scale, style, mscale=1.0):
+    # x: (T, H, D); rotate the first `dims` dims of each head
+    inv = rope_inv_freq(dims, base).astype(np.float64)
+    if freq_factors is not None:
+        inv = inv / freq_factors
+    theta = positions.astype(np.float64)[:, None] * scale * inv[None, :]        # (T, dims/2)
+    c, s = mscale * np.cos(theta)[:, None, :], mscale * np.sin(theta)[:, None, :]   # (T, 1, dims/2)
+    xr = x[..., :dims].astype(np.float64)
+    if style == "neox":
+        a, b = xr[..., :dims // 2], xr[..., dims // 2:]
+        rot = np.concatenate([a * c - b * s, b * c + a * s], axis=-1)
+    else:
+        a, b = xr[..., 0::2], xr[..., 1::2]
+        rot = np.stack([a * c - b * s, a * s + b * c], axis=-1).reshape(xr.shape)
+    return np.concatenate([rot.astype(np.float32), x[..., dims:]], axis=-1)
+
+
+def _np_attention(q, k, v, k_cache=None, v_cache=None, pos=None, *, scale, window=None, softcap=None):
+    # q: (T, H, D)  k: (T, Hkv, D)  v: (T, Hkv, Dv)  caches: (C, Hkv, D|Dv)
+    T, H, _ = q.shape
+    p = 0
+    if k_cache is not None:
+        p = int(pos)
+        k_cache[p:p + T], v_cache[p:p + T] = k, v
+        k, v = k_cache[:p + T], v_cache[:p + T]
+    S, Hkv = k.shape[0], k.shape[1]
+    kh = np.repeat(k.transpose(1, 0, 2), H // Hkv, axis=0).astype(np.float64)   # (H, S, D)
+    vh = np.repeat(v.transpose(1, 0, 2), H // Hkv, axis=0).astype(np.float64)   # (H, S, Dv)
+    s = np.einsum("thd,hsd->hts", q.astype(np.float64), kh) * scale              # (H, T, S)
+    if softcap:
+        s = np.tanh(s / softcap) * softcap
+    qpos = p + np.arange(T)[:, None]
+    kpos = np.arange(S)[None, :]
+    masked = kpos > qpos
+    if window:
+        masked |= qpos - kpos >= window
+    s = np.where(masked[None], -np.inf, s)
+    w = np.exp(s - s.max(axis=-1, keepdims=True))
+    w /= w.sum(axis=-1, keepdims=True)
+    out = np.einsum("hts,hsd->thd", w, vh).astype(np.float32)                    # (T, H, Dv)
+    return (out, k_cache, v_cache) if k_cache is not None else out
+
+
+# -- decompositions ----------------------------------------------------------------------
+
+@composite("rms_norm", _np_rms_norm)
+def _rms_norm(x, w=None, *, eps):
+    """x / sqrt(mean(x²) + eps) · w over the last axis."""
+    n = x.shape[-1]
+    y = x * rsqrt(reduce_sum(x * x) * (1.0 / n) + eps)
+    return y if w is None else y * w
+
+
+def rms_norm(x, w=None, *, eps: float):
+    """RMS normalisation over the last axis, times the weight ``w`` if given."""
+    return _rms_norm(x, eps=float(eps)) if w is None else _rms_norm(x, w, eps=float(eps))
+
+
+@composite("softmax", _np_softmax)
+def softmax(x):
+    """exp(x - max x) / sum over the last axis."""
+    e = exp(x - reduce_max(x))
+    return e / reduce_sum(e)
+
+
+@composite("silu", _np_silu)
+def silu(x):
+    """x · sigmoid(x)."""
+    return x / (exp(neg(x)) + 1.0)
+
+
+@composite("gelu_tanh", _np_gelu_tanh)
+def _gelu_tanh(x, *, f16_table=False):
+    """0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³))); with f16_table, as ggml's CPU table computes it."""
+    xg = cast(cast(x, "f16"), "f32") if f16_table else x
+    inner = (xg + xg * xg * xg * 0.044715) * math.sqrt(2.0 / math.pi)
+    y = xg * (tanh(inner) + 1.0) * 0.5
+    if not f16_table:
+        return y
+    y = cast(cast(y, "f16"), "f32")
+    y = where(less(x, 10.0), y, x)                        # x >= 10: x
+    return where(less(-10.0, x), y, 0.0)                  # x <= -10: 0
+
+
+def gelu_tanh(x, *, f16_table: bool = False):
+    """The tanh approximation of GELU.
+
+    ``f16_table=True`` computes it as llama.cpp's CPU backend does: GELU of x rounded to
+    f16, the result rounded to f16, and exact 0 / x beyond ±10 (ggml reads a 65536-entry
+    f16 table). Models set it so their logits match llama.cpp's on the same file.
+    """
+    return _gelu_tanh(x, f16_table=True) if f16_table else _gelu_tanh(x)
+
+
+@composite("swiglu", _np_swiglu)
+def swiglu(g, u):
+    """silu(g) · u, the gated FFN activation."""
+    return silu(g) * u
+
+
+@composite("rope", _np_rope)
+def _rope(x, positions, freq_factors=None, *, dims, base, scale, style, mscale=1.0):
+    """Rotate pairs of the first ``dims`` dims of each head by position·base^(-2i/dims), times mscale."""
+    T, H, D = x.shape
+    half = dims // 2
+    inv = rope_inv_freq(dims, base)
+    freqs = to_tracer(inv) if freq_factors is None else to_tracer(inv) / freq_factors
+    theta = reshape(cast(positions, f32) * scale, (T, 1)) * freqs                 # (T, dims/2)
+    c = reshape(cos(theta) * mscale, (T, 1, half))
+    s = reshape(sin(theta) * mscale, (T, 1, half))
+    if style == "neox":
+        a, b = x[:, :, :half], x[:, :, half:dims]
+        parts = [a * c - b * s, b * c + a * s]
+    else:
+        pairs = reshape(x[:, :, :dims], (T, H, half, 2))
+        a = reshape(pairs[:, :, :, 0:1], (T, H, half))
+        b = reshape(pairs[:, :, :, 1:2], (T, H, half))
+        ra = reshape(a * c - b * s, (T, H, half, 1))
+        rb = reshape(a * s + b * c, (T, H, half, 1))
+        parts = [reshape(concat([ra, rb], axis=-1), (T, H, dims))]
+    if dims < D:
+        parts.append(x[:, :, dims:])
+    return concat(parts, axis=-1) if len(parts) > 1 else parts[0]
+
+
+ROPE_STYLES = ("neox", "interleaved")
+
+
+def rope(x, positions, *, base: float, dims: int | None = None, scale: float = 1.0,
+         style: str = "neox", freq_factors=None, mscale: float = 1.0):
+    """Rotary position embedding of x (T, H, D) at ``positions`` i32[T].
+
+    style "interleaved" rotates pairs (x[2i], x[2i+1]) (llama); "neox" rotates
+    (x[i], x[i+dims/2]) (qwen2, phi3, gemma). Only the first ``dims`` dims rotate.
+    ``freq_factors`` (phi3's rope_factors) divides each pair's frequency; ``scale``
+    multiplies positions (linear rope scaling); ``mscale`` multiplies cos and sin
+    (llama.cpp's rope attn_factor).
+    """
+    if style not in ROPE_STYLES:
+        raise ValueError(f"rope: style must be one of {ROPE_STYLES}, got {style!r}")
+    D = x.shape[-1]
+    dims = D if dims is None else int(dims)
+    if dims % 2 or not 0 < dims <= D:
+        raise ValueError(f"rope: rotary dims {dims} must be even and at most the head dim {D}")
+    params = dict(dims=dims, base=float(base), scale=float(scale), style=style)
+    if mscale != 1.0:
+        params["mscale"] = float(mscale)
+    if freq_factors is None:
+        return _rope(x, positions, **params)
+    return _rope(x, positions, freq_factors, **params)
+
+
+@composite("attention", _np_attention)
+def _attention(q, k, v, k_cache=None, v_cache=None, pos=None, *, scale, window=None, softcap=None):
+    """softmax(mask(softcap(q·kᵀ·scale)))·v over the cache, with GQA by head groups."""
+    T, H, D = q.shape
+    Hkv, Dv = k.shape[1], v.shape[2]
+    G = H // Hkv
+    if k_cache is not None:
+        k_cache = cache_update(k_cache, k, pos)
+        v_cache = cache_update(v_cache, v, pos)
+        P = Sym(pos.aval.symbol)
+        S = simplify(P + T)
+        k, v = slice(k_cache, 0, 0, S), slice(v_cache, 0, 0, S)                  # (S, Hkv, D)
+        qpos = iota(T) + pos                                                        # (T,)
+    else:
+        S = T
+        qpos = iota(T)
+    qg = reshape(transpose(reshape(q, (T, Hkv, G, D)), (1, 2, 0, 3)), (Hkv, G * T, D))
+    kt = transpose(k, (1, 0, 2))                                                    # (Hkv, S, D)
+    vt = transpose(v, (1, 2, 0))                                                    # (Hkv, Dv, S)
+    s = matmul(qg, kt) * scale                                                      # (Hkv, G*T, S)
+    if softcap:
+        s = tanh(s * (1.0 / softcap)) * softcap
+    kpos = iota(S)
+    qcol = reshape(qpos, (T, 1))
+    masked = less(qcol, kpos)                                                       # key after query
+    s = reshape(s, (Hkv, G, T, S))
+    s = where(masked, -np.inf, s)
+    if window:
+        s = where(less(kpos, qcol - (window - 1)), -np.inf, s)                   # key too far back
+    w = softmax(reshape(s, (Hkv, G * T, S)))
+    o = matmul(w, vt)                                                               # (Hkv, G*T, Dv)
+    out = reshape(transpose(reshape(o, (Hkv, G, T, Dv)), (2, 0, 1, 3)), (T, H, Dv))
+    return (out, k_cache, v_cache) if k_cache is not None else out
+
+
+rope_p, attention_p = _rope.prim, _attention.prim
+
+
+def attention(q, k, v, k_cache=None, v_cache=None, pos=None, *, scale: float,
+              window: int | None = None, softcap: float | None = None):
+    """Causal attention of q (T, H, D) over keys/values (T, Hkv, D), GQA when Hkv < H.
+
+    With a KV cache (C, Hkv, D) and ``pos`` (a ``dim("P")`` input), the new keys and
+    values are written at row P and attention runs over rows 0..P+T; returns
+    ``(out, k_cache, v_cache)``. ``window`` keeps only keys less than ``window``
+    positions back (sliding window); ``softcap`` applies c·tanh(s/c) to the scores.
+    """
+    H, Hkv = q.shape[1], k.shape[1]
+    if H % Hkv:
+        raise ShapeError(f"attention: {H} query heads are not a multiple of {Hkv} kv heads")
+    params = dict(scale=float(scale), window=int(window) if window else None,
+                  softcap=float(softcap) if softcap else None)
+    if k_cache is None:
+        return _attention(q, k, v, **params)
+    if pos is None or not isinstance(pos.aval, DimAval):
+        raise ShapeError("attention: a KV cache needs pos, a dim('P') input giving the past length")
+    return _attention(q, k, v, k_cache, v_cache, pos, **params)
+
+
+def to_tracer(x) -> Tracer:
+    """A numpy constant as an operand."""
+    return Tracer(to_atom(np.asarray(x, dtype=np.float32)))

@@ -1,0 +1,124 @@
+"""Primitives: one table entry per op kind, holding every rule about it.
+
+A ``Primitive`` is registered once, where the op is defined (``ggraph/ir/prims.py`` for
+primitives, ``composites.py`` for composites, ``fused.py`` for the fused ops), and carries:
+
+- ``shape(*in_avals, **params) -> Aval | tuple[Aval, ...]``    output avals; raise ShapeError
+- ``impl(*arrays, **params) -> ndarray | tuple``               the numpy reference
+- ``cost(eqn, dims) -> (flops, bytes)``                        for rooflines and ``Graph.cost``
+- ``print(eqn, names) -> str``                                 optional; the default form otherwise
+- ``kind``: elementwise | reduce | shape | matmul | memory | composite | fused | other
+- ``effects``: the op writes a donated operand (cse never merges two, fold never runs one)
+- ``aliases``: ``{output index: operand index}`` (or ``fn(eqn) -> dict``): outputs that are
+  an operand's storage, as a KV-cache update or a reshape view is
+- ``fold``: False keeps it out of constant folding (e.g. gathers from large tables)
+- ``in_place``: its kernel reads row r of every operand before writing row r of an output,
+  so an output may take a dying operand's buffer (the memory planner asks)
+- ``simplify``: algebraic rules ``rule(eqn, producer) -> Atom | Eqn | None`` that fold applies
+- ``emit(ev, *values)``: the llvm scalar emitter of an elementwise op or reduction's combine
+  (``ev`` is the backend's evaluator, values are LLVM registers of any width);
+  ``emit_vector`` is a faster emitter for vector widths, where one exists
+- ``reduce = (identity, combining primitive)`` for reductions over the last axis
+- ``decomposition``: a composite's body, as the function it is traced from
+
+Passes and backends ask these entries; none keeps a list of op names.
+"""
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+KINDS = ("elementwise", "reduce", "shape", "matmul", "memory", "composite", "fused", "other")
+
+
+class ShapeError(ValueError):
+    """A shape or dtype rule failed; the message names the op and the shapes involved."""
+
+
+class Primitive:
+    """An op kind and its rules (see the module docstring)."""
+
+    __slots__ = ("name", "kind", "multiple_results", "shape", "impl", "cost", "print", "effects", "aliases",
+                 "fold", "in_place", "simplify", "emit", "emit_vector", "reduce", "decomposition", "doc")
+
+    def __init__(self, name: str, *, shape: Callable, impl: Callable | None = None, cost: Callable | None = None,
+                 kind: str = "other", multiple_results: bool = False, print: Callable | None = None,
+                 effects: bool = False, aliases: dict | Callable = None, fold: bool = True,
+                 in_place: bool | None = None, simplify: Sequence[Callable] = (), emit: Callable | None = None,
+                 emit_vector: Callable | None = None, reduce: tuple | None = None,
+                 decomposition: Callable | None = None, doc: str = ""):
+        if kind not in KINDS:
+            raise ValueError(f"primitive {name!r}: kind must be one of {', '.join(KINDS)}, got {kind!r}")
+        self.name, self.kind, self.multiple_results = name, kind, multiple_results
+        self.shape, self.impl, self.cost, self.print = shape, impl, cost, print
+        self.effects = effects
+        self.aliases = aliases or {}
+        self.fold = fold and not effects
+        self.in_place = kind in ("elementwise", "fused") if in_place is None else in_place
+        self.simplify = tuple(simplify)
+        self.emit, self.emit_vector, self.reduce = emit, emit_vector, reduce
+        self.decomposition = decomposition
+        self.doc = doc
+
+    @property
+    def composite(self) -> bool:
+        return self.kind == "composite"
+
+    def __repr__(self):
+        return self.name
+
+
+primitives: dict[str, Primitive] = {}
+
+
+def register(name: str, **rules) -> Primitive:
+    """Make a primitive with its rules (the keyword arguments of ``Primitive``) and file it by name."""
+    if name in primitives:
+        raise ValueError(f"primitive {name!r} is already registered")
+    p = Primitive(name, **rules)
+    primitives[name] = p
+    return p
+
+
+def get_primitive(name: str) -> Primitive:
+    try:
+        return primitives[name]
+    except KeyError:
+        raise KeyError(f"unknown op {name!r}; known ops: {', '.join(sorted(primitives))}") from None
+
+
+def infer(prim: Primitive, in_avals: Sequence, params: dict) -> tuple:
+    """Run ``prim``'s shape rule; wrap failures so they name the op and its operand avals."""
+    try:
+        out = prim.shape(*in_avals, **params)
+    except ShapeError:
+        raise
+    except (ValueError, TypeError, IndexError) as e:
+        ops = ", ".join(str(a) for a in in_avals)
+        raise ShapeError(f"{prim.name}({ops}): {e}") from None
+    return tuple(out) if isinstance(out, (tuple, list)) else (out,)
+
+
+# -- questions passes and backends ask about an eqn -------------------------------------
+
+def fusable(e) -> bool:
+    """True if eqn ``e`` can run inside a fused row loop: an elementwise op, a last-axis reduction,
+    or a composite or fused eqn whose body holds only those."""
+    if e.body is not None:
+        return all(fusable(b) for b in e.body.eqns)
+    return e.prim.kind == "elementwise" or (e.prim.kind == "reduce" and e.prim.reduce is not None)
+
+
+def not_fusable(e) -> list[str]:
+    """The ops in ``e`` (or its body) that keep it out of a fused row loop, each once, in order."""
+    if e.body is None:
+        return [] if fusable(e) else [e.prim.name]
+    out: list[str] = []
+    for b in e.body.eqns:
+        out += [n for n in not_fusable(b) if n not in out]
+    return out
+
+
+def aliases(e) -> dict[int, int]:
+    """{output index: operand index} of ``e``'s outputs that are views of (or updates to) an operand."""
+    rule = e.prim.aliases
+    return dict(rule(e)) if callable(rule) else dict(rule)
