@@ -11,14 +11,16 @@ class Progress:
     """``with Progress(total, "label") as bar: bar.advance(n)``
 
     ``unit="B"`` shows byte counts; any other unit follows the counts ("3/40 kernels").
-    With ``delay`` the bar appears only once the work has taken that many seconds, so
-    quick work prints nothing."""
+    With ``delay`` the bar appears only once the work has taken that many seconds (counted
+    from ``start``, a ``time.perf_counter()`` value, when the work began earlier), so quick
+    work prints nothing."""
 
-    def __init__(self, total: float, label: str, unit: str = "", stream=None, width: int = 30, delay: float = 0.0):
+    def __init__(self, total: float, label: str, unit: str = "", stream=None, width: int = 30, delay: float = 0.0,
+                 start: float | None = None):
         self.total, self.label, self.unit, self.width = max(total, 1), label, unit, width
         self.stream = stream or sys.stderr
         self.done = 0.0
-        self.start = time.perf_counter()
+        self.start = time.perf_counter() if start is None else start      # the delay counts from here
         self.last = 0.0
         self.delay = delay
         self.shown = False

@@ -30,7 +30,7 @@ from ggraph.backends.llvm.target import Target
 from ggraph.backends.llvm.team import emit_barrier
 
 i32, i64, ptr = ir.IntType(32), ir.IntType(64), ir.PointerType()
-PROGRAM_SPEED_LEVEL = 1            # the program is a list of calls: O1 is all it needs, and it is quick
+PROGRAM_SPEED_LEVEL = 0            # the program is a list of calls: nothing to optimise, and O0 compiles in a blink
 
 
 @dataclasses.dataclass
@@ -62,12 +62,17 @@ def lower_eqn(lw: Lowering, e: Eqn) -> None:
                         f"{', '.join(sorted(p.name for p in LOWERINGS))} and any elementwise op with an emitter")
 
 
-def lower(graph: Graph, target: Target, profile: bool = False) -> ProgramSpec:
-    """Lower every eqn, then emit the program function that calls the kernels in order."""
-    lw = Lowering(graph, target)
+def lower(graph: Graph, target: Target, profile: bool = False, compiler: jit.Compiler | None = None,
+          progress=None) -> ProgramSpec:
+    """Lower every eqn, then emit the program function that calls the kernels in order; new kernels go
+    to ``compiler`` as they are built (without one they keep their IR, uncompiled). ``progress``
+    (a ``ggraph.progress.Progress``) advances once per eqn."""
+    lw = Lowering(graph, target, compiler)
     for e in graph.eqns:
         lw.current = None
         lower_eqn(lw, e)
+        if progress is not None:
+            progress.advance()
     outputs = [o if isinstance(o, Literal) else lw.where[o] for o in graph.outvars]
     if profile:                           # one i64 cycle stamp per call, plus the start
         lw._add(Buffer("profile", "cycles", Bytes("fixed", (8 * (len(lw.calls) + 1),))))

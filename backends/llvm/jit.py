@@ -7,8 +7,8 @@ A program is built from kernel *units*: ``unit(emitter, args, target, units)`` s
 the kernel(s) ``emitter(module, *args)`` emits. Its key hashes the emitter, its arguments
 (graphs by their signature), the target and the source of the code that emits kernels, so
 a unit seen before is read from the cache without building any IR; a new one is built into
-a module of its own. ``compile_units`` turns the new units into object code, several
-processes at a time when there are many, with a progress bar once it takes a second, and
+a module of its own. A ``Compiler`` turns new units into object code while lowering goes on,
+in worker processes when there are many, with a progress bar once it takes a second, and
 ``link`` loads the objects of a program together. The cache lives in $GGRAPH_CACHE, else
 ~/.cache/ggraph.
 """
@@ -43,7 +43,7 @@ _DEFINE = re.compile(r'^define\s+([^@]*)@"?([^"(\s]+)"?\s*\(', re.MULTILINE)
 _jit_lock = threading.Lock()
 _jit: list = []                    # the one LLJIT instance, created on first use
 _names = itertools.count()
-PARALLEL_MIN = 4                   # compile in worker processes from this many new units on
+PARALLEL_MIN = 4                   # compile in worker processes once this many new units wait
 
 
 def cache_key(ir_text: str, target: Target) -> str:
@@ -57,7 +57,7 @@ def cache_key(ir_text: str, target: Target) -> str:
 
 def optimize(module, target: Target, speed_level: int = 3) -> llvm.ModuleRef:
     """Parse, verify and run the O``speed_level`` pipeline (loop and SLP vectorisers on) for `target`."""
-    tm = target_machine(target)
+    tm = target_machine(target, speed_level)
     mod = llvm.parse_assembly(str(module))
     mod.triple = tm.triple
     mod.data_layout = str(tm.target_data)
@@ -76,8 +76,8 @@ def emit_assembly(module, target: Target) -> str:
 
 
 def emit_object(text: str, target: Target, speed_level: int = 3) -> bytes:
-    """Object code of IR text for `target` (the work a compile worker does)."""
-    return target_machine(target).emit_object(optimize(text, target, speed_level))
+    """Object code of IR text for `target` at O``speed_level`` (the work a compile worker does)."""
+    return target_machine(target, speed_level).emit_object(optimize(text, target, speed_level))
 
 
 def _store(path: Path, data: bytes) -> None:
@@ -146,8 +146,9 @@ class Unit:
         return cache_dir() / "kernels" / f"{self.key}.kernel"
 
 
-def unit(emitter, args: tuple, target: Target, units: dict) -> Unit:
-    """The unit of ``emitter(module, *args)`` for ``target``: from ``units``, the disk cache, or built now."""
+def unit(emitter, args: tuple, target: Target, units: dict, compiler: "Compiler | None" = None) -> Unit:
+    """The unit of ``emitter(module, *args)`` for ``target``: from ``units``, the disk cache, or built now
+    (and handed to ``compiler``, which compiles it while lowering goes on)."""
     h = hashlib.sha256(code_digest())
     h.update(repr((emitter.__module__, emitter.__qualname__, _key_part(args), _key_part(target))).encode())
     key = h.hexdigest()
@@ -159,6 +160,8 @@ def unit(emitter, args: tuple, target: Target, units: dict) -> Unit:
         out = emitter(module, *args)
         names = (out,) if isinstance(out, str) else tuple(out)
         found = Unit(key, names, text=str(module))
+        if compiler is not None:
+            compiler.submit(found)
     units[key] = found
     return found
 
@@ -176,63 +179,111 @@ def _cached_unit(key: str) -> Unit | None:
         return None
 
 
-def compile_units(units, target: Target, label: str = "compiling kernels") -> int:
-    """Give every unit still holding IR its object code (and cache it); returns how many were compiled."""
-    from ggraph.progress import Progress
-    todo = [u for u in units if u.object is None]
-    if not todo:
-        return 0
-    workers = min(os.cpu_count() or 1, len(todo) // PARALLEL_MIN)
-    with Progress(len(todo), label, unit=" kernels", stream=sys.stderr, delay=1.0) as bar:
-        if workers > 1:
-            for u, obj in _compile_in_workers(todo, target, workers):
-                _finish(u, obj)
-                bar.advance()
-        else:
-            for u in todo:
-                _finish(u, emit_object(u.text, target))
-                bar.advance()
-    return len(todo)
+class Compiler:
+    """Turns new kernel units into object code (and caches them): in this process when there are a
+    few, in one worker process per core once ``PARALLEL_MIN`` are waiting, so that LLVM compiles
+    while Python goes on lowering. ``finish`` waits for all of them, with a progress bar once it
+    has taken a second.
+
+        with Compiler(target) as c:
+            ...  jit.unit(..., compiler=c) ...
+            c.finish()
+    """
+
+    def __init__(self, target: Target, label: str = "compiling kernels"):
+        self.target, self.label = target, label
+        self.units: list[Unit] = []             # every unit submitted, in order
+        self.pending: list[int] = []            # indices of units not yet handed to a worker
+        self.workers: list[_Worker] | None = None
+        self.results: queue.Queue = queue.Queue()
+
+    def submit(self, u: Unit) -> None:
+        self.units.append(u)
+        self.pending.append(len(self.units) - 1)
+        cores = os.cpu_count() or 1
+        if self.workers is None and cores > 1 and len(self.pending) >= PARALLEL_MIN:
+            self.workers = [_Worker(self.target, i, self.results) for i in range(cores)]
+        if self.workers is not None:
+            for i in self.pending:
+                min(self.workers, key=lambda w: w.load).send(i, self.units[i])
+            self.pending = []
+
+    def finish(self, start: float | None = None) -> int:
+        """Wait for every submitted unit's object code; returns how many were compiled. The progress
+        bar shows once a second has passed since ``start`` (default: now)."""
+        from ggraph.progress import Progress
+        if not self.units:
+            return 0
+        with Progress(len(self.units), self.label, unit=" kernels", stream=sys.stderr, delay=1.0, start=start) as bar:
+            if self.workers is None:
+                for i in self.pending:
+                    _finish(self.units[i], emit_object(self.units[i].text, self.target))
+                    bar.advance()
+            else:
+                for _ in range(sum(w.sent for w in self.workers)):
+                    i, result = self.results.get()
+                    if i is None or isinstance(result, str):
+                        what = "a compile worker died" if i is None else f"kernel {self.units[i].names[0]}"
+                        raise RuntimeError(f"llvm backend: {what}: {result}")
+                    _finish(self.units[i], result)
+                    bar.advance()
+        self.pending = []
+        return len(self.units)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        for w in self.workers or ():
+            w.close()
 
 
-def _compile_in_workers(todo: list[Unit], target: Target, workers: int):
-    """Yield (unit, object code) as worker processes finish them; the biggest units are shared out first."""
-    shares: list[list[int]] = [[] for _ in range(workers)]
-    load = [0] * workers
-    for i in sorted(range(len(todo)), key=lambda i: -len(todo[i].text)):
-        w = load.index(min(load))
-        shares[w].append(i)
-        load[w] += len(todo[i].text)
-    done: queue.Queue = queue.Queue()
-    procs = []
-    for share in shares:
-        p = subprocess.Popen([sys.executable, "-m", "ggraph.backends.llvm.compile_worker"],
-                             stdin=subprocess.PIPE, stdout=subprocess.PIPE)
-        procs.append(p)
-        threading.Thread(target=_feed, args=(p, target, [(i, todo[i].text) for i in share], done),
-                         daemon=True).start()
-    try:
-        for _ in range(len(todo)):
-            i, result = done.get()
-            if i is None or isinstance(result, str):
-                what = "a compile worker died" if i is None else f"kernel {todo[i].names[0]}"
-                raise RuntimeError(f"llvm backend: {what}: {result}")
-            yield todo[i], result
-    finally:
-        for p in procs:
-            p.kill() if p.poll() is None else None
-            p.wait()
+class _Worker:
+    """One compile worker process (``compile_worker.py``), fed by a thread of its own so that sending
+    a big module never blocks the caller, and read by another that posts results."""
 
+    def __init__(self, target: Target, n: int, results: queue.Queue):
+        self.proc = subprocess.Popen([sys.executable, "-m", "ggraph.backends.llvm.compile_worker"],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        self.jobs: queue.Queue = queue.Queue()
+        self.load = self.sent = 0
+        self.jobs.put(target)
+        threading.Thread(target=self._write, daemon=True, name=f"ggraph-compile-send-{n}").start()
+        threading.Thread(target=self._read, args=(results,), daemon=True, name=f"ggraph-compile-recv-{n}").start()
 
-def _feed(p: subprocess.Popen, target: Target, jobs: list, done: queue.Queue) -> None:
-    """Send a worker its jobs and pass its answers on; a worker that dies early reports (None, why)."""
-    try:
-        pickle.dump((target, jobs), p.stdin, protocol=pickle.HIGHEST_PROTOCOL)
-        p.stdin.close()
-        for _ in jobs:
-            done.put(pickle.load(p.stdout))
-    except (EOFError, OSError, pickle.UnpicklingError) as e:
-        done.put((None, f"exit code {p.wait()} ({type(e).__name__})"))
+    def send(self, index: int, u: Unit) -> None:
+        self.load += len(u.text)
+        self.sent += 1
+        self.jobs.put((index, u.text))
+
+    def _write(self) -> None:
+        try:
+            while (job := self.jobs.get()) is not None:
+                pickle.dump(job, self.proc.stdin, protocol=pickle.HIGHEST_PROTOCOL)
+                self.proc.stdin.flush()
+            self.proc.stdin.close()
+        except OSError:
+            pass                                 # the reader reports the dead worker
+
+    def _read(self, results: queue.Queue) -> None:
+        try:
+            while True:
+                results.put(pickle.load(self.proc.stdout))
+        except EOFError:
+            pass
+        except (OSError, pickle.UnpicklingError) as e:
+            results.put((None, f"exit code {self.proc.poll()} ({type(e).__name__})"))
+            return
+        if self.proc.wait() != 0:
+            results.put((None, f"exit code {self.proc.returncode}"))
+
+    def close(self) -> None:
+        self.jobs.put(None)
+        try:
+            self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
 
 
 def _finish(u: Unit, obj: bytes) -> None:

@@ -89,8 +89,8 @@ class LoweringError(NotImplementedError):
 class Lowering:
     """State while lowering one graph: buffers, where each value lives, the calls and kernel units."""
 
-    def __init__(self, graph: Graph, target: Target):
-        self.graph, self.target = graph, target
+    def __init__(self, graph: Graph, target: Target, compiler: jit.Compiler | None = None):
+        self.graph, self.target, self.compiler = graph, target, compiler
         self.buffers: list[Buffer] = []
         self.where: dict[Var, Ref] = {}
         self.calls: list[Call] = []
@@ -159,7 +159,7 @@ class Lowering:
 
     def kernel(self, emitter: Callable, *args):
         """The name of the kernel ``emitter(module, *args)`` builds (a tuple if it builds several)."""
-        unit = jit.unit(emitter, args, self.target, self.units)
+        unit = jit.unit(emitter, args, self.target, self.units, self.compiler)
         return unit.names[0] if len(unit.names) == 1 else unit.names
 
     def call(self, kernel: str, *args, writes=()) -> None:

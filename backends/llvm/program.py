@@ -18,6 +18,7 @@ import functools
 import hashlib
 import os
 import pickle
+import sys
 import time
 from pathlib import Path
 
@@ -30,6 +31,7 @@ from ggraph.backends.llvm.team import PROGRAM_ARGS, Team
 from ggraph.backends.values import Program, bind_symbols
 from ggraph.ir.graph import Literal, Var
 from ggraph.ir.prims import Blocks
+from ggraph.progress import Progress
 
 ALIGN = 64
 _LOADED: dict[str, tuple[dict, list, jit.Library]] = {}     # program key -> (state, units, code) loaded here
@@ -44,8 +46,11 @@ def _load_or_build(graph, target, profile: bool):
         loaded = _load(path)
         from_cache = loaded is not None
         if loaded is None:
-            spec = lower(graph, target, profile)
-            jit.compile_units(spec.units, target)
+            t0 = time.perf_counter()
+            with jit.Compiler(target) as compiler:
+                with Progress(len(graph.eqns), "lowering", unit=" ops", stream=sys.stderr, delay=1.0) as bar:
+                    spec = lower(graph, target, profile, compiler, bar)
+                compiler.finish(start=t0)
             state = _spec_state(spec, graph, jit.emit_object(str(spec.module), target, PROGRAM_SPEED_LEVEL))
             jit._store(path, pickle.dumps(state, protocol=pickle.HIGHEST_PROTOCOL))
             loaded = state, spec.units

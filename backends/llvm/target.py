@@ -137,11 +137,11 @@ def init_llvm(cross: bool = False) -> None:
 
 
 @functools.cache
-def target_machine(target: Target) -> llvm.TargetMachine:
-    """An opt=3 TargetMachine for `target`: PIC, small code model (objects load anywhere)."""
+def target_machine(target: Target, opt: int = 3) -> llvm.TargetMachine:
+    """A TargetMachine for `target` at codegen level `opt`: PIC, small code model (objects load anywhere)."""
     init_llvm(not target.executable)
     return llvm.Target.from_triple(target.triple).create_target_machine(
-        cpu=target.cpu, features=target.features, opt=3, reloc="pic", codemodel="small")
+        cpu=target.cpu, features=target.features, opt=opt, reloc="pic", codemodel="small")
 
 
 def describe(target: Target) -> dict[str, str]:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import re
+import weakref
 from typing import Iterable, Sequence
 
 import numpy as np
@@ -117,7 +118,7 @@ class Eqn:
 class Graph:
     """invars and params in, eqns in order, outvars out. Immutable by convention: passes build new ones."""
 
-    __slots__ = ("invars", "params", "eqns", "outvars", "in_tree", "out_tree", "name", "args", "meta")
+    __slots__ = ("invars", "params", "eqns", "outvars", "in_tree", "out_tree", "name", "args", "meta", "__weakref__")
 
     def __init__(self, invars: Sequence[Var], params: Sequence[Var], eqns: Sequence[Eqn],
                  outvars: Sequence[Atom], in_tree=None, out_tree=None, name: str = "",
@@ -133,7 +134,7 @@ class Graph:
         self.meta = dict(meta or {})  # annotations passes attach, e.g. "memory_plan"
 
     def replace(self, **kw) -> "Graph":
-        fields = {k: getattr(self, k) for k in self.__slots__}
+        fields = {k: getattr(self, k) for k in self.__slots__ if k != "__weakref__"}
         fields.update(kw)
         return Graph(**fields)
 
@@ -228,6 +229,9 @@ class VerifyError(ValueError):
     """The graph is malformed; the message names the eqn."""
 
 
+_verified_bodies: "weakref.WeakSet[Graph]" = weakref.WeakSet()   # bodies are immutable: one check each
+
+
 def verify(graph: Graph) -> None:
     defined: set[Var] = set()
     for v in graph.invars + graph.params:
@@ -251,11 +255,12 @@ def verify(graph: Graph) -> None:
                               f"gives {', '.join(map(str, expected))}")
         if e.prim.composite and e.body is None:
             raise VerifyError(f"{where}: composite without a body")
-        if e.body is not None:
+        if e.body is not None and e.body not in _verified_bodies:
             try:
                 verify(e.body)
             except VerifyError as err:
                 raise VerifyError(f"{where}: body: {err}") from None
+            _verified_bodies.add(e.body)
         for o in e.outputs:
             if o in defined:
                 raise VerifyError(f"{where}: output {o} is defined twice")
