@@ -22,10 +22,10 @@ import numpy as np
 from llvmlite import ir
 
 from ggraph.ir.dims import Sym
-from ggraph.ir.graph import Eqn, Graph, Literal
+from ggraph.ir.graph import Graph, Literal
 from ggraph.backends.llvm import jit
-from ggraph.backends.llvm.lowering import (LOWERINGS, SYMBOLS, Buffer, Bytes, Call, Lowering, LoweringError,
-                                           Ref)
+from ggraph.backends.llvm.lowerings import lower_eqn
+from ggraph.backends.llvm.lowering import SYMBOLS, Buffer, Bytes, Call, Lowering, LoweringError, Ref
 from ggraph.backends.llvm.target import Target
 from ggraph.backends.llvm.team import emit_barrier
 
@@ -44,22 +44,6 @@ class ProgramSpec:
     units: list[jit.Unit]
     checks: list[str]                      # what each status slot reports when a kernel sets it
     name: str = "ggraph_program"
-
-
-def lower_eqn(lw: Lowering, e: Eqn) -> None:
-    """Lower one eqn by its primitive's rule, or by what the op table says of a primitive without one."""
-    from ggraph.backends.llvm import lowerings
-    lw.current = lw.current or e
-    rule = LOWERINGS.get(e.prim)
-    if rule is not None:
-        return rule(lw, e)
-    if lowerings.fused_loop(e):
-        return lowerings.lower_fused(lw, e)
-    if e.prim.composite:
-        return lowerings.lower_body(lw, e)
-    raise LoweringError(f"llvm backend: no lowering for op {e.prim.name!r} (at {e.scope or 'top'}): it is not "
-                        f"elementwise, a reduction or a composite, and has no rule; lowered ops: "
-                        f"{', '.join(sorted(p.name for p in LOWERINGS))} and any elementwise op with an emitter")
 
 
 def lower(graph: Graph, target: Target, profile: bool = False, compiler: jit.Compiler | None = None,

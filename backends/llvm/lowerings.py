@@ -1,4 +1,5 @@
-"""LLVM lowering rules, one per primitive that needs more than the op table says, in LOWERINGS.
+"""LLVM lowering rules, one per primitive that needs more than the op table says, in LOWERINGS,
+and ``lower_eqn``, which picks the rule for an eqn.
 
 A rule looks up where its operands live, gets or aliases memory for its outputs, asks for
 its kernels by signature (``lw.kernel``) and appends calls. Views (reshape, leading-axis
@@ -20,7 +21,7 @@ from ggraph.backends.llvm import kernels as K
 from ggraph.backends.llvm.kernels import attention as A
 from ggraph.backends.llvm.kernels import elementwise as E
 from ggraph.backends.llvm.kernels import generic_ops as G
-from ggraph.backends.llvm.lowering import Bytes, LoweringError, lowering, rows, symbol_args
+from ggraph.backends.llvm.lowering import LOWERINGS, Bytes, Lowering, LoweringError, lowering, rows, symbol_args
 
 
 @lowering(P.reshape_p)
@@ -70,6 +71,21 @@ def _qmatmul(lw, e):
     lw.call(lw.kernel(K.qmatmul, dt, Kdim, N, lw.target), lw.ref(w), xq, out, R, writes=(out,))
 
 
+def lower_eqn(lw: Lowering, e: Eqn) -> None:
+    """Lower one eqn by its primitive's rule, or by what the op table says of a primitive without one."""
+    lw.current = lw.current or e
+    rule = LOWERINGS.get(e.prim)
+    if rule is not None:
+        return rule(lw, e)
+    if fused_loop(e):
+        return lower_fused(lw, e)
+    if e.prim.composite:
+        return lower_body(lw, e)
+    raise LoweringError(f"llvm backend: no lowering for op {e.prim.name!r} (at {e.scope or 'top'}): it is not "
+                        f"elementwise, a reduction or a composite, and has no rule; lowered ops: "
+                        f"{', '.join(sorted(p.name for p in LOWERINGS))} and any elementwise op with an emitter")
+
+
 # -- fused loops: elementwise ops, reductions, fused eqns and elementwise composites ----------
 
 def fused_loop(e: Eqn) -> bool:
@@ -106,7 +122,6 @@ def lower_fused(lw, e: Eqn) -> None:
 
 def lower_body(lw, e: Eqn) -> None:
     """A composite with no kernel of its own: lower its body's eqns in its place."""
-    from ggraph.backends.llvm.codegen import lower_eqn
     for bv, a in zip(e.body.invars, e.inputs):
         lw.alias(bv, lw.ref(a))
     for b in e.body.eqns:

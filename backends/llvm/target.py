@@ -142,9 +142,3 @@ def target_machine(target: Target, opt: int = 3) -> llvm.TargetMachine:
     init_llvm(not target.executable)
     return llvm.Target.from_triple(target.triple).create_target_machine(
         cpu=target.cpu, features=target.features, opt=opt, reloc="pic", codemodel="small")
-
-
-def describe(target: Target) -> dict[str, str]:
-    """Which kernel variant each op gets on `target` (shown by `ggraph target`)."""
-    from ggraph.backends.llvm import kernels
-    return kernels.describe(target)

@@ -14,6 +14,7 @@ def target_report() -> dict:
     import os
     import llvmlite
     import llvmlite.binding as llvm
+    from ggraph.backends.llvm import kernels
     from ggraph.backends.llvm import target as T
     feats = T.host_features()
     chosen = T.host_target()
@@ -25,7 +26,7 @@ def target_report() -> dict:
         "runnable": [t.name for t in T.runnable_targets()],
         "chosen": chosen.name,
         "forced": bool(os.environ.get("GGRAPH_TARGET")),
-        "kernels": T.describe(chosen),
+        "kernels": kernels.describe(chosen),
     }
 
 
