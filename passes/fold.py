@@ -27,7 +27,7 @@ def _fold_constant(e: Eqn):
     out = e.outputs[0].aval
     if not all(isinstance(d, int) for d in out.shape) or out.dtype.np_dtype is None:
         return None
-    if int(np.prod(out.shape)) > FOLD_LIMIT:
+    if out.numel() > FOLD_LIMIT:
         skip(f"{e.prim.name} of constants left unfolded: {out} exceeds {FOLD_LIMIT} elements", e.scope)
         return None
     value = e.prim.impl(*[a.value for a in e.inputs], **e.params)

@@ -133,3 +133,37 @@ def test_cost_counts_matmul_flops():
     assert cost["matmul"]["flops"] == 2 * 4 * 256 * 512 * 2
     assert cost["dequant"]["bytes"] == 512 * 272 + 512 * 256 * 4
     assert cost["total"]["count"] == 6
+
+
+def test_the_public_api_after_a_bare_import():
+    import subprocess
+    import sys
+    code = ("import ggraph; ggraph.Session; ggraph.quants.quantize; ggraph.passes.PIPELINES; ggraph.draw.draw; "
+            "ggraph.gguf.GGUFFile; ggraph.models.register_architecture; import sys; "
+            "assert 'matplotlib' not in sys.modules and 'llvmlite' not in sys.modules, 'import ggraph stays light'")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_passes_and_backends_ask_the_op_table_not_op_names():
+    """No pass, lowering rule or interpreter names an op by a string: they ask the op table."""
+    import ast
+    import pathlib
+    from ggraph.ir import primitives
+    root = pathlib.Path(__file__).parent.parent
+    files = sorted((root / "passes").glob("*.py")) + [root / "backends" / f for f in (
+        "numpy_ref.py", "values.py", "llvm/lowering.py", "llvm/lowerings.py", "llvm/codegen.py", "llvm/program.py")]
+    for path in files:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str):
+                assert node.value not in primitives, f"{path.name}:{node.lineno} names op {node.value!r}"
+
+
+def test_every_elementwise_primitive_has_its_llvm_emitter_in_its_entry():
+    from ggraph.ir import Primitive, prims
+    shipped = [p for p in vars(prims).values() if isinstance(p, Primitive)]
+    assert len(shipped) >= 28
+    for p in shipped:
+        if p.kind == "elementwise":
+            assert p.emit is not None, p.name
+        if p.kind == "reduce":
+            assert p.reduce is not None and p.reduce[1].emit is not None, p.name

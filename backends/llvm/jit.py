@@ -80,7 +80,7 @@ def emit_object(text: str, target: Target, speed_level: int = 3) -> bytes:
     return target_machine(target, speed_level).emit_object(optimize(text, target, speed_level))
 
 
-def _store(path: Path, data: bytes) -> None:
+def store(path: Path, data: bytes) -> None:
     """Write a cache file atomically: readers see the old file or the whole new one."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
@@ -96,7 +96,7 @@ def object_code(module, target: Target) -> tuple[bytes, bool]:
     if path.exists():
         return path.read_bytes(), True
     obj = emit_object(text, target)
-    _store(path, obj)
+    store(path, obj)
     return obj, False
 
 
@@ -154,7 +154,7 @@ def unit(emitter, args: tuple, target: Target, units: dict, compiler: "Compiler 
     key = h.hexdigest()
     if key in units:
         return units[key]
-    found = _cached_unit(key)
+    found = cached_unit(key)
     if found is None:
         module = ir.Module(name=emitter.__name__)
         out = emitter(module, *args)
@@ -166,7 +166,7 @@ def unit(emitter, args: tuple, target: Target, units: dict, compiler: "Compiler 
     return found
 
 
-def _cached_unit(key: str) -> Unit | None:
+def cached_unit(key: str) -> Unit | None:
     u = Unit(key, ())
     try:
         state = pickle.loads(u.path.read_bytes())
@@ -288,7 +288,7 @@ class _Worker:
 
 def _finish(u: Unit, obj: bytes) -> None:
     u.object, u.text = obj, None
-    _store(u.path, pickle.dumps({"names": list(u.names), "object": obj}, protocol=pickle.HIGHEST_PROTOCOL))
+    store(u.path, pickle.dumps({"names": list(u.names), "object": obj}, protocol=pickle.HIGHEST_PROTOCOL))
 
 
 # ---------------------------------------------------------------------------------------

@@ -52,7 +52,7 @@ def _load_or_build(graph, target, profile: bool):
                     spec = lower(graph, target, profile, compiler, bar)
                 compiler.finish(start=t0)
             state = _spec_state(spec, graph, jit.emit_object(str(spec.module), target, PROGRAM_SPEED_LEVEL))
-            jit._store(path, pickle.dumps(state, protocol=pickle.HIGHEST_PROTOCOL))
+            jit.store(path, pickle.dumps(state, protocol=pickle.HIGHEST_PROTOCOL))
             loaded = state, spec.units
         state, units = loaded
         lib = jit.link([u.object for u in units] + [state["object"]], [state["name"]], from_cache)
@@ -65,7 +65,7 @@ def _load(path: Path):
     """(state, units) from a cache entry whose kernels are all cached too; None otherwise."""
     try:
         state = pickle.loads(path.read_bytes())
-        units = [jit._cached_unit(k) for k in state["units"]]
+        units = [jit.cached_unit(k) for k in state["units"]]
         return None if any(u is None for u in units) else (state, units)
     except FileNotFoundError:
         return None

@@ -49,10 +49,7 @@ class DType:
 
     def nbytes(self, shape) -> int:
         """Bytes of a tensor of numpy ``shape`` (innermost dim last)."""
-        rows = 1
-        for d in shape[:-1]:
-            rows *= int(d)
-        return rows * self.row_bytes(int(shape[-1])) if shape else self.type_size
+        return math.prod(int(d) for d in shape[:-1]) * self.row_bytes(int(shape[-1])) if shape else self.type_size
 
     def __getitem__(self, shape) -> "Aval":
         if not isinstance(shape, tuple):

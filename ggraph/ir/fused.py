@@ -1,4 +1,4 @@
-"""The fused primitives the fusion passes produce, each with shape, numpy, cost and print rules.
+"""The fused primitives the fusion passes produce, each registered with all its rules (see primitive.py).
 
 - ``qmatmul x w``: x f32[..., K] times a stored weight w [N, K] of any GGUF type -> f32[..., N].
   It stands for a kernel that reads the quantised blocks; the numpy rule dequantises once per
