@@ -9,8 +9,10 @@ Conventions (ggml's, so quantised weights never need a transpose):
   Its numpy rule writes in place: the cache operand is donated.
 
 An elementwise primitive's ``emit`` rule is its llvm code, written against the backend's
-evaluator ``ev`` (``ev.b`` is an llvmlite IRBuilder; values are registers of any width, so
-one emitter serves the fused row loops and the N-d kernels). Its ``simplify`` rules are the
+evaluator ``ev`` (``Evaluator`` in ``backends/llvm/kernels/elementwise.py``: ``ev.b`` is an
+llvmlite IRBuilder, ``ev.eqn`` the eqn, and ``const``, ``typ``, ``reg``, ``math``, ``poly``,
+``intrinsic`` build typed values). Values are registers of any width, scalar or vector, so
+one emitter serves every loop the backend runs an op in. Its ``simplify`` rules are the
 algebra ``fold`` applies, one line each with the identity as its comment. A new elementwise
 op is one call: ``elementwise(name, numpy_rule, emit=...)``.
 """
