@@ -243,8 +243,9 @@ class _Worker:
     a big module never blocks the caller, and read by another that posts results."""
 
     def __init__(self, target: Target, n: int, results: queue.Queue):
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))   # the same ggraph as ours
         self.proc = subprocess.Popen([sys.executable, "-m", "ggraph.backends.llvm.compile_worker"],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
         self.jobs: queue.Queue = queue.Queue()
         self.load = self.sent = 0
         self.jobs.put(target)
