@@ -29,7 +29,12 @@ def bind_symbols(graph: Graph, values: dict[Var, object]) -> dict[str, int]:
     env: dict[str, int] = {}
     for v in graph.invars:
         if isinstance(v.aval, DimAval):
-            env[v.aval.symbol] = int(values[v])
+            x = values[v]
+            if getattr(x, "shape", ()) != () or np.asarray(x).dtype.kind not in "iu":
+                raise TypeError(f"input {v.aval.symbol} is a dim: give one integer, got {x!r}")
+            env[v.aval.symbol] = int(x)
+            if env[v.aval.symbol] < 0:
+                raise ValueError(f"input {v.aval.symbol} = {env[v.aval.symbol]}: a dim cannot be negative")
     for v in graph.invars:
         shape = _logical_shape(values[v])
         for d, n in zip(v.aval.shape, shape):
@@ -58,7 +63,12 @@ def as_value(aval, x, what: str = "input"):
             raise TypeError(f"{what}: a {dt} value ({aval}) must be its uint8 block bytes, got {x.dtype}")
         return _blocks(aval, x, what)
     if x.dtype != dt.np_dtype:
-        if dt.is_float and x.dtype.kind == "f" or dt in (dtypes.i32, dtypes.i8) and x.dtype.kind in "iu":
+        if dt in (dtypes.i32, dtypes.i8) and x.dtype.kind in "iu" and x.dtype != np.bool_:
+            info = np.iinfo(dt.np_dtype)
+            if x.size and (x.min() < info.min or x.max() > info.max):
+                raise ValueError(f"{what}: {x.min() if x.min() < info.min else x.max()} does not fit {dt}")
+            x = x.astype(dt.np_dtype)
+        elif dt.is_float and x.dtype.kind == "f":
             x = x.astype(dt.np_dtype)
         else:
             raise TypeError(f"{what}: expected {dt} data for {aval}, got {x.dtype}")

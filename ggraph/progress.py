@@ -1,4 +1,5 @@
-"""A small progress bar for long work, written to stderr and silent when it is not a terminal."""
+"""What long work tells the user on stderr: a progress bar (silent when stderr is not a terminal),
+and one-line warnings."""
 from __future__ import annotations
 
 import sys
@@ -53,3 +54,14 @@ class Progress:
             self._draw()
             self.stream.write(f"  {time.perf_counter() - self.start:.1f}s\n")
             self.stream.flush()
+
+
+_warned: set[str] = set()
+
+
+def warn(message: str, once: bool = True) -> None:
+    """One line on stderr, ``ggraph: warning: ...``; a message already shown is not repeated."""
+    if once and message in _warned:
+        return
+    _warned.add(message)
+    print(f"ggraph: warning: {message}", file=sys.stderr, flush=True)

@@ -22,9 +22,13 @@ class Model:
     """A GGUF model: its config, its weights' avals, and the traced step graph."""
 
     def __init__(self, gguf):
+        from ggraph.models import validate
         from ggraph.models.config import config_from_gguf
         self.file = gguf
-        self.config = config_from_gguf(gguf.metadata, gguf.tensors.keys())
+        emb = gguf.tensors.get("token_embd.weight")
+        self.config = config_from_gguf(gguf.metadata, gguf.tensors.keys(), emb.shape[0] if emb is not None else 0)
+        validate.check(self.config, gguf.tensors, gguf.metadata,
+                       shared_decoder=architecture(self.config.arch).forward is None)
 
     @property
     def weights(self) -> dict:

@@ -65,53 +65,55 @@ class ModelConfig:
         return self.attn_scale or 1.0 / math.sqrt(self.head_dim)
 
 
-def config_from_gguf(metadata: Mapping, tensor_names) -> ModelConfig:
-    """Build the config from a GGUF file's metadata and tensor names."""
+def config_from_gguf(metadata: Mapping, tensor_names, embedding_rows: int = 0) -> ModelConfig:
+    """Build the config from a GGUF file's metadata and tensor names; every number is checked as read.
+    ``embedding_rows`` is the vocabulary size of a file that names none (no tokenizer, no vocab_size)."""
     arch = metadata.get("general.architecture")
     spec = architecture(arch)
     names = set(tensor_names)
+    keys = Keys(metadata, arch)
+    key = keys.raw
 
-    def key(k, default=None, required=False):
-        full = f"{arch}.{k}"
-        if full in metadata:
-            return metadata[full]
-        if required:
-            raise ValueError(f"{arch} model is missing metadata key {full!r}")
-        return default
-
-    n_embd = int(key("embedding_length", required=True))
-    n_head = int(key("attention.head_count", required=True))
-    n_head_kv = key("attention.head_count_kv", n_head)
-    n_layer = int(key("block_count", required=True))
-    if not isinstance(n_head_kv, int):                  # per-layer arrays exist; we need one value
-        if len(set(n_head_kv)) != 1:
-            raise ValueError(f"{arch}.attention.head_count_kv varies by layer, which is not supported")
-        n_head_kv = int(n_head_kv[0])
-    head_dim = int(key("attention.key_length", n_embd // n_head))
+    n_embd = keys.int("embedding_length", required=True)
+    n_head = keys.int("attention.head_count", required=True)
+    n_head_kv = keys.int("attention.head_count_kv", n_head, per_layer=True)
+    n_layer = keys.int("block_count", required=True)
+    if n_head % n_head_kv:
+        raise ValueError(f"{arch}.attention.head_count = {n_head} is not a multiple of "
+                         f"{arch}.attention.head_count_kv = {n_head_kv}")
+    if n_embd % n_head and f"{arch}.attention.key_length" not in metadata:
+        raise ValueError(f"{arch}.embedding_length = {n_embd} is not a multiple of {arch}.attention.head_count = "
+                         f"{n_head}, and there is no {arch}.attention.key_length")
+    head_dim = keys.int("attention.key_length", n_embd // n_head)
     if "token_embd.weight" not in names:
         raise ValueError("model has no token_embd.weight tensor")
     tokens = metadata.get("tokenizer.ggml.tokens")
-    n_vocab = int(key("vocab_size", len(tokens) if tokens is not None else 0))
+    n_vocab = keys.int("vocab_size", len(tokens) if tokens is not None else embedding_rows, minimum=0)
     scale_type = key("rope.scaling.type", "linear")          # llama.cpp's default
-    scale_factor = float(key("rope.scaling.factor", 1.0) or 1.0)
-    common = dict(
-        arch=arch, n_vocab=n_vocab, n_embd=n_embd, n_layer=n_layer, n_head=n_head,
-        n_head_kv=int(n_head_kv), head_dim=head_dim,
-        head_dim_v=int(key("attention.value_length", head_dim)),
-        n_ff=int(_first(key("feed_forward_length", required=True))),
-        norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-5)),
-        n_ctx_train=int(key("context_length", 2048)),
-        rope_base=float(key("rope.freq_base", 10000.0)),
-        rope_dims=int(key("rope.dimension_count", head_dim)),
-        rope_scale=1.0 / scale_factor if scale_type == "linear" else 1.0,
-        sliding_window=key("attention.sliding_window"),
-        rope_mscale=float(key("rope.scaling.attn_factor", 1.0)),
-        tied_output="output.weight" not in names,
-    )
     if scale_type not in ("none", "linear"):
         raise ValueError(f"{arch}.rope.scaling.type {scale_type!r} is not supported (none, linear)")
+    scale_factor = keys.float("rope.scaling.factor", 1.0, zero_means_default=True)
+    rope_dims = keys.int("rope.dimension_count", head_dim)
+    if rope_dims % 2 or rope_dims > head_dim:
+        raise ValueError(f"{arch}.rope.dimension_count = {rope_dims} must be even and at most the head dim "
+                         f"{head_dim}")
+    window = keys.int("attention.sliding_window", None) if key("attention.sliding_window") else None
+    common = dict(
+        arch=arch, n_vocab=n_vocab, n_embd=n_embd, n_layer=n_layer, n_head=n_head,
+        n_head_kv=n_head_kv, head_dim=head_dim,
+        head_dim_v=keys.int("attention.value_length", head_dim),
+        n_ff=keys.int("feed_forward_length", required=True, per_layer=True),
+        norm_eps=keys.float("attention.layer_norm_rms_epsilon", 1e-5),
+        n_ctx_train=keys.int("context_length", 2048),
+        rope_base=keys.float("rope.freq_base", 10000.0),
+        rope_dims=rope_dims,
+        rope_scale=1.0 / scale_factor if scale_type == "linear" else 1.0,
+        sliding_window=window,
+        rope_mscale=keys.float("rope.scaling.attn_factor", 1.0),
+        tied_output="output.weight" not in names,
+    )
     try:
-        flags = spec.flags(key, names, n_layer)
+        flags = spec.flags(keys, names, n_layer)
     except (KeyError, TypeError, ValueError, ArithmeticError) as e:
         raise ValueError(f"architecture {arch!r} ({spec.origin}): its flags function failed: "
                          f"{type(e).__name__}: {e}") from e
@@ -124,8 +126,63 @@ def config_from_gguf(metadata: Mapping, tensor_names) -> ModelConfig:
                          f"fields, and the shared decoder would ignore them (register a forward of its own, "
                          f"which reads them as cfg.extra)")
     common.update({k: v for k, v in flags.items() if k in fields})
-    return ModelConfig(**common, extra={k: flags[k] for k in unknown})
+    cfg = ModelConfig(**common, extra={k: flags[k] for k in unknown})
+    _check_flags(cfg)
+    return cfg
 
 
-def _first(v):
-    return v if isinstance(v, (int, float)) else v[0]
+class Keys:
+    """``<arch>.*`` metadata, read with the checks a lying file needs: ``keys("rope.freq_base", 1e4)``
+    returns the raw value (what architecture flag functions call); ``int``/``float`` check it."""
+
+    def __init__(self, metadata: Mapping, arch: str):
+        self.metadata, self.arch = metadata, arch
+
+    def raw(self, k: str, default=None, required: bool = False):
+        full = f"{self.arch}.{k}"
+        if full in self.metadata:
+            return self.metadata[full]
+        if required:
+            raise ValueError(f"{self.arch} model is missing metadata key {full!r}")
+        return default
+
+    __call__ = raw
+
+    def int(self, k: str, default=None, *, required: bool = False, minimum: int = 1, per_layer: bool = False):
+        """A whole number >= ``minimum``; with ``per_layer``, an array of equal values counts as one."""
+        v = self.raw(k, default, required)
+        if v is None:
+            return None
+        full = f"{self.arch}.{k}"
+        if per_layer and not isinstance(v, (int, float, str, bool)):
+            values = set(v) if len(v) else {None}
+            if len(values) != 1:
+                raise ValueError(f"{full} varies by layer ({len(values)} different values), which is not supported")
+            v = values.pop()
+        if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
+            raise ValueError(f"{full} = {v!r}: must be an integer of at least {minimum}")
+        return v
+
+    def float(self, k: str, default: float, *, zero_means_default: bool = False) -> float:
+        """A finite number greater than 0 (a factor, a base, an epsilon)."""
+        v = self.raw(k, default)
+        if zero_means_default and v == 0:
+            v = default
+        full = f"{self.arch}.{k}"
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+            raise ValueError(f"{full} = {v!r}: must be a finite number greater than 0")
+        return float(v)
+
+
+def _check_flags(cfg: ModelConfig) -> None:
+    """The numbers an architecture's flags set, checked like the ones read above."""
+    for name in ("attn_softcap", "final_softcap", "embed_scale", "rope_base_local", "rope_scale_local", "attn_scale"):
+        v = getattr(cfg, name)
+        if v is not None and v != 0 and not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
+            raise ValueError(f"{cfg.arch}: {name} = {v!r} must be a finite number greater than 0")
+    if cfg.swa_layers and len(cfg.swa_layers) != cfg.n_layer:
+        raise ValueError(f"{cfg.arch}: {len(cfg.swa_layers)} sliding-window flags for {cfg.n_layer} layers")
+    if cfg.rope_style not in ("neox", "interleaved"):
+        raise ValueError(f"{cfg.arch}: rope_style {cfg.rope_style!r} must be neox or interleaved")
+    if cfg.act not in ("silu", "gelu_tanh"):
+        raise ValueError(f"{cfg.arch}: act {cfg.act!r} must be silu or gelu_tanh")

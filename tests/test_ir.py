@@ -138,9 +138,10 @@ def test_cost_counts_matmul_flops():
 def test_the_public_api_after_a_bare_import():
     import subprocess
     import sys
-    code = ("import ggraph; ggraph.Session; ggraph.quants.quantize; ggraph.passes.PIPELINES; ggraph.draw.draw; "
-            "ggraph.gguf.GGUFFile; ggraph.models.register_architecture; import sys; "
-            "assert 'matplotlib' not in sys.modules and 'llvmlite' not in sys.modules, 'import ggraph stays light'")
+    code = ("import sys, ggraph; "
+            "assert 'matplotlib' not in sys.modules and 'llvmlite' not in sys.modules, 'import ggraph stays light'; "
+            "ggraph.Session; ggraph.quants.quantize; ggraph.passes.PIPELINES; ggraph.draw.draw; "
+            "ggraph.gguf.GGUFFile; ggraph.models.register_architecture")
     subprocess.run([sys.executable, "-c", code], check=True)
 
 

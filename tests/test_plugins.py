@@ -4,30 +4,18 @@ import textwrap
 
 import numpy as np
 import pytest
-
 import zoo
+from gguf_edit import edited
+from test_models import prompt_ids
+
 from ggraph import models, plugins
 from ggraph.cli import main
-from ggraph.gguf import GGUFFile, Typed, write
 from ggraph.runtime import Session
-from test_models import prompt_ids
 
 
 def renamed_arch(src, dst, arch: str):
     """A copy of GGUF ``src`` whose general.architecture (and key prefix) is ``arch``: the same weights."""
-    with GGUFFile(str(src)) as f:
-        old = f.architecture
-        meta = {}
-        for k, v in f.metadata.items():
-            t = f.metadata_types[k]
-            t = t[4:-1] if t.startswith("arr[") else t
-            v = [x for x in v] if not isinstance(v, (str, int, float, bool)) else v
-            key = arch + k[len(old):] if k.startswith(old + ".") else k
-            meta[key] = Typed(arch if k == "general.architecture" else v, t)
-        tensors = {n: (t.data, t.dtype, t.shape) if t.dtype.np_dtype is None else
-                   t.data.view(t.dtype.np_dtype).reshape(t.shape) for n, t in f.tensors.items()}
-        write(dst, meta, tensors, alignment=f.alignment)
-    return dst
+    return edited(src, dst, rename_arch=arch)
 
 
 @pytest.fixture

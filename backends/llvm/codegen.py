@@ -43,6 +43,7 @@ class ProgramSpec:
     param_index: dict
     units: list[jit.Unit]
     checks: list[str]                      # what each status slot reports when a kernel sets it
+    bounds: list[tuple]                    # (rows, capacity, what) checked before every run
     name: str = "ggraph_program"
 
 
@@ -61,7 +62,7 @@ def lower(graph: Graph, target: Target, profile: bool = False, compiler: jit.Com
     if profile:                           # one i64 cycle stamp per call, plus the start
         lw._add(Buffer("profile", "cycles", Bytes("fixed", (8 * (len(lw.calls) + 1),))))
     spec = ProgramSpec(ir.Module(name=graph.name or "ggraph"), lw.buffers, lw.calls, outputs, lw.input_index,
-                       lw.param_index, list(lw.units.values()), lw.checks)
+                       lw.param_index, list(lw.units.values()), lw.checks, lw.bounds)
     emit_program(spec, target, profile)
     return spec
 

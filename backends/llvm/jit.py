@@ -23,9 +23,9 @@ import os
 import pickle
 import queue
 import re
+import struct
 import subprocess
 import sys
-import tempfile
 import threading
 from pathlib import Path
 
@@ -33,6 +33,7 @@ import llvmlite
 import llvmlite.binding as llvm
 from llvmlite import ir
 
+from ggraph.backends.llvm import cache
 from ggraph.backends.llvm.target import Target, init_llvm, target_machine
 from ggraph.demo import cache_dir          # one cache root for models and object code
 from ggraph.ir.dims import Sym
@@ -80,23 +81,15 @@ def emit_object(text: str, target: Target, speed_level: int = 3) -> bytes:
     return target_machine(target, speed_level).emit_object(optimize(text, target, speed_level))
 
 
-def store(path: Path, data: bytes) -> None:
-    """Write a cache file atomically: readers see the old file or the whole new one."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
-    os.replace(tmp, path)
-
-
 def object_code(module, target: Target) -> tuple[bytes, bool]:
     """Object code for `module` on `target` and whether it came from the disk cache."""
     text = str(module)
     path = cache_dir() / f"{cache_key(text, target)}.o"
-    if path.exists():
-        return path.read_bytes(), True
+    obj = cache.read(path, cache.OBJECT)
+    if obj is not None:
+        return obj, True
     obj = emit_object(text, target)
-    store(path, obj)
+    cache.write(path, cache.OBJECT, obj)
     return obj, False
 
 
@@ -167,16 +160,17 @@ def unit(emitter, args: tuple, target: Target, units: dict, compiler: "Compiler 
 
 
 def cached_unit(key: str) -> Unit | None:
+    """The unit ``key`` from the disk cache, verified; None when it is not there (or was damaged)."""
     u = Unit(key, ())
+    payload = cache.read(u.path, cache.KERNEL)
+    if payload is None:
+        return None
     try:
-        state = pickle.loads(u.path.read_bytes())
-        u.names, u.object = tuple(state["names"]), bytes(state["object"])
-        return u
-    except FileNotFoundError:
+        u.names, u.object = cache.kernel_from_payload(payload)
+    except (ValueError, UnicodeDecodeError, struct.error):
+        cache.discard(u.path, "its header does not parse")
         return None
-    except (OSError, pickle.UnpicklingError, EOFError, KeyError, TypeError, ValueError):
-        u.path.unlink(missing_ok=True)                      # a torn entry: build it again
-        return None
+    return u
 
 
 class Compiler:
@@ -289,7 +283,7 @@ class _Worker:
 
 def _finish(u: Unit, obj: bytes) -> None:
     u.object, u.text = obj, None
-    store(u.path, pickle.dumps({"names": list(u.names), "object": obj}, protocol=pickle.HIGHEST_PROTOCOL))
+    cache.write(u.path, cache.KERNEL, cache.kernel_payload(u.names, obj))
 
 
 # ---------------------------------------------------------------------------------------

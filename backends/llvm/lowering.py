@@ -114,6 +114,7 @@ class Lowering:
         self._plan_buffers: dict[int, int] = {}
         self.checks: list[str] = []                           # what each status slot reports
         self._status: int | None = None
+        self.bounds: list[tuple] = []                         # (rows, capacity, what): rows <= capacity per run
 
     def _add(self, buf: Buffer) -> int:
         self.buffers.append(buf)
@@ -156,6 +157,11 @@ class Lowering:
         self.checks.append(message)
         self.buffers[self._status].size = Bytes("fixed", (16 * len(self.checks),))
         return Ref(self._status, 16 * (len(self.checks) - 1))
+
+    def bound(self, rows, capacity: int, what: str) -> None:
+        """Require ``rows`` (a dim expression, e.g. P+T) <= ``capacity`` on every run, before the call:
+        the kernels write and read those rows without checking."""
+        self.bounds.append((rows, int(capacity), what))
 
     def kernel(self, emitter: Callable, *args):
         """The name of the kernel ``emitter(module, *args)`` builds (a tuple if it builds several)."""

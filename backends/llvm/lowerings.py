@@ -164,6 +164,8 @@ def _cache_update(lw, e):
     if not isinstance(pos, Var) or not isinstance(pos.aval, DimAval):
         raise LoweringError("llvm backend: cache_update needs the position to be a dim input such as P")
     row_bytes = product(cache.aval.shape[1:]) * cache.aval.dtype.type_size
+    lw.bound(Sym(pos.aval.symbol) + x.aval.shape[0], cache.aval.shape[0],
+             f"cache_update at {e.scope or 'top'}: the cache has {cache.aval.shape[0]} rows")
     dst = lw.ref(cache)
     at = dst.plus(Sym(pos.aval.symbol) * row_bytes)
     lw.call(lw.kernel(G.copy_bytes), lw.ref(x), at, x.aval.shape[0] * row_bytes, writes=(at,))
@@ -217,6 +219,8 @@ def _rope_attention(lw, e):
     if len(e.inputs) > 7:
         refs["freq_factors"] = lw.ref(e.inputs[7])
     refs["out"] = lw.output(e.outputs[0])
+    lw.bound(Sym("P") + q.aval.shape[0], kc.aval.shape[0],
+             f"attention at {e.scope or 'top'}: the KV cache has {kc.aval.shape[0]} rows")
     store, attend = lw.kernel(A.attention_unit, lw.target, attn, rope)
     store_args, attend_args = A.kernel_arg_names(rope)
     lw.call(store, *[refs[a] for a in store_args], writes=(refs["k_cache"], refs["v_cache"]))

@@ -24,11 +24,13 @@ from pathlib import Path
 
 import numpy as np
 
-from ggraph.backends.llvm import jit
+from ggraph.backends.llvm import cache, jit
 from ggraph.backends.llvm.codegen import PROGRAM_SPEED_LEVEL, Call, ProgramSpec, lower
 from ggraph.backends.llvm.target import host_target
-from ggraph.backends.llvm.team import PROGRAM_ARGS, Team
+from ggraph.backends.llvm.team import PROGRAM_ARGS, Team, check_threads
 from ggraph.backends.values import Program, bind_symbols
+from ggraph import memory
+from ggraph.ir.dims import eval_dim
 from ggraph.ir.graph import Literal, Var
 from ggraph.ir.prims import Blocks
 from ggraph.progress import Progress
@@ -44,34 +46,46 @@ def _load_or_build(graph, target, profile: bool):
     if key not in _LOADED:
         path = jit.cache_dir() / f"{key}.program"
         loaded = _load(path)
-        from_cache = loaded is not None
+        if loaded is not None:
+            try:
+                state, units = loaded
+                lib = jit.link([u.object for u in units] + [state["object"]], [state["name"]], True)
+            except Exception as e:                         # verified, yet it does not link: rebuild it all
+                cache.discard(path, f"it does not link: {e}")
+                for u in loaded[1]:
+                    cache.discard(u.path, "its program did not link")
+                loaded = None
         if loaded is None:
-            t0 = time.perf_counter()
-            with jit.Compiler(target) as compiler:
-                with Progress(len(graph.eqns), "lowering", unit=" ops", stream=sys.stderr, delay=1.0) as bar:
-                    spec = lower(graph, target, profile, compiler, bar)
-                compiler.finish(start=t0)
-            state = _spec_state(spec, graph, jit.emit_object(str(spec.module), target, PROGRAM_SPEED_LEVEL))
-            jit.store(path, pickle.dumps(state, protocol=pickle.HIGHEST_PROTOCOL))
-            loaded = state, spec.units
-        state, units = loaded
-        lib = jit.link([u.object for u in units] + [state["object"]], [state["name"]], from_cache)
+            state, units = _build(graph, target, profile)
+            cache.write(path, cache.PROGRAM, cache.dump_state(state))
+            lib = jit.link([u.object for u in units] + [state["object"]], [state["name"]], False)
         _LOADED[key] = state, units, lib
     state, units, lib = _LOADED[key]
     return _spec_from_state(state, graph, units), lib
 
 
+def _build(graph, target, profile: bool) -> tuple[dict, list]:
+    """Lower ``graph``, compile its new kernels (in workers, while lowering goes on) and its program."""
+    t0 = time.perf_counter()
+    with jit.Compiler(target) as compiler:
+        with Progress(len(graph.eqns), "lowering", unit=" ops", stream=sys.stderr, delay=1.0) as bar:
+            spec = lower(graph, target, profile, compiler, bar)
+        compiler.finish(start=t0)
+    return _spec_state(spec, graph, jit.emit_object(str(spec.module), target, PROGRAM_SPEED_LEVEL)), spec.units
+
+
 def _load(path: Path):
-    """(state, units) from a cache entry whose kernels are all cached too; None otherwise."""
+    """(state, units) from a verified cache entry whose kernels are all cached and verified; else None."""
+    payload = cache.read(path, cache.PROGRAM)
+    if payload is None:
+        return None
     try:
-        state = pickle.loads(path.read_bytes())
+        state = cache.load_state(payload)
         units = [jit.cached_unit(k) for k in state["units"]]
-        return None if any(u is None for u in units) else (state, units)
-    except FileNotFoundError:
+    except (pickle.UnpicklingError, EOFError, KeyError, AttributeError, ValueError, TypeError, ImportError) as e:
+        cache.discard(path, f"it does not load: {e}")
         return None
-    except (OSError, pickle.UnpicklingError, EOFError, KeyError, AttributeError, ValueError, TypeError):
-        path.unlink(missing_ok=True)                         # a stale or torn entry: rebuild it
-        return None
+    return None if any(u is None for u in units) else (state, units)
 
 
 @functools.cache
@@ -93,7 +107,7 @@ def program_key(graph, target, profile: bool) -> str:
 def _spec_state(spec, graph, program_object: bytes) -> dict:
     index = {id(e): i for i, e in enumerate(graph.eqns)}
     return {"buffers": spec.buffers, "outputs": spec.outputs, "name": spec.name, "object": program_object,
-            "units": [u.key for u in spec.units], "checks": spec.checks,
+            "units": [u.key for u in spec.units], "checks": spec.checks, "bounds": spec.bounds,
             "calls": [(c.kernel, c.args, c.writes, index.get(id(c.eqn))) for c in spec.calls],
             "inputs": [(graph.invars.index(v), b) for v, b in spec.input_index.items()],
             "params": [(v.aval.source, b) for v, b in spec.param_index.items()]}
@@ -104,14 +118,17 @@ def _spec_from_state(state: dict, graph, units) -> ProgramSpec:
     calls = [Call(k, args, writes, graph.eqns[i] if i is not None else None) for k, args, writes, i in state["calls"]]
     return ProgramSpec(None, state["buffers"], calls, state["outputs"],
                        {graph.invars[i]: b for i, b in state["inputs"]},
-                       {by_source[src]: b for src, b in state["params"]}, units, state["checks"], state["name"])
+                       {by_source[src]: b for src, b in state["params"]}, units, state["checks"], state["bounds"],
+                       state["name"])
 
 
 class LLVMProgram(Program):
     """A graph compiled to one native program for the host's (or a forced) feature set."""
 
-    def __init__(self, graph, weights=None, threads: int | None = None, target=None, profile: bool = False):
+    def __init__(self, graph, weights=None, threads: int | None = None, target=None, profile: bool = False,
+                 max_memory: int | None = None):
         self.graph = graph
+        self.max_memory = max_memory
         self.target = target or host_target()
         self.profile = profile
         self.last_profile: list[tuple] = []           # (call, seconds) of the last run, when profiling
@@ -119,7 +136,7 @@ class LLVMProgram(Program):
         self.spec, self.lib = _load_or_build(graph, self.target, profile)
         self.compile_s = time.perf_counter() - t0
         self.fn = self.lib.function(self.spec.name, None, PROGRAM_ARGS)
-        self.threads = int(threads or os.cpu_count() or 1)
+        self.threads = check_threads(threads) or os.cpu_count() or 1
         self.team = Team(self.threads)
         self.table = np.zeros(len(self.spec.buffers), dtype=np.uint64)
         self._keep: dict[int, object] = {}            # arrays whose addresses are in the table
@@ -164,6 +181,7 @@ class LLVMProgram(Program):
                 offsets.append((i, total))
                 total += -(-max(buf.size(dims), 1) // ALIGN) * ALIGN
         if total > self._arena.nbytes:
+            memory.check(total, f"the activations of a step of T={dims.get('T')}", self.max_memory)
             self._arena = np.zeros(total + ALIGN, dtype=np.uint8)
         base = self._arena.ctypes.data
         base += -base % ALIGN
@@ -177,6 +195,11 @@ class LLVMProgram(Program):
             if self.table[self.spec.param_index[v]] == 0:
                 raise KeyError(f"no value for weight {v.aval.source!r}")
         dims = bind_symbols(g, values)
+        for rows, capacity, what in self.spec.bounds:
+            n = eval_dim(rows, dims)
+            if n > capacity:
+                raise ValueError(f"{what}, but this step needs rows up to {n} "
+                                 f"({' + '.join(f'{k}={v}' for k, v in sorted(dims.items()))})")
         for v, i in self.spec.input_index.items():
             self._bind(i, values[v])
         self._layout(dims)

@@ -11,11 +11,14 @@ and ctypes releases the GIL for its duration, so no Python runs per op.
 from __future__ import annotations
 
 import ctypes
+import os
 import threading
 import time
 
 import numpy as np
 from llvmlite import ir
+
+from ggraph.progress import warn
 
 BARRIER = "ggraph_barrier"
 SPINS_BEFORE_YIELD = 1 << 12        # ~10-50 µs of pause loops before a waiter gives up its core
@@ -70,6 +73,23 @@ def emit_barrier(module: ir.Module, x86: bool) -> ir.Function:
     b.position_at_end(blocks["done"])
     b.ret_void()
     return fn
+
+
+MAX_THREADS_PER_CORE = 4
+
+
+def check_threads(threads) -> int | None:
+    """A thread count in 1..4 × the cores (None: all cores); more threads than cores gets a warning."""
+    if threads is None:
+        return None
+    cores = os.cpu_count() or 1
+    if isinstance(threads, bool) or not isinstance(threads, (int, np.integer)) or \
+            not 1 <= threads <= MAX_THREADS_PER_CORE * cores:
+        raise ValueError(f"threads must be a whole number in 1..{MAX_THREADS_PER_CORE * cores} "
+                         f"({MAX_THREADS_PER_CORE} × the {cores} cores), got {threads!r}")
+    if threads > cores:
+        warn(f"{threads} threads on {cores} cores: the spinning barriers will slow every step down")
+    return int(threads)
 
 
 class Team:

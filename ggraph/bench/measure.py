@@ -37,12 +37,12 @@ def prompt_tokens(n: int, n_vocab: int, seed: int = 0) -> list[int]:
 
 
 def bench_ggraph(path, pp: int = 64, tg: int = 32, threads: int = 1, backend: str = "llvm",
-                 passes="default", repeats: int = 3, ctx: int | None = None, disabled=()) -> Result:
+                 passes="default", repeats: int = 3, ctx: int | None = None, disabled=(), max_memory=None) -> Result:
     """Best-of-``repeats`` prefill and decode speed of a ggraph Session."""
     from ggraph.runtime.session import Session
     t0 = time.perf_counter()
     s = Session(path, backend=backend, threads=threads, passes=passes, ctx=ctx or max(pp + tg + 1, 64),
-                disabled=disabled)
+                disabled=disabled, max_memory=max_memory)
     ids = prompt_tokens(pp, s.config.n_vocab)
     s.step(ids[:1])                                            # compile and warm up both step kinds
     s.step(ids[:2])

@@ -48,7 +48,8 @@ def main(argv=None) -> int:
         return 0
     except (OSError, ValueError, KeyError, IndexError, TypeError, NotImplementedError, PassError,
             plugins.PluginError) as e:          # the user's input, not our bug
-        msg = e.args[0] if isinstance(e, KeyError) and e.args else e
+        msg = e.args[0] if isinstance(e, KeyError) and e.args else \
+            f"{e.filename}: {e.strerror}" if isinstance(e, OSError) and e.filename and e.strerror else e
         print(f"ggraph {args.command}: error: {msg}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

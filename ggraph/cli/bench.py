@@ -2,39 +2,44 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import sys
 
-from ggraph.cli.common import add_model_arg, model_path, passes_arg, pipeline_names
+from ggraph.cli.common import add_memory_arg, add_model_arg, model_path, passes_arg, pipeline_names
 
 NAMED_PASSES = {"fused": "default", "unfused": "none"}
 
 
-def _int_list(text: str, what: str = "value") -> list[int]:
+def _int_list(text: str, what: str, minimum: int = 1) -> list[int]:
     try:
         values = [int(x) for x in str(text).split(",") if x.strip()]
     except ValueError:
         raise ValueError(f"{what} must be a comma-separated list of integers, got {text!r}") from None
-    if not values or min(values) < 1:
-        raise ValueError(f"{what} must be positive integers, got {text!r}")
+    if not values or min(values) < minimum:
+        raise ValueError(f"{what} must be integers of at least {minimum}, got {text!r}")
     return values
-
-
-def _check_lists(args) -> None:
-    for what, text in (("--pp", args.pp), ("--tg", args.tg), ("--threads", args.threads)):
-        _int_list(text, what)
 
 
 def cmd_bench(args) -> int:
     """Measure prefill (pp) and decode (tg) tok/s, optionally against llama.cpp on the same file."""
     from ggraph import bench
     from ggraph.progress import Progress
+    from ggraph.backends.llvm.team import check_threads
     path = model_path(args)
-    _check_lists(args)
-    configs = [(pp, tg, t) for pp in _int_list(args.pp, '--pp') for tg in _int_list(args.tg, '--tg') for t in _int_list(args.threads, '--threads')]
+    configs = [(pp, tg, t) for pp in _int_list(args.pp, "--pp") for tg in _int_list(args.tg, "--tg", minimum=0)
+               for t in _int_list(args.threads, "--threads")]
+    for _, _, t in configs:
+        check_threads(t)
+    if args.repeats < 1:
+        raise ValueError(f"--repeats must be at least 1, got {args.repeats}")
+    if args.profile and args.backend != "llvm":
+        raise ValueError("--profile times the native program: use --backend llvm")
+    if args.vs_llama_cpp and importlib.util.find_spec("llama_cpp") is None:
+        raise ValueError("--vs-llama-cpp needs llama-cpp-python: pip install llama-cpp-python (see the README)")
     pipelines = [NAMED_PASSES.get(p, p) for p in (args.compare.split(",") if args.compare else [args.passes])]
     for pipe in pipelines:
-        pipeline_names(args, pipe)                       # every pass name checked before the slow part
+        pipeline_names(args, pipe)                       # every argument checked before the slow part
     jobs = [("ggraph", c, p) for c in configs for p in pipelines]
     if args.vs_llama_cpp:
         jobs += [("llama.cpp", c, None) for c in configs]
@@ -43,14 +48,12 @@ def cmd_bench(args) -> int:
         for engine, (pp, tg, threads), pipe in jobs:
             if engine == "ggraph":
                 r = bench.bench_ggraph(path, pp, tg, threads, backend=args.backend, passes=passes_arg(pipe),
-                                       repeats=args.repeats, disabled=args.no_pass)
+                                       repeats=args.repeats, disabled=args.no_pass, max_memory=args.max_memory)
             else:
                 r = bench.bench_llama_cpp(path, pp, tg, threads, repeats=args.repeats)
             results.append(r.row())
             bar.advance()
     if args.profile:
-        if args.backend != "llvm":
-            raise ValueError("--profile times the native program: use --backend llvm")
         for (pp, _, threads), pipe in {((c[0], 0, c[2]), p) for c in configs for p in pipelines}:
             prof = bench.profile_ggraph(path, pp, threads, passes=passes_arg(pipe), disabled=args.no_pass)
             for r in results:
@@ -127,4 +130,5 @@ def add_parser(sub, parents) -> None:
     from ggraph.bench.plot import plot_path
     p.add_argument("--plot", metavar="FILE.png", type=plot_path,
                    help="also draw tok/s bars with ratios (and a roofline with a profile)")
+    add_memory_arg(p)
     p.set_defaults(fn=cmd_bench)

@@ -30,6 +30,13 @@ def add_compile_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", "-t", type=int, default=None, help="threads for the llvm backend (default: all cores)")
     add_pass_args(p)
     p.add_argument("--ctx", type=int, default=4096, help="context length: KV cache rows (default 4096)")
+    add_memory_arg(p)
+
+
+def add_memory_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-memory", metavar="SIZE", default=None,
+                   help="refuse to allocate more than SIZE for KV caches and activations, e.g. 8G (default: the "
+                        "memory this machine has available)")
 
 
 def plugin_parent() -> argparse.ArgumentParser:

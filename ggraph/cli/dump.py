@@ -23,7 +23,14 @@ def cmd_dump(args) -> int:
     from ggraph.models import load
     from ggraph.passes import RewriteLog, run
     names = pipeline_names(args)
+    if args.format in ("png", "svg") and not args.output:
+        raise ValueError(f"--format {args.format} writes a picture: give -o FILE")
+    if args.ctx < 1:
+        raise ValueError(f"--ctx must be at least 1, got {args.ctx}")
     model = load(model_path(args))
+    n = model.config.n_layer
+    if args.layer is not None and not 0 <= args.layer < n:
+        raise ValueError(f"--layer {args.layer}: the model has layers 0..{n - 1}")
     log = RewriteLog()
     graph = run(model.graph(ctx=args.ctx), names, log=log)
     reports = []
@@ -32,8 +39,6 @@ def cmd_dump(args) -> int:
     if args.show_buffers:
         reports.append(show_buffers(graph, args.layer))
     if args.format in ("png", "svg"):
-        if not args.output:
-            raise ValueError(f"--format {args.format} writes a picture: give -o FILE")
         from ggraph.view.draw import draw
         how = draw(graph, args.output, layer=args.layer, fmt=args.format)
         print(f"wrote {args.output} ({args.format} by {how})", file=sys.stderr)

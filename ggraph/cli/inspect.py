@@ -18,11 +18,14 @@ ARRAY_PREVIEW = 8
 
 
 def _summary(value, full: bool = False):
-    """A JSON-able value; arrays longer than ARRAY_PREVIEW are summarised unless ``full``."""
+    """A JSON-able value (strict JSON: a NaN or infinity becomes its name as a string); arrays longer
+    than ARRAY_PREVIEW are summarised unless ``full``."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
     if isinstance(value, (str, int, float, bool)):
         return value
     seq = list(value) if full or len(value) <= ARRAY_PREVIEW else [value[i] for i in range(ARRAY_PREVIEW)]
-    seq = [x.item() if hasattr(x, "item") else x for x in seq]
+    seq = [_summary(x.item() if hasattr(x, "item") else x) for x in seq]
     if full or len(value) <= ARRAY_PREVIEW:
         return seq
     return {"array_length": len(value), "head": seq}
@@ -50,13 +53,14 @@ def cmd_inspect(args) -> int:
                    "metadata": {k: _summary(v, args.full) for k, v in f.metadata.items()},
                    "tensors": [{"name": t.name, "shape": list(t.shape), "type": str(t.dtype),
                                 "offset": t.offset, "nbytes": t.nbytes} for t in tensors]}
-            json.dump(out, sys.stdout, indent=1)
+            json.dump(out, sys.stdout, indent=1, allow_nan=False)
             print()
             return 0
         md = f.metadata
         n_params = sum(math.prod(t.shape) for t in tensors)
         total = sum(t.nbytes for t in tensors)
-        ftype = FILE_TYPES.get(md.get("general.file_type"), md.get("general.file_type", "?"))
+        ft = md.get("general.file_type", "?")
+        ftype = FILE_TYPES.get(ft, ft) if isinstance(ft, int) else _fmt_value(ft)
         print(f"{path}: GGUF v{f.version}, {len(md)} keys, {len(tensors)} tensors, {fmt_bytes(total)} of weights")
         print(f"architecture {f.architecture or '?'} · {md.get('general.name', '?')} · "
               f"{n_params / 1e6:.1f}M params · {8 * total / max(n_params, 1):.2f} bits/weight · file type {ftype}")
@@ -77,7 +81,7 @@ def cmd_inspect(args) -> int:
             elems[str(t.dtype)] += math.prod(t.shape)
         for name, nbytes in by_type.most_common():
             print(f"  {name:<7} {counts[name]:>4} tensors {elems[name] / 1e6:>9.2f}M weights "
-                  f"{fmt_bytes(nbytes):>10} {8 * nbytes / elems[name]:>6.2f} bits/weight")
+                  f"{fmt_bytes(nbytes):>10} {8 * nbytes / max(elems[name], 1):>6.2f} bits/weight")
     return 0
 
 

@@ -8,23 +8,36 @@ from ggraph.cli.common import add_compile_args, add_model_arg, model_path, passe
 
 def cmd_run(args) -> int:
     """Generate text from a GGUF model, streaming it as it comes."""
+    from ggraph.runtime.sampling import Sampler
     from ggraph.runtime.session import Session
-    pipeline_names(args)                                  # every pass name checked before loading
+    pipeline_names(args)                                  # every argument checked before anything slow or printed
+    Sampler(args.temp, args.top_k, args.top_p, args.min_p, args.repeat_penalty)
+    if args.n_predict < 0:
+        raise ValueError(f"--n-predict must be >= 0, got {args.n_predict}")
     session = Session(model_path(args), backend=args.backend, threads=args.threads, passes=passes_arg(args.passes),
-                      ctx=args.ctx, disabled=args.no_pass)
+                      ctx=args.ctx, disabled=args.no_pass, max_memory=args.max_memory)
     options = dict(max_tokens=args.n_predict, temperature=args.temp, top_k=args.top_k, top_p=args.top_p,
                    min_p=args.min_p, repeat_penalty=args.repeat_penalty, seed=args.seed, stop=args.stop,
                    stream=True)
+    session.program(last_only=True)                       # compile (with its progress bar) before any text prints
     if args.chat:
         pieces = session.chat([{"role": "user", "content": args.prompt}], **options)
     else:
-        session.program(last_only=True)                   # compile (with its progress bar) before the prompt prints
-        if not args.no_echo:
-            print(args.prompt, end="", flush=True)
         pieces = session.generate(args.prompt, **options)
-    for piece in pieces:
-        print(piece, end="", flush=True)
-    print(flush=True)
+    started = False
+    try:
+        for piece in pieces:
+            if not started and not args.chat and not args.no_echo:
+                print(args.prompt, end="", flush=True)      # once the prompt has encoded and its step ran
+            started = True
+            print(piece, end="", flush=True)
+    finally:
+        if started:
+            print(flush=True)                              # an error after text starts on a line of its own
+    if not started:
+        if not args.chat and not args.no_echo:
+            print(args.prompt, end="")
+        print(flush=True)
     st = session.stats
     pp = st["prompt_tokens"] / st["prompt_s"] if st.get("prompt_s") else 0.0
     tg = st["generated_tokens"] / st["generate_s"] if st.get("generate_s") else 0.0

@@ -25,6 +25,7 @@ import itertools
 import math
 import mmap
 import os
+import stat
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -351,7 +352,10 @@ def _place_tensors(p: _Parser, infos, data_offset: int, alignment: int) -> list[
 
 
 def _map(path: str) -> mmap.mmap:
-    """Map a file read-only; an empty file is a GGUFError rather than mmap's ValueError."""
+    """Map a file read-only; an empty file, or one that is not a regular file (a FIFO, a directory, a
+    device, which open() or read() could block on forever), is a GGUFError rather than a hang."""
+    if not stat.S_ISREG(os.stat(path).st_mode):
+        raise GGUFError(path, "path", None, "not a regular file")
     with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
         if size == 0:

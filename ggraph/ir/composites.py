@@ -116,6 +116,8 @@ def _np_attention(q, k, v, k_cache=None, v_cache=None, pos=None, *, scale, windo
     p = 0
     if k_cache is not None:
         p = int(pos)
+        if p < 0 or p + T > k_cache.shape[0]:
+            raise ValueError(f"attention: rows {p}..{p + T} do not fit a KV cache of {k_cache.shape[0]} rows")
         k_cache[p:p + T], v_cache[p:p + T] = k, v
         k, v = k_cache[:p + T], v_cache[:p + T]
     S, Hkv = k.shape[0], k.shape[1]

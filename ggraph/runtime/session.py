@@ -11,6 +11,7 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from ggraph.runtime.sampling import Sampler
+from ggraph.backends.llvm.team import check_threads
 from ggraph.runtime.tokenizer import Detokenizer, Tokenizer
 
 
@@ -25,31 +26,50 @@ class Session:
     """
 
     def __init__(self, path, backend: str = "llvm", threads: int | None = None, passes="default",
-                 ctx: int = 4096, disabled=(), profile: bool = False):
+                 ctx: int = 4096, disabled=(), profile: bool = False, max_memory: int | str | None = None):
+        from ggraph import memory
+        from ggraph.compiler import BACKENDS
         from ggraph.models import load
+        if backend not in BACKENDS:
+            raise ValueError(f"unknown backend {backend!r}; available: {', '.join(BACKENDS)}")
+        if isinstance(ctx, bool) or not isinstance(ctx, (int, np.integer)) or ctx < 1:
+            raise ValueError(f"ctx must be a positive whole number of tokens, got {ctx!r}")
+        if profile and backend != "llvm":
+            raise ValueError("profile=True needs backend='llvm' (it times the native program's kernels)")
+        self.threads = check_threads(threads)             # before any slow work
+        self.max_memory = memory.parse_size(max_memory) if max_memory is not None else None
         self.model = load(path)
         self.config = self.model.config
         self.tokenizer = Tokenizer.from_metadata(self.model.file.metadata)
+        if self.tokenizer.n_vocab != self.config.n_vocab:
+            raise ValueError(f"the tokenizer has {self.tokenizer.n_vocab} tokens but the model's vocabulary has "
+                             f"{self.config.n_vocab}")
         self.ctx = int(ctx)
-        if self.ctx < 1:
-            raise ValueError(f"ctx must be positive, got {ctx}")
-        self.backend, self.threads, self.passes, self.disabled = backend, threads, passes, tuple(disabled)
-        if profile and backend != "llvm":
-            raise ValueError("profile=True needs backend='llvm' (it times the native program's kernels)")
+        self.backend, self.passes, self.disabled = backend, passes, tuple(disabled)
         self.profile = profile
         self._programs: dict[bool, object] = {}
         kshape, vshape = self.model.kv_shapes(self.ctx)
-        self.k_cache = [np.zeros(kshape, np.float32) for _ in range(self.config.n_layer)]
-        self.v_cache = [np.zeros(vshape, np.float32) for _ in range(self.config.n_layer)]
-        self.n_past = 0
+        n = self.config.n_layer
+        memory.check(4 * n * (int(np.prod(kshape)) + int(np.prod(vshape))),
+                     f"the KV cache (ctx {self.ctx} × {n} layers × {kshape[1]} kv heads × "
+                     f"({kshape[2]}+{vshape[2]}) f32)", self.max_memory)
+        self.k_cache = [np.zeros(kshape, np.float32) for _ in range(n)]
+        self.v_cache = [np.zeros(vshape, np.float32) for _ in range(n)]
+        self._n_past = 0
         self.stats: dict[str, float] = {}
+
+    @property
+    def n_past(self) -> int:
+        """Tokens in the KV cache (read-only: ``reset()`` and ``truncate(n)`` change it)."""
+        return self._n_past
 
     # -- steps ---------------------------------------------------------------------------
     def program(self, last_only: bool):
         """The compiled step (all-position logits, or the last position's only), built once."""
         if last_only not in self._programs:
             from ggraph.compiler import compile_graph
-            options = {"threads": self.threads, "profile": self.profile} if self.backend != "numpy" else {}
+            options = {"threads": self.threads, "profile": self.profile, "max_memory": self.max_memory} \
+                if self.backend != "numpy" else {}
             graph = self.model.graph(self.ctx, last_only=last_only)
             self._programs[last_only] = compile_graph(graph, backend=self.backend, passes=self.passes,
                                                       disabled=self.disabled, weights=self.model.file, **options)
@@ -57,22 +77,26 @@ class Session:
 
     def reset(self) -> None:
         """Forget the context (the cache rows are simply overwritten later)."""
-        self.n_past = 0
+        self._n_past = 0
+
+    def truncate(self, n: int) -> None:
+        """Keep only the first ``n`` tokens of the context (0 <= n <= n_past)."""
+        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or not 0 <= n <= self._n_past:
+            raise ValueError(f"truncate: n must be a whole number in 0..{self._n_past} (the tokens in the cache), "
+                             f"got {n!r}")
+        self._n_past = int(n)
 
     def step(self, tokens: Sequence[int], last_only: bool = True) -> np.ndarray:
         """Run tokens after the current context; returns logits (T or 1, n_vocab)."""
-        tokens = np.asarray(tokens, dtype=np.int32).reshape(-1)
+        tokens = token_ids(tokens, self.config.n_vocab)
         if tokens.size == 0:
             raise ValueError("step needs at least one token")
-        if self.n_past + tokens.size > self.ctx:
-            raise ContextFullError(f"context full: {self.n_past} tokens in the cache + {tokens.size} new "
+        if self._n_past + tokens.size > self.ctx:
+            raise ContextFullError(f"context full: {self._n_past} tokens in the cache + {tokens.size} new "
                                    f"> ctx={self.ctx}; start a new Session with a larger ctx")
-        bad = (tokens < 0) | (tokens >= self.config.n_vocab)
-        if bad.any():
-            raise ValueError(f"token id {int(tokens[bad][0])} is outside the vocabulary (n_vocab={self.config.n_vocab})")
         prog = self.program(last_only)
-        logits, *_ = prog.run_inputs([tokens, np.int32(self.n_past), *self.k_cache, *self.v_cache])
-        self.n_past += tokens.size
+        logits, *_ = prog.run_inputs([tokens, np.int32(self._n_past), *self.k_cache, *self.v_cache])
+        self._n_past += tokens.size
         return logits
 
     def logits(self, tokens: Sequence[int]) -> np.ndarray:
@@ -90,7 +114,7 @@ class Session:
         return pieces if stream else "".join(pieces)
 
     def _generate(self, prompt, max_tokens, sampler, seed, stop) -> Iterator[str]:
-        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else token_ids(prompt, self.config.n_vocab).tolist()
         if not ids:
             raise ValueError("the prompt encodes to no tokens")
         rng = np.random.default_rng(seed)
@@ -133,6 +157,25 @@ class Session:
         prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
         ids = self.tokenizer.encode(prompt, add_special=not _starts_with_bos(prompt, self.tokenizer))
         return self.generate(ids, **kwargs)
+
+
+def token_ids(tokens, n_vocab: int) -> np.ndarray:
+    """Token ids as i32, checked: integers (no floats, strings or bools), each in [0, n_vocab), no wrap-around."""
+    if isinstance(tokens, np.ndarray):
+        flat = tokens.reshape(-1)
+        if flat.size and (flat.dtype.kind not in "iu" or flat.dtype == np.bool_):
+            raise TypeError(f"token ids must be integers, got an array of {flat.dtype}")
+        bad = np.flatnonzero((flat < 0) | (flat >= n_vocab))
+        if bad.size:
+            raise ValueError(f"token id {flat[bad[0]]} is outside the vocabulary (n_vocab={n_vocab})")
+        return flat.astype(np.int32)
+    items = [tokens] if isinstance(tokens, (int, np.integer)) else list(tokens)
+    for t in items:
+        if isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, np.integer)):
+            raise TypeError(f"token ids must be integers, got {type(t).__name__} {t!r}")
+        if not 0 <= int(t) < n_vocab:
+            raise ValueError(f"token id {int(t)} is outside the vocabulary (n_vocab={n_vocab})")
+    return np.array(items, np.int32).reshape(-1)
 
 
 def _starts_with_bos(text: str, tok) -> bool:

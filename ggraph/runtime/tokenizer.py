@@ -480,7 +480,14 @@ class Tokenizer:
         eog |= {ids[k] for k in ("eos", "eot", "eom") if ids[k] is not None}
         extra = md.get("tokenizer.ggml.eog_token_ids")
         if extra is not None:
-            eog |= {int(i) for i in np.asarray(extra).reshape(-1)}
+            listed = np.asarray(extra).reshape(-1)
+            if listed.dtype.kind not in "iu":
+                raise ValueError(f"tokenizer.ggml.eog_token_ids must be integers, got {listed.dtype}")
+            bad = [int(i) for i in listed if not 0 <= int(i) < len(self._tokens)]
+            if bad:
+                raise ValueError(f"tokenizer.ggml.eog_token_ids holds {bad[0]}, outside the vocabulary of "
+                                 f"{len(self._tokens)} tokens")
+            eog |= {int(i) for i in listed}
         texts = {self._tokens[i]: i for i in eog}
         has_call = "<|call|>" in texts or "<|calls|>" in texts
         if "<|end|>" in texts and has_call and ("<|return|>" in texts or "<|flush|>" in texts):

@@ -1,0 +1,115 @@
+"""The compile cache on disk: every entry is verified before anything in it is used.
+
+An entry is ``magic (8 bytes) | sha256 of the payload (32) | payload``, written atomically
+(readers see the old file or the whole new one). Reading checks the magic and the digest
+first: a torn, truncated or bit-flipped entry is deleted with a one-line warning and the
+caller rebuilds it, so a damaged cache never reaches the linker (where a bad relocation
+aborts the process) and heals on the next run by itself. Program states are pickles, read
+with an unpickler that builds only the classes a program state holds. A cache directory
+that cannot be written is a warning: the work is compiled in memory and still runs.
+"""
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import pickle
+import struct
+import tempfile
+from pathlib import Path
+
+from ggraph.demo import cache_dir
+from ggraph.progress import warn
+
+KERNEL, PROGRAM, OBJECT = b"GGRAPHK1", b"GGRAPHP1", b"GGRAPHO1"
+_HEAD = 8 + 32
+_unwritable: list = []                 # paths that could not be written (the first one is warned about)
+
+
+def write(path: Path, magic: bytes, payload: bytes) -> None:
+    """Store ``payload`` under ``path``; a cache that cannot be written is a warning, not a failure."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(magic + hashlib.sha256(payload).digest() + payload)
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+    except OSError as e:                                   # said once: every later write fails the same way
+        if not _unwritable:
+            warn(f"cannot write the compile cache in {cache_dir()} ({e.strerror or e}); compiling in memory")
+        _unwritable.append(path)
+
+
+def read(path: Path, magic: bytes) -> bytes | None:
+    """The verified payload of ``path``, or None (missing; or damaged, which is deleted and said)."""
+    try:
+        data = path.read_bytes()
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    except OSError as e:
+        warn(f"cannot read the compile cache entry {path} ({e.strerror or e}); rebuilding it")
+        return None
+    if len(data) >= _HEAD and data[:8] == magic and hashlib.sha256(data[_HEAD:]).digest() == data[8:_HEAD]:
+        return data[_HEAD:]
+    discard(path, "its digest does not match" if data[:8] == magic else "it is not a ggraph cache entry")
+    return None
+
+
+def discard(path: Path, why: str) -> None:
+    """Delete a bad entry (so the next run rebuilds it), with a one-line warning."""
+    warn(f"compile cache entry {path.name} is damaged ({why}); deleted, rebuilding it")
+    try:
+        path.unlink(missing_ok=True)
+    except OSError:
+        pass
+
+
+# -- kernels: names and object code ---------------------------------------------------------
+
+def kernel_payload(names, obj: bytes) -> bytes:
+    head = json.dumps(list(names)).encode()
+    return struct.pack("<I", len(head)) + head + obj
+
+
+def kernel_from_payload(payload: bytes) -> tuple[tuple[str, ...], bytes]:
+    (n,) = struct.unpack_from("<I", payload)
+    names = json.loads(payload[4:4 + n].decode())
+    if not isinstance(names, list) or not names or not all(isinstance(x, str) for x in names):
+        raise ValueError("bad kernel names")
+    return tuple(names), payload[4 + n:]
+
+
+# -- program states: a pickle of known classes only ------------------------------------------
+
+_ALLOWED = {
+    ("ggraph.backends.llvm.lowering", "Buffer"), ("ggraph.backends.llvm.lowering", "Bytes"),
+    ("ggraph.backends.llvm.lowering", "Ref"), ("ggraph.ir.dtypes", "Aval"), ("ggraph.ir.dtypes", "DimAval"),
+    ("ggraph.ir.dtypes", "ParamAval"), ("ggraph.ir.dtypes", "from_name"), ("ggraph.ir.dims", "Sym"),
+    ("ggraph.ir.graph", "Literal"), ("builtins", "frozenset"), ("builtins", "set"), ("builtins", "slice"),
+    ("numpy", "ndarray"), ("numpy", "dtype"), ("numpy.core.multiarray", "_reconstruct"),
+    ("numpy._core.multiarray", "_reconstruct"), ("numpy.core.multiarray", "scalar"),
+    ("numpy._core.multiarray", "scalar"), ("copyreg", "_reconstructor"), ("builtins", "object"),
+}
+
+
+class _Unpickler(pickle.Unpickler):
+    def find_class(self, module, name):
+        if (module, name) not in _ALLOWED:
+            raise pickle.UnpicklingError(f"a program state holds {module}.{name}, which it never should")
+        return super().find_class(module, name)
+
+
+def load_state(payload: bytes) -> dict:
+    state = _Unpickler(io.BytesIO(payload)).load()
+    if not isinstance(state, dict):
+        raise pickle.UnpicklingError("a program state is a dict")
+    return state
+
+
+def dump_state(state: dict) -> bytes:
+    return pickle.dumps(state, protocol=pickle.HIGHEST_PROTOCOL)

@@ -1,0 +1,110 @@
+"""The model validator: a file's metadata checked against its tensors, before anything is allocated.
+
+A GGUF file can lie: a block count that is off by one, a width that does not match the
+matrices, a vocabulary longer than the embedding. Each of these would surface later as a
+shape error deep in a traced op, an out-of-bounds read, or silently wrong logits. Here
+every number the shared decoder uses is checked against the tensor shapes it implies,
+and each failure is one line naming the key, the tensor and both numbers:
+
+    llama.block_count = 17 but the file has blk.0..blk.17
+    tensor blk.0.attn_q.weight is [1024,640], but llama.attention.head_count × key_length = 16 × 64
+      by llama.embedding_length = 512 say [1024,512]
+
+Architectures with a forward of their own get the checks every decoder needs (layers,
+embedding, vocabulary); their own tensors are theirs to check.
+"""
+from __future__ import annotations
+
+import re
+from typing import Mapping
+
+from ggraph.models.config import ModelConfig
+
+_BLOCK = re.compile(r"blk\.(\d+)\.")
+
+
+def _fmt(shape) -> str:
+    return "[" + ",".join(map(str, shape)) + "]"
+
+
+def check(cfg: ModelConfig, tensors: Mapping, metadata: Mapping, shared_decoder: bool = True) -> None:
+    """Raise ValueError naming the key and tensor unless the metadata and the tensors agree."""
+    a = cfg.arch
+    layers = sorted({int(m.group(1)) for n in tensors if (m := _BLOCK.match(n))})
+    if layers and (layers[-1] >= cfg.n_layer or len(layers) != cfg.n_layer):
+        have = f"blk.{layers[0]}..blk.{layers[-1]}" + ("" if len(layers) == layers[-1] - layers[0] + 1
+                                                         else f" ({len(layers)} of them)")
+        raise ValueError(f"{a}.block_count = {cfg.n_layer} but the file has {have}")
+    if not layers and shared_decoder and cfg.n_layer:
+        raise ValueError(f"{a}.block_count = {cfg.n_layer} but the file has no blk.N tensors")
+    emb = tuple(tensors["token_embd.weight"].shape)
+    tokens = metadata.get("tokenizer.ggml.tokens")
+    if tokens is not None and len(tokens) != emb[0]:
+        raise ValueError(f"tokenizer.ggml.tokens has {len(tokens)} entries but token_embd.weight has {emb[0]} rows")
+    for k, v in metadata.items():
+        if k.startswith("tokenizer.ggml.") and k.endswith("_token_id") and isinstance(v, int) and not 0 <= v < emb[0]:
+            raise ValueError(f"{k} = {v} is outside the vocabulary of {emb[0]} tokens (token_embd.weight rows)")
+    eog = metadata.get("tokenizer.ggml.eog_token_ids")
+    if eog is not None:
+        bad = [int(i) for i in eog if not (isinstance(i, int) and 0 <= i < emb[0])]
+        if bad:
+            raise ValueError(f"tokenizer.ggml.eog_token_ids holds {bad[0]}, outside the vocabulary of {emb[0]} tokens")
+    if cfg.n_vocab != emb[0]:
+        raise ValueError(f"the vocabulary has {cfg.n_vocab} tokens ({a}.vocab_size or tokenizer.ggml.tokens) but "
+                         f"token_embd.weight has {emb[0]} rows")
+    if shared_decoder:
+        for name, (want, why) in expected_shapes(cfg, set(tensors)).items():
+            if name not in tensors:
+                raise ValueError(f"tensor {name} is missing ({why} says the {a} decoder needs {_fmt(want)})")
+            got = tuple(tensors[name].shape)
+            if got != want:
+                raise ValueError(f"tensor {name} is {_fmt(got)}, but {why} say {_fmt(want)}")
+
+
+def expected_shapes(cfg: ModelConfig, names: set) -> dict[str, tuple[tuple, str]]:
+    """Each tensor the shared decoder reads: its shape (numpy order, out × in) and the keys that say so."""
+    a = cfg.arch
+    D, V, F = cfg.n_embd, cfg.n_vocab, cfg.n_ff
+    H, Hkv, Dh, Dv = cfg.n_head, cfg.n_head_kv, cfg.head_dim, cfg.head_dim_v
+    d = f"{a}.embedding_length = {D}"
+    q = f"{a}.attention.head_count × key_length = {H} × {Dh}"
+    kv = f"{a}.attention.head_count_kv × key_length = {Hkv} × {Dh}"
+    vv = f"{a}.attention.head_count_kv × value_length = {Hkv} × {Dv}"
+    ff = f"{a}.feed_forward_length = {F}"
+    out = {"token_embd.weight": ((V, D), f"the vocabulary of {V} by {d}"),
+           "output_norm.weight": ((D,), d)}
+    if not cfg.tied_output:
+        out["output.weight"] = ((V, D), f"the vocabulary of {V} by {d}")
+    if cfg.rope_freq_factors:
+        for which in ("long", "short"):
+            if f"rope_factors_{which}.weight" in names:
+                out[f"rope_factors_{which}.weight"] = ((cfg.rope_dims // 2,),
+                                                       f"{a}.rope.dimension_count = {cfg.rope_dims} halved")
+    for i in range(cfg.n_layer):
+        b = f"blk.{i}."
+        out[b + "attn_norm.weight"] = ((D,), d)
+        if cfg.fused_qkv:
+            out[b + "attn_qkv.weight"] = (((H + 2 * Hkv) * Dh, D), f"({q}) + 2 × ({kv}) by {d}")
+        else:
+            out[b + "attn_q.weight"] = ((H * Dh, D), f"{q} by {d}")
+            out[b + "attn_k.weight"] = ((Hkv * Dh, D), f"{kv} by {d}")
+            out[b + "attn_v.weight"] = ((Hkv * Dv, D), f"{vv} by {d}")
+        if cfg.qkv_bias:
+            out[b + "attn_q.bias"] = ((H * Dh,), q)
+            out[b + "attn_k.bias"] = ((Hkv * Dh,), kv)
+            out[b + "attn_v.bias"] = ((Hkv * Dv,), vv)
+        if cfg.qk_norm:
+            out[b + "attn_q_norm.weight"] = ((Dh,), f"{a}.attention.key_length = {Dh}")
+            out[b + "attn_k_norm.weight"] = ((Dh,), f"{a}.attention.key_length = {Dh}")
+        out[b + "attn_output.weight"] = ((D, H * Dv), f"{d} by {a}.attention.head_count × value_length = {H} × {Dv}")
+        out[b + "ffn_norm.weight"] = ((D,), d)
+        if cfg.post_norms:
+            out[b + "post_attention_norm.weight"] = ((D,), d)
+            out[b + "post_ffw_norm.weight"] = ((D,), d)
+        if cfg.fused_gate_up:
+            out[b + "ffn_up.weight"] = ((2 * F, D), f"2 × {ff} (gate and up) by {d}")
+        else:
+            out[b + "ffn_gate.weight"] = ((F, D), f"{ff} by {d}")
+            out[b + "ffn_up.weight"] = ((F, D), f"{ff} by {d}")
+        out[b + "ffn_down.weight"] = ((D, F), f"{d} by {ff}")
+    return out

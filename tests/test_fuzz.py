@@ -1,0 +1,283 @@
+"""Hostile input never crashes, hangs or eats the machine: each case runs in a subprocess with a timeout
+and a memory cap, and must end in one clean error line (or a correct run), never a traceback or a signal.
+
+The corpus is made here: lying metadata and tensors (written with ggraph's GGUF writer from a zoo
+model), corrupt bytes, bad arguments to every verb, API misuse, damaged compile caches, and
+templates that would run forever. ``CLASSES`` names the classes the note reports counts for.
+"""
+from __future__ import annotations
+
+import os
+import random
+import resource
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import zoo
+from gguf_edit import edited, read
+from ggraph.gguf import Typed, write
+
+MEMORY_CAP = 6 << 30                  # the address space a case may take: beyond it is a failure
+TIMEOUT = 120
+
+
+def _cap():
+    resource.setrlimit(resource.RLIMIT_AS, (MEMORY_CAP, MEMORY_CAP))
+
+
+def run(args, env=None, stdin=None, timeout=TIMEOUT, python=False):
+    """``ggraph ARGS`` (or ``python -c ARGS[0]``) in a capped subprocess: (exit code, stdout, stderr)."""
+    cmd = [sys.executable, "-c", args[0]] if python else [sys.executable, "-m", "ggraph.cli", *map(str, args)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, preexec_fn=_cap,
+                          env={**os.environ, **(env or {})}, input=stdin)
+    return done.returncode, done.stdout, done.stderr
+
+
+def assert_clean_error(rc, out, err, *expect):
+    """Exit 1 with one error line (warnings and progress aside) that says each of ``expect``."""
+    lines = [ln for ln in err.splitlines() if ln.strip() and not ln.startswith("ggraph: warning:")
+             and "\r" not in ln]
+    assert rc == 1, (rc, out[-500:], err[-2000:])
+    assert "Traceback" not in err and len(lines) == 1, err[-2000:]
+    for e in expect:
+        assert e in lines[0], (e, lines[0])
+
+
+@pytest.fixture(scope="module")
+def base():
+    return zoo.cached_model("llama", "q8_0")
+
+
+@pytest.fixture(scope="module")
+def corpus(base, tmp_path_factory):
+    """name -> lying file, each made from the base llama model."""
+    d = tmp_path_factory.mktemp("fuzz")
+    meta, tensors, _ = read(base)
+    files = {}
+
+    def lie(name, **kw):
+        files[name] = edited(base, d / f"{name}.gguf", **kw)
+
+    lie("block_count_short", keys={"llama.block_count": 1})
+    lie("block_count_long", keys={"llama.block_count": 3})
+    lie("block_count_huge", keys={"llama.block_count": 2 ** 32 - 1})
+    lie("block_count_float", keys={"llama.block_count": Typed(2.0, "f32")})
+    lie("embedding_narrow", keys={"llama.embedding_length": 32})
+    lie("head_count_zero", keys={"llama.attention.head_count": 0})
+    lie("head_count_odd", keys={"llama.attention.head_count": 3})
+    lie("head_count_kv_huge", keys={"llama.attention.head_count_kv": 2 ** 20})
+    lie("key_length_huge", keys={"llama.attention.key_length": 2 ** 20})
+    lie("ffn_length_wrong", keys={"llama.feed_forward_length": 100})
+    lie("rope_base_zero", keys={"llama.rope.freq_base": 0.0})
+    lie("rope_base_nan", keys={"llama.rope.freq_base": float("nan")})
+    lie("epsilon_negative", keys={"llama.attention.layer_norm_rms_epsilon": -1.0})
+    lie("rope_dims_odd", keys={"llama.rope.dimension_count": 15})
+    tokens = list(meta["tokenizer.ggml.tokens"].value)
+    lie("vocab_longer_than_embedding", keys={
+        "tokenizer.ggml.tokens": tokens + ["<extra>"],
+        "tokenizer.ggml.scores": list(meta["tokenizer.ggml.scores"].value) + [0.0],
+        "tokenizer.ggml.token_type": list(meta["tokenizer.ggml.token_type"].value) + [1]})
+    data, dtype, (_, width) = tensors["output.weight"]
+    lie("output_rows_short", tensors={"output.weight": (data[:10 * dtype.row_bytes(width)], dtype, (10, width))})
+    lie("norm_one_element", tensors={"blk.0.attn_norm.weight": np.ones(1, np.float32)})
+    lie("missing_ffn_down", tensors={"blk.1.ffn_down.weight": None})
+    lie("eos_out_of_range", keys={"tokenizer.ggml.eos_token_id": Typed(10 ** 6, "u32")})
+    lie("eog_list_out_of_range", keys={"tokenizer.ggml.eog_token_ids": Typed([2, 10 ** 6], "i32")})
+    lie("unknown_arch", rename_arch="mamba")
+    lie("array_file_type", keys={"general.file_type": Typed([1, 2], "u32")})
+    lie("nan_metadata", keys={"ggraph.fuzz.value": Typed(float("nan"), "f32")})
+    raw = base.read_bytes()
+    files["truncated_header"] = d / "truncated.gguf"
+    files["truncated_header"].write_bytes(raw[:200])
+    files["truncated_data"] = d / "truncated_data.gguf"
+    files["truncated_data"].write_bytes(raw[:len(raw) // 2])
+    flipped = bytearray(raw)
+    for i in random.Random(0).sample(range(24, 4000), 40):
+        flipped[i] ^= 0xFF
+    files["flipped_header"] = d / "flipped.gguf"
+    files["flipped_header"].write_bytes(bytes(flipped))
+    files["empty"] = d / "empty.gguf"
+    files["empty"].write_bytes(b"")
+    files["zero_element_tensor"] = d / "zero.gguf"
+    write(files["zero_element_tensor"], {"general.architecture": "llama"}, {"t": np.zeros((0,), np.float32)})
+    files["fifo"] = d / "fifo.gguf"
+    os.mkfifo(files["fifo"])
+    return files
+
+
+LYING = {  # file: what the one error line must say
+    "block_count_short": "llama.block_count = 1 but the file has blk.0..blk.1",
+    "block_count_long": "llama.block_count = 3 but the file has blk.0..blk.1",
+    "block_count_huge": "llama.block_count = 4294967295 but the file has blk.0..blk.1",
+    "block_count_float": "llama.block_count = 2.0: must be an integer",
+    "embedding_narrow": "llama.embedding_length = 32",
+    "head_count_zero": "llama.attention.head_count = 0: must be an integer of at least 1",
+    "head_count_odd": "llama.attention.head_count = 3 is not a multiple of",
+    "head_count_kv_huge": "llama.attention.head_count = 4 is not a multiple of llama.attention.head_count_kv",
+    "key_length_huge": "llama.attention.head_count × key_length = 4 × 1048576",
+    "ffn_length_wrong": "llama.feed_forward_length = 100",
+    "rope_base_zero": "llama.rope.freq_base = 0.0: must be a finite number greater than 0",
+    "rope_base_nan": "llama.rope.freq_base = nan: must be a finite number greater than 0",
+    "epsilon_negative": "llama.attention.layer_norm_rms_epsilon = -1.0",
+    "rope_dims_odd": "llama.rope.dimension_count = 15 must be even",
+    "vocab_longer_than_embedding": "tokenizer.ggml.tokens has 32001 entries but token_embd.weight has 32000 rows",
+    "output_rows_short": "tensor output.weight is [10,64], but the vocabulary of 32000",
+    "norm_one_element": "tensor blk.0.attn_norm.weight is [1], but llama.embedding_length = 64 say [64]",
+    "missing_ffn_down": "tensor blk.1.ffn_down.weight is missing",
+    "eos_out_of_range": "tokenizer.ggml.eos_token_id = 1000000 is outside the vocabulary",
+    "eog_list_out_of_range": "tokenizer.ggml.eog_token_ids holds 1000000, outside the vocabulary",
+    "unknown_arch": "unsupported architecture 'mamba'",
+    "truncated_header": "truncated.gguf",
+    "truncated_data": "truncated_data.gguf",
+    "flipped_header": "flipped.gguf",
+    "empty": "the file is empty",
+    "fifo": "not a regular file",
+}
+
+
+@pytest.mark.parametrize("name", sorted(LYING))
+def test_lying_and_corrupt_files(corpus, name):
+    for verb in (["run", "-p", "hi", "-n", 2, "--ctx", 32], ["dump", "--layer", 0, "--ctx", 32]):
+        rc, out, err = run([verb[0], corpus[name], *verb[1:]], timeout=60)
+        assert_clean_error(rc, out, err, LYING[name])
+
+
+def test_inspect_survives_odd_but_valid_files(corpus):
+    for name in ("zero_element_tensor", "array_file_type", "nan_metadata"):
+        rc, out, err = run(["inspect", corpus[name]])
+        assert rc == 0 and "Traceback" not in err, (name, err)
+        rc, out, err = run(["inspect", "--json", corpus[name]])
+        assert rc == 0 and "NaN" not in out.replace('"nan"', "") and "Infinity" not in out, (name, out[-300:])
+
+
+ARGS = {  # argv after the model: what the one error line must say
+    "threads_1000": (["run", "-p", "hi", "-t", 1000], "threads must be a whole number in 1.."),
+    "threads_zero": (["run", "-p", "hi", "-t", 0], "threads must be a whole number in 1.."),
+    "temp_nan": (["run", "-p", "hi", "--temp", "nan"], "temperature must be a finite number"),
+    "penalty_nan": (["run", "-p", "hi", "--repeat-penalty", "nan"], "repeat_penalty must be a finite number"),
+    "top_p_two": (["run", "-p", "hi", "--top-p", 2], "top_p must be in (0, 1]"),
+    "n_negative": (["run", "-p", "hi", "-n", -1], "--n-predict must be >= 0"),
+    "ctx_zero": (["run", "-p", "hi", "--ctx", 0], "ctx must be a positive whole number"),
+    "ctx_huge": (["run", "-p", "hi", "--ctx", 10 ** 9], "the KV cache (ctx 1000000000"),
+    "max_memory_tiny": (["run", "-p", "hi", "--max-memory", "1K"], "more than the --max-memory limit of 1.00 KiB"),
+    "max_memory_junk": (["run", "-p", "hi", "--max-memory", "lots"], "memory size 'lots'"),
+    "no_pass_typo": (["run", "-p", "hi", "--no-pass", "fuse_everything"], "unknown pass(es) fuse_everything"),
+    "passes_typo": (["run", "-p", "hi", "--passes", "dce,fuze"], "unknown pass(es) fuze"),
+    "bench_repeats_zero": (["bench", "--repeats", 0], "--repeats must be at least 1"),
+    "bench_pp_junk": (["bench", "-p", "x"], "--pp must be a comma-separated list of integers"),
+    "bench_threads_huge": (["bench", "-t", "1,999"], "threads must be a whole number in 1.."),
+    "dump_layer_999": (["dump", "--layer", 999], "--layer 999: the model has layers 0..1"),
+    "dump_png_no_file": (["dump", "--format", "png"], "give -o FILE"),
+    "diff_bad_tokens": (["diff", "--tokens", "1,x"], "--tokens must be comma-separated integers"),
+    "diff_tokens_range": (["diff", "--tokens", "5,99999999"], "need token ids in [0, 32000)"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(ARGS))
+def test_bad_arguments(base, name):
+    argv, expect = ARGS[name]
+    rc, out, err = run([argv[0], base, *argv[1:]], timeout=60)
+    assert_clean_error(rc, out, err, expect)
+    assert out == "", "nothing is printed before the arguments are checked"
+
+
+def test_missing_and_odd_paths(tmp_path):
+    for path, expect in ((tmp_path / "nope.gguf", "No such file"), (tmp_path, "not a regular file")):
+        rc, out, err = run(["run", path, "-p", "hi"])
+        assert_clean_error(rc, out, err, expect)
+    rc, out, err = run(["run", "--plugin", tmp_path / "nope.py", "--demo", "-p", "hi"])
+    assert_clean_error(rc, out, err, "no such file")
+
+
+API = {  # python snippet (with `s`, a Session of the base model, and np): the exception it must raise
+    "n_past_is_read_only": ("s.n_past = -1000", "AttributeError"),
+    "negative_P": ("s.program(True).run_inputs([np.array([2], np.int32), -5, *s.k_cache, *s.v_cache])",
+                   "ValueError: input P = -5: a dim cannot be negative"),
+    "P_beyond_ctx": ("s.program(True).run_inputs([np.array([2, 3], np.int32), 31, *s.k_cache, *s.v_cache])",
+                     "32 rows"),
+    "P_wraps_i32": ("s.program(True).run_inputs([np.array([2], np.int32), 2**40, *s.k_cache, *s.v_cache])",
+                    "does not fit i32"),
+    "float_ids": ("s.step([1.7])", "TypeError: token ids must be integers"),
+    "string_ids": ("s.step(['2'])", "TypeError: token ids must be integers"),
+    "wrapping_ids": ("s.step([np.int64(2**32 + 1)])", "token id 4294967297 is outside the vocabulary"),
+    "truncate_beyond": ("s.step([2, 3]); s.truncate(5)", "truncate: n must be a whole number in 0..2"),
+    "context_full": ("s.step(list(range(2, 40)))", "ContextFullError: context full"),
+    "cache_of_wrong_shape": ("s.program(True).run_inputs([np.array([2], np.int32), 0, "
+                             "*[np.zeros((8, 2, 16), np.float32)] * 4])", "expected shape"),
+}
+
+
+@pytest.mark.parametrize("backend", ["llvm", "numpy"])
+@pytest.mark.parametrize("name", sorted(API))
+def test_api_misuse(base, name, backend):
+    code, expect = API[name]
+    snippet = textwrap.dedent(f"""
+        import numpy as np
+        from ggraph.runtime import Session
+        s = Session({str(base)!r}, backend={backend!r}, ctx=32)
+        try:
+            {code}
+        except Exception as e:
+            print(f"{{type(e).__name__}}: {{e}}")
+        else:
+            print("no error")
+        s.reset(); print("still runs:", s.step([2, 3]).shape)
+    """)
+    rc, out, err = run([snippet], python=True, timeout=60)
+    assert rc == 0 and "Traceback" not in err, (rc, err[-2000:])
+    assert expect in out and "still runs: (1, 32000)" in out, out
+
+
+def _run_text(env):
+    return run(["run", zoo.cached_model("llama", "q8_0"), "-p", "Hello", "-n", 6, "--temp", 0, "--ctx", 32], env=env)
+
+
+def test_damaged_compile_caches_heal(tmp_path):
+    env = {"GGRAPH_CACHE": str(tmp_path / "cache")}
+    rc, want, err = _run_text(env)
+    assert rc == 0, err
+    entries = sorted((tmp_path / "cache").rglob("*.program")) + sorted((tmp_path / "cache").rglob("*.kernel"))
+    assert len(entries) > 3
+    rng = random.Random(1)
+    damages = []
+    for path in entries:
+        data = bytearray(path.read_bytes())
+        for how in ("flip", "zero", "truncate"):
+            bad = bytearray(data)
+            if how == "flip":
+                for i in rng.sample(range(len(bad)), 8):
+                    bad[i] ^= 1 << rng.randrange(8)
+            elif how == "zero":
+                bad[40:] = bytes(len(bad) - 40)
+            else:
+                bad = bad[:len(bad) // 3]
+            damages.append((path, how, bytes(bad), bytes(data)))
+    for path, how, bad, good in rng.sample(damages, 12):
+        path.write_bytes(bad)
+        rc, out, err = _run_text(env)
+        assert rc == 0 and out == want and "Traceback" not in err, (path.name, how, err[-1500:])
+        assert "is damaged" in err, (path.name, how, err)
+        rc, out, err = _run_text(env)                      # healed: the next run is quiet
+        assert rc == 0 and out == want and "warning" not in err, (path.name, how, err)
+
+
+def test_an_unwritable_cache_compiles_in_memory(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    rc, out, err = _run_text({"GGRAPH_CACHE": str(blocker / "cache")})
+    assert rc == 0 and "Hello" in out and "Traceback" not in err
+    assert "cannot write the compile cache" in err and err.count("cannot write the compile cache") == 1
+
+
+def test_a_hostile_chat_template_is_stopped(base, tmp_path):
+    model = edited(base, tmp_path / "chat.gguf", keys={
+        "tokenizer.chat_template": Typed("{% for i in range(10**6) %}{% for j in range(10**6) %}x{% endfor %}"
+                                         "{% endfor %}", "str")})
+    rc, out, err = run(["run", model, "-p", "hi", "--chat", "-n", 2, "--ctx", 32], timeout=60)
+    assert_clean_error(rc, out, err, "chat template")
+
