@@ -61,3 +61,12 @@ def test_help_teaches(capsys):
     with pytest.raises(SystemExit):
         main(["run", "--help"])
     assert "example: ggraph run --demo" in capsys.readouterr().out
+
+
+def test_bench_says_llama_cpp_is_missing_before_measuring(small_file, capsys, monkeypatch):
+    import importlib.util
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llama_cpp" else real(name, *a))
+    assert main(["bench", str(small_file), "--vs-llama-cpp"]) == 1
+    out, err = capsys.readouterr()
+    assert out == "" and "--vs-llama-cpp needs llama-cpp-python" in err and "Traceback" not in err
