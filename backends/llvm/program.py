@@ -199,7 +199,7 @@ class LLVMProgram(Program):
             n = eval_dim(rows, dims)
             if n > capacity:
                 raise ValueError(f"{what}, but this step needs rows up to {n} "
-                                 f"({' + '.join(f'{k}={v}' for k, v in sorted(dims.items()))})")
+                                 f"({', '.join(f'{k}={v}' for k, v in sorted(dims.items()))})")
         for v, i in self.spec.input_index.items():
             self._bind(i, values[v])
         self._layout(dims)
