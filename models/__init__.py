@@ -55,9 +55,13 @@ class Model:
                      self.weights, name=f"{cfg.arch}_{'last' if last_only else 'all'}")
 
     def _rope_factors_name(self, ctx: int) -> str | None:
+        """The tensor of rope frequency factors: llama 3.1+'s rope_freqs, or phi3's long (past the original
+        context) or short factors, as llama.cpp's get_rope_factors picks them."""
         if not self.config.rope_freq_factors:
             return None
-        long = ctx > self.config.n_ctx_orig
+        if self.config.rope_freq_factors == "rope_freqs":
+            return "rope_freqs.weight"
+        long = ctx > (self.config.n_ctx_orig or self.config.n_ctx_train)
         name = f"rope_factors_{'long' if long else 'short'}.weight"
         if name not in self.file.tensors:
             other = f"rope_factors_{'short' if long else 'long'}.weight"

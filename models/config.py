@@ -11,6 +11,7 @@ import math
 from typing import Mapping
 
 from ggraph.models.registry import architecture
+from ggraph.models.rope import SCALING_TYPES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,12 +30,17 @@ class ModelConfig:
     rope_base: float
     rope_dims: int                      # rotary dims per head (partial rotary when < head_dim)
     rope_style: str = "neox"            # "interleaved" (llama) or "neox"
-    rope_scale: float = 1.0             # positions are multiplied by this (1 / linear scaling factor)
+    rope_scaling_type: str = "linear"   # rope.scaling.type: none, linear, yarn, longrope (models/rope.py)
+    rope_scaling_factor: float = 1.0    # rope.scaling.factor: the context is stretched this many times
+    rope_attn_factor: float = 1.0       # rope.scaling.attn_factor: multiplies rope's cos and sin
+    n_ctx_orig: int = 0                 # rope.scaling.original_context_length (0: context_length)
+    yarn_beta_fast: float = 32.0        # yarn: the ramp of pairs between extrapolation and interpolation
+    yarn_beta_slow: float = 1.0
+    yarn_log_mul: float = 0.0           # YaRN mscale_all_dims (llama.cpp reads these three for other families only)
     rope_base_local: float | None = None   # sliding-window layers' own rope base and scale (gemma3)
     rope_scale_local: float | None = None
-    rope_freq_factors: str | None = None   # tensors dividing rope frequencies (phi3's rope_factors_*)
-    n_ctx_orig: int = 0                 # phi3: contexts longer than this use rope_factors_long
-    rope_mscale: float = 1.0            # rope.scaling.attn_factor: multiplies rope's cos and sin
+    rope_freq_factors: str | None = None   # tensors dividing rope frequencies: "rope_freqs" (llama 3.1+),
+    #                                        "rope_factors" (phi3's _long/_short, by context length)
     act: str = "silu"                   # gated FFN activation: silu or gelu_tanh
     fused_qkv: bool = False             # one attn_qkv weight (phi3)
     fused_gate_up: bool = False         # ffn_up holds gate then up (phi3)
@@ -50,12 +56,6 @@ class ModelConfig:
     tied_output: bool = False           # no output.weight: logits use token_embd
     extra: Mapping = dataclasses.field(default_factory=dict, compare=False, hash=False)
     #                                     flags of an architecture with its own forward that are not fields here
-
-    def layer_rope(self, i: int) -> tuple[float, float]:
-        """(base, position scale) of layer i's rope: local layers may have their own."""
-        if self.rope_base_local is not None and self.is_swa(i):
-            return self.rope_base_local, self.rope_scale_local or 1.0
-        return self.rope_base, self.rope_scale
 
     def is_swa(self, i: int) -> bool:
         return bool(self.swa_layers) and self.swa_layers[i]
@@ -90,9 +90,10 @@ def config_from_gguf(metadata: Mapping, tensor_names, embedding_rows: int = 0) -
     tokens = metadata.get("tokenizer.ggml.tokens")
     n_vocab = keys.int("vocab_size", len(tokens) if tokens is not None else embedding_rows, minimum=0)
     scale_type = key("rope.scaling.type", "linear")          # llama.cpp's default
-    if scale_type not in ("none", "linear"):
-        raise ValueError(f"{arch}.rope.scaling.type {scale_type!r} is not supported (none, linear)")
-    scale_factor = keys.float("rope.scaling.factor", 1.0, zero_means_default=True)
+    if scale_type not in SCALING_TYPES:
+        raise ValueError(f"{arch}.rope.scaling.type {scale_type!r} is not supported ({', '.join(SCALING_TYPES)})")
+    scale_factor = keys.float("rope.scaling.factor", keys.float("rope.scale_linear", 1.0, zero_means_default=True),
+                              zero_means_default=True)
     rope_dims = keys.int("rope.dimension_count", head_dim)
     if rope_dims % 2 or rope_dims > head_dim:
         raise ValueError(f"{arch}.rope.dimension_count = {rope_dims} must be even and at most the head dim "
@@ -107,9 +108,11 @@ def config_from_gguf(metadata: Mapping, tensor_names, embedding_rows: int = 0) -
         n_ctx_train=keys.int("context_length", 2048),
         rope_base=keys.float("rope.freq_base", 10000.0),
         rope_dims=rope_dims,
-        rope_scale=1.0 / scale_factor if scale_type == "linear" else 1.0,
+        rope_scaling_type=scale_type,
+        rope_scaling_factor=scale_factor,
+        rope_attn_factor=keys.float("rope.scaling.attn_factor", 1.0),
+        n_ctx_orig=keys.int("rope.scaling.original_context_length", 0, minimum=0),   # 0: context_length
         sliding_window=window,
-        rope_mscale=keys.float("rope.scaling.attn_factor", 1.0),
         tied_output="output.weight" not in names,
     )
     try:

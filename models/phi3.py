@@ -9,10 +9,9 @@ def flags(key, names, n_layer) -> dict:
     factors = None
     if "rope_factors_long.weight" in names or "rope_factors_short.weight" in names:
         factors = "rope_factors"       # the decoder picks _long or _short by context length
-    return dict(rope_style="neox", act="silu", fused_qkv="blk.0.attn_qkv.weight" in names,
-                fused_gate_up="blk.0.ffn_gate.weight" not in names, rope_freq_factors=factors,
-                sliding_window=None, n_ctx_orig=int(key("rope.scaling.original_context_length",
-                                                        key("context_length", 4096))))
+    flags = dict(rope_style="neox", act="silu", fused_qkv="blk.0.attn_qkv.weight" in names,
+                 fused_gate_up="blk.0.ffn_gate.weight" not in names, sliding_window=None)
+    return flags | ({"rope_freq_factors": factors} if factors else {})
 
 
 register_architecture("phi3", flags)

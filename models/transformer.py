@@ -9,6 +9,7 @@ from __future__ import annotations
 from ggraph import ops
 from ggraph.ir.dims import Sym
 from ggraph.models.config import ModelConfig
+from ggraph.models.rope import layer_rope
 from ggraph.ir.trace import scope
 
 
@@ -70,9 +71,12 @@ def attention(cfg: ModelConfig, blk: Layer, i: int, x, pos, P, k_cache, v_cache,
     if cfg.qk_norm:
         q = ops.rms_norm(q, blk["attn_q_norm.weight"], eps=cfg.norm_eps)
         k = ops.rms_norm(k, blk["attn_k_norm.weight"], eps=cfg.norm_eps)
-    base, scale = cfg.layer_rope(i)
-    rope = dict(base=base, scale=scale, dims=cfg.rope_dims, style=cfg.rope_style, freq_factors=rope_factors,
-                mscale=cfg.rope_mscale)
+    lr = layer_rope(cfg, i)
+    factors = rope_factors
+    if lr.factors is not None:                                                     # yarn: one constant per pair
+        factors = ops.to_tracer(lr.factors) if factors is None else factors * ops.to_tracer(lr.factors)
+    rope = dict(base=lr.base, scale=lr.scale, dims=cfg.rope_dims, style=cfg.rope_style, freq_factors=factors,
+                mscale=lr.mscale)                                                  # q and k share these
     q, k = ops.rope(q, pos, **rope), ops.rope(k, pos, **rope)
     window = cfg.sliding_window if cfg.is_swa(i) else None
     o, k_cache, v_cache = ops.attention(q, k, v, k_cache, v_cache, P, scale=cfg.scale, window=window,

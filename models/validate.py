@@ -75,11 +75,9 @@ def expected_shapes(cfg: ModelConfig, names: set) -> dict[str, tuple[tuple, str]
            "output_norm.weight": ((D,), d)}
     if not cfg.tied_output:
         out["output.weight"] = ((V, D), f"the vocabulary of {V} by {d}")
-    if cfg.rope_freq_factors:
-        for which in ("long", "short"):
-            if f"rope_factors_{which}.weight" in names:
-                out[f"rope_factors_{which}.weight"] = ((cfg.rope_dims // 2,),
-                                                       f"{a}.rope.dimension_count = {cfg.rope_dims} halved")
+    for name in ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"):
+        if cfg.rope_freq_factors and name in names:
+            out[name] = ((cfg.rope_dims // 2,), f"{a}.rope.dimension_count = {cfg.rope_dims} halved")
     for i in range(cfg.n_layer):
         b = f"blk.{i}."
         out[b + "attn_norm.weight"] = ((D,), d)

@@ -77,6 +77,12 @@ def corpus(base, tmp_path_factory):
     lie("rope_base_nan", keys={"llama.rope.freq_base": float("nan")})
     lie("epsilon_negative", keys={"llama.attention.layer_norm_rms_epsilon": -1.0})
     lie("rope_dims_odd", keys={"llama.rope.dimension_count": 15})
+    lie("rope_scaling_unknown", keys={"llama.rope.scaling.type": "dynamic"})
+    lie("rope_factor_negative", keys={"llama.rope.scaling.type": "yarn", "llama.rope.scaling.factor": -4.0})
+    lie("rope_attn_factor_nan", keys={"llama.rope.scaling.attn_factor": float("nan")})
+    lie("rope_orig_ctx_negative", keys={"llama.rope.scaling.type": "yarn", "llama.rope.scaling.factor": 4.0,
+                                        "llama.rope.scaling.original_context_length": Typed(-1, "i32")})
+    lie("rope_freqs_wrong_shape", tensors={"rope_freqs.weight": np.ones(5, np.float32)})
     tokens = list(meta["tokenizer.ggml.tokens"].value)
     lie("vocab_longer_than_embedding", keys={
         "tokenizer.ggml.tokens": tokens + ["<extra>"],
@@ -125,6 +131,11 @@ LYING = {  # file: what the one error line must say
     "rope_base_nan": "llama.rope.freq_base = nan: must be a finite number greater than 0",
     "epsilon_negative": "llama.attention.layer_norm_rms_epsilon = -1.0",
     "rope_dims_odd": "llama.rope.dimension_count = 15 must be even",
+    "rope_scaling_unknown": "llama.rope.scaling.type 'dynamic' is not supported (none, linear, yarn, longrope)",
+    "rope_factor_negative": "llama.rope.scaling.factor = -4.0",
+    "rope_attn_factor_nan": "llama.rope.scaling.attn_factor = nan",
+    "rope_orig_ctx_negative": "llama.rope.scaling.original_context_length = -1: must be an integer of at least 0",
+    "rope_freqs_wrong_shape": "tensor rope_freqs.weight is [5], but llama.rope.dimension_count = 16 halved say [8]",
     "vocab_longer_than_embedding": "tokenizer.ggml.tokens has 32001 entries but token_embd.weight has 32000 rows",
     "output_rows_short": "tensor output.weight is [10,64], but the vocabulary of 32000",
     "norm_one_element": "tensor blk.0.attn_norm.weight is [1], but llama.embedding_length = 64 say [64]",

@@ -5,7 +5,7 @@ import pytest
 import oracle
 import zoo
 from ggraph.runtime.session import Session
-from test_models import ARCHS, agreement, prompt_ids
+from test_models import ARCHS, ROPE_VARIANTS, agreement, prompt_ids
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -22,6 +22,17 @@ def test_logits_match_llama_cpp(arch, mix):
     assert cos >= 0.995 and top1 >= 0.9, (cos, top1)
     if mix in ("q8_0", "q4_k_m"):         # far tighter than the bar (gemma2's tanh softcaps cost a little)
         assert cos > 0.9995 and top1 >= 0.95, (cos, top1)
+
+
+@pytest.mark.parametrize("variant", ["llama-rope_freqs-yarn", "gemma3-yarn", "phi3-longrope"])
+def test_rope_scaling_matches_llama_cpp(variant):
+    """Rope scaling reaches the fused rope+attention kernel: per-pair factors, mscale, local layers."""
+    arch, over = ROPE_VARIANTS[variant]
+    path = zoo.cached_model(arch, "f32", **over)
+    ids = prompt_ids(60)
+    cos, top1 = agreement(Session(path, backend="llvm", threads=2, ctx=128).logits(ids),
+                          oracle.llama_logits(path, ids, n_ctx=128))
+    assert cos > 0.9999 and top1 == 1.0, (cos, top1)
 
 
 def test_thread_counts_give_identical_logits():

@@ -64,6 +64,30 @@ def test_phi3_long_rope_factors_and_attn_factor():
     assert cos > 0.99999
 
 
+ROPE_VARIANTS = {   # positions run past each variant's original context
+    "llama-rope_freqs": ("llama", dict(rope_freqs=True)),
+    "llama-rope_freqs-yarn": ("llama", dict(rope_freqs=True, rope_scaling=dict(type="yarn", factor=4.0, orig_ctx=16))),
+    "llama-linear": ("llama", dict(rope_scaling=dict(type="linear", factor=2.5, attn_factor=0.9))),
+    "llama-none": ("llama", dict(rope_scaling=dict(type="none", factor=4.0))),
+    "qwen2-yarn": ("qwen2", dict(rope_scaling=dict(type="yarn", factor=4.0, orig_ctx=16))),
+    "qwen2-yarn-attn_factor": ("qwen2", dict(rope_scaling=dict(type="yarn", factor=8.0, orig_ctx=32, attn_factor=1.1))),
+    "phi3-longrope": ("phi3", dict(rope_factors=True, rope_orig_ctx=32,
+                                   rope_scaling=dict(type="longrope", factor=2.0))),
+    "phi3-yarn": ("phi3", dict(rope_scaling=dict(type="yarn", factor=4.0, orig_ctx=16))),
+    "gemma2-linear": ("gemma2", dict(rope_scaling=dict(type="linear", factor=2.0))),     # local layers scale too
+    "gemma3-linear": ("gemma3", dict(rope_scaling=dict(type="linear", factor=8.0))),     # local layers do not
+    "gemma3-yarn": ("gemma3", dict(rope_base_swa=5000.0, rope_scaling=dict(type="yarn", factor=4.0, orig_ctx=16))),
+}
+
+
+@pytest.mark.parametrize("variant", ROPE_VARIANTS)
+def test_rope_scaling_matches_llama_cpp(variant):
+    """Every rope.scaling type, llama 3.1's rope_freqs and phi3's factors, past the original context."""
+    arch, over = ROPE_VARIANTS[variant]
+    cos, _ = assert_conforms(zoo.cached_model(arch, "f32", **over), prompt_ids(60))
+    assert cos > 0.9999
+
+
 @pytest.mark.parametrize("over", [dict(swa_pattern=3), dict(rope_base_swa=5000.0), dict(sliding_window=5)])
 def test_gemma_window_variants(over):
     for arch in ("gemma2", "gemma3"):

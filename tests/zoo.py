@@ -40,7 +40,13 @@ phi3 (models/phi3.cpp): rope NEOX. Fused blk.N.attn_qkv.weight rows = [q | k | v
   Optional global tensors rope_factors_long.weight / rope_factors_short.weight [n_rot/2]:
   llama-model.cpp get_rope_factors picks long when n_ctx_seq > rope.scaling.
   original_context_length (default context_length), else short. Q is scaled by
-  1/sqrt(head_dim) before attention. A phi3.attention.sliding_window key is ignored (SWA
+  1/sqrt(head_dim) before attention.
+rope scaling (llama-context.cpp, ggml-cpu/ops.cpp rope_yarn): rope.scaling.type none | linear
+  (default) | yarn | longrope, rope.scaling.factor f (freq_scale 1/f; "none" forces 1). yarn
+  mixes interpolated and extrapolated frequencies by a ramp over pairs from
+  ggml_rope_yarn_corr_dims(n_rot, original_context_length, base, 32, 1) and scales cos/sin by
+  attn_factor * (1 + 0.1 ln f) / (1 + 0.1 ln f) * (1 + 0.1 ln(1/freq_scale_l)). llama only:
+  rope_freqs.weight [n_rot/2] divides the frequencies. SWA layers: gemma2 keeps 1/f, gemma3 1. A phi3.attention.sliding_window key is ignored (SWA
   disabled in llama.cpp), so it is never written here. general.name must not contain "phi3"
   or "phi-3": llama-vocab.cpp then sets attributes on Phi-3 special tokens ("<|endoftext|>")
   and loading fails with the llama-spm vocab.
@@ -87,11 +93,14 @@ ODD_WIDTH_DIMS = dict(n_embd=320, n_ff=640, n_head=4, n_head_kv=2, head_dim=80)
 _COMMON = dict(
     n_embd=64, n_layer=2, n_head=4, n_head_kv=2, head_dim=None, n_ff=128, n_rot=None,
     n_ctx_train=4096, rms_eps=1e-6, rope_base=10000.0, tied=False, vocab="llama-spm",
+    rope_scaling=None,   # dict(type=..., factor=..., orig_ctx=..., attn_factor=...): rope.scaling.* keys
 )
+ROPE_SCALING_KEYS = {"type": ("type", "STRING"), "factor": ("factor", "FLOAT32"),
+                     "orig_ctx": ("original_context_length", "UINT32"), "attn_factor": ("attn_factor", "FLOAT32")}
 
 # per-arch defaults; a key listed here is an override the arch accepts
 ARCHS = {
-    "llama": dict(_COMMON),
+    "llama": dict(_COMMON, rope_freqs=False),       # llama 3.1+'s rope_freqs.weight
     "qwen2": dict(_COMMON, rope_base=1e6, tied=True, vocab="qwen2"),
     "phi3": dict(_COMMON, rope_factors=False, rope_orig_ctx=256, rope_attn_factor=1.2),
     "gemma2": dict(_COMMON, n_layer=4, head_dim=32, tied=True, sliding_window=8,
@@ -148,6 +157,9 @@ def _check(hp: dict) -> None:
                          f"n_embd {hp['n_embd']}")
     if arch == "qwen2" and hp["n_rot"] != hp["head_dim"]:
         raise ValueError(f"zoo: qwen2: n_rot {hp['n_rot']} must equal head_dim {hp['head_dim']}")
+    unknown = sorted(set(hp["rope_scaling"] or {}) - set(ROPE_SCALING_KEYS))
+    if unknown:
+        raise ValueError(f"zoo: {arch}: rope_scaling has no {', '.join(unknown)}; known: {', '.join(ROPE_SCALING_KEYS)}")
     if arch == "gemma2" and not hp["tied"]:
         raise ValueError("zoo: gemma2: tied=False is not supported "
                          "(llama.cpp never reads output.weight for gemma2)")
@@ -182,9 +194,12 @@ def _metadata(hp: dict) -> list[tuple[str, object, str]]:
     if pattern is not None:
         kind = "UINT32" if isinstance(pattern, int) else "ARRAY_BOOL"
         kv.append((f"{a}.attention.sliding_window_pattern", pattern, kind))
+    scaling = dict(hp["rope_scaling"] or {})
     if hp.get("rope_factors"):
-        kv.append((f"{a}.rope.scaling.original_context_length", hp["rope_orig_ctx"], "UINT32"))
-        kv.append((f"{a}.rope.scaling.attn_factor", hp["rope_attn_factor"], "FLOAT32"))
+        scaling = dict(orig_ctx=hp["rope_orig_ctx"], attn_factor=hp["rope_attn_factor"]) | scaling
+    for name, value in scaling.items():
+        key, kind = ROPE_SCALING_KEYS[name]
+        kv.append((f"{a}.rope.scaling.{key}", value, kind))
     return kv
 
 
@@ -289,6 +304,8 @@ def tensor_shapes(hp: dict) -> dict[str, tuple[int, ...]]:
     if hp.get("rope_factors"):
         shapes["rope_factors_long.weight"] = (hp["n_rot"] // 2,)
         shapes["rope_factors_short.weight"] = (hp["n_rot"] // 2,)
+    if hp.get("rope_freqs"):
+        shapes["rope_freqs.weight"] = (hp["n_rot"] // 2,)
     for i in range(hp["n_layer"]):
         b = f"blk.{i}."
         shapes[b + "attn_norm.weight"] = (d,)
@@ -321,6 +338,8 @@ def _init(name: str, shape: tuple[int, ...], rng: np.random.Generator) -> np.nda
         return np.linspace(1.0, 8.0, shape[0], dtype=np.float32)       # stretch low frequencies
     if name.startswith("rope_factors_short"):
         return np.linspace(1.0, 1.5, shape[0], dtype=np.float32)
+    if name.startswith("rope_freqs"):                                    # llama 3.1's shape: 1, a ramp, 8
+        return np.clip(np.linspace(-2.0, 11.0, shape[0]), 1.0, 8.0).astype(np.float32)
     x = rng.standard_normal(shape, dtype=np.float32)
     if name.endswith(".bias"):
         return x * np.float32(0.5)
