@@ -17,6 +17,7 @@ from ggraph.runtime.chat import CHATML_TEMPLATE, GEMMA_TEMPLATE, ChatTemplateErr
 
 MESSAGES = [{"role": "user", "content": "Hello"}, {"role": "assistant", "content": "Hi there"}]
 LIMIT_S = 0.5                   # a small time limit keeps the suite fast
+STOPPED_S = 10.0                # an attack not stopped runs for minutes; a loaded machine is slow, not wrong
 TIME = r"rendering took more than 0\.5 s \(the time limit\)"
 OUTPUT = r"exceeds 1048576 characters \(the output limit\)"
 
@@ -71,7 +72,7 @@ def failing(template: str, **limits):
 def test_long_renders_stop_at_the_time_limit(template):
     failure, seconds = failing(template, time_limit=LIMIT_S)
     failure.match(TIME)
-    assert LIMIT_S <= seconds < 3 * LIMIT_S
+    assert LIMIT_S <= seconds < STOPPED_S
 
 
 @pytest.mark.parametrize(("template", "message"), SIZE_ATTACKS.values(), ids=SIZE_ATTACKS.keys())
@@ -83,7 +84,7 @@ def test_big_values_are_refused_before_they_are_built(template, message):
     finally:
         tracemalloc.stop()
     failure.match(message)
-    assert seconds < 3 * LIMIT_S
+    assert seconds < STOPPED_S
     assert peak < 64 << 20, f"{peak / 2**20:.0f} MiB allocated"
 
 
@@ -91,7 +92,7 @@ def test_big_values_are_refused_before_they_are_built(template, message):
 def test_numbers_and_nesting_have_limits_too(template, message):
     failure, seconds = failing(template, time_limit=LIMIT_S)
     failure.match(message)
-    assert seconds < 3 * LIMIT_S
+    assert seconds < STOPPED_S
 
 
 def test_out_of_memory_is_a_chat_template_error(monkeypatch):
@@ -153,19 +154,34 @@ def test_ordinary_templates_render_within_small_limits():
 
 REAL = Path(__file__).parent / "data" / "chat-templates"
 REAL_TEMPLATES = sorted(REAL.glob("*.jinja"))
-# These use Hugging Face's {% generation %} tag, which the renderer does not know (as before the limits).
-NEEDS_GENERATION_TAG = {"LFM2.5-8B-A1B.jinja", "poolside-Laguna-S-2.1.jinja", "poolside-Laguna-XS-2.1.jinja"}
+# A tool-use template: it loops over ``tools``, which is None without them (in transformers too).
+NEEDS_TOOLS = {"NousResearch-Hermes-2-Pro-Llama-3-8B-tool_use.jinja"}
+TOOLS = [{"type": "function", "function": {"name": "now", "description": "The time.", "parameters": {
+    "type": "object", "properties": {}}}}]
 
 
 @pytest.mark.parametrize("path", REAL_TEMPLATES, ids=lambda p: p.stem)
 def test_real_templates_render(path):
-    template = path.read_text()
-    if path.name in NEEDS_GENERATION_TAG:
-        with pytest.raises(ChatTemplateError, match="does not compile: Encountered unknown tag 'generation'"):
-            render_chat(template, MESSAGES, add_generation_prompt=True)
-        return
-    text = render_chat(template, MESSAGES, add_generation_prompt=True, bos_token="<s>", eos_token="</s>")
+    tools = TOOLS if path.name in NEEDS_TOOLS else None
+    text = render_chat(path.read_text(), MESSAGES, add_generation_prompt=True, bos_token="<s>", eos_token="</s>",
+                       tools=tools, time_limit=LIMIT_S)
     assert "Hello" in text and "Hi there" in text
+
+
+def test_generation_blocks_render_their_body_within_the_limits():
+    """Hugging Face's {% generation %} (LFM2.5, poolside Laguna) is its body, whose output counts like a macro's."""
+    tagged = "{% for m in messages %}{% generation %}[{{ m['content'] }}]{% endgeneration %}{% endfor %}"
+    assert render_chat(tagged, MESSAGES, max_output=20) == "[Hello][Hi there]"
+    flood = "{% generation %}{% for i in range(100000) %}{{ 'x' * 100 }}{% endfor %}{% endgeneration %}"
+    with pytest.raises(ChatTemplateError, match="a macro's or block's output " + OUTPUT):
+        render_chat(flood, MESSAGES, time_limit=LIMIT_S)
+    spin = "{% generation %}{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}" \
+           "{% endgeneration %}"
+    failure, seconds = failing(spin, time_limit=LIMIT_S)
+    failure.match(TIME)
+    assert seconds < STOPPED_S
+    with pytest.raises(ChatTemplateError, match=r"does not compile: Unexpected end of template.*'endgeneration'"):
+        render_chat("{% generation %}x", MESSAGES)
 
 
 def test_real_templates_render_exactly():

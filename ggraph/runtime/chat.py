@@ -1,5 +1,13 @@
 """Chat templates: render a GGUF file's Jinja template in a sandbox, or a small built-in one.
 
+``render`` gives what Hugging Face transformers gives (``render_jinja_template``, 5.22.2 on), byte for byte:
+the same Jinja options (trim_blocks, lstrip_blocks, loop controls), the same ``{% generation %}`` tag,
+globals (``raise_exception``, ``strftime_now``, a ``dict`` without the type behind it, a ``namespace`` that
+refuses underscore-prefixed names), the same ``tojson`` (no HTML escaping, non-ASCII kept, its options in
+transformers' order), and the same variables: ``messages``, ``tools`` and ``documents`` (None when not given),
+``add_generation_prompt`` and every keyword argument, all rebuilt from plain JSON types first, and a
+message's reasoning copied under each name templates read it by.
+
 A template read from a GGUF file is untrusted input, so it runs in Jinja's immutable
 sandbox, made stricter here: reaching for an unsafe attribute (``__class__``,
 ``__globals__``, ``list.append`` ...) raises at once instead of quietly rendering as
@@ -18,7 +26,7 @@ spend, and a render that hits one fails with a ChatTemplateError naming it:
 - numbers (NUMBER_LIMIT digits): ``9 ** 10**8`` is refused before it runs;
 - nesting (Python's recursion limit) and memory (MemoryError) are reported as such.
 
-    render_chat(template, [{"role": "user", "content": "hi"}], bos_token="<bos>")
+    render(template, [{"role": "user", "content": "hi"}], bos_token="<bos>", enable_thinking=False)
 
 Files without a template get a built-in one by ``general.architecture``: Gemma's turn
 format for the gemma family, ChatML (``<|im_start|>role ... <|im_end|>``) for everything
@@ -27,6 +35,7 @@ else, as the most common format among the architectures ggraph runs.
 from __future__ import annotations
 
 import contextvars
+import dataclasses
 import datetime
 import functools
 import json
@@ -35,13 +44,16 @@ import re
 import string
 import sys
 import time
+from collections.abc import Mapping
 
 import jinja2
+import numpy as np
 from jinja2 import nodes
+from jinja2.ext import Extension
 from jinja2.filters import do_round, sync_do_sum
 from jinja2.runtime import Macro
 from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
-from jinja2.utils import generate_lorem_ipsum
+from jinja2.utils import Namespace, generate_lorem_ipsum
 from jinja2.visitor import NodeTransformer
 
 
@@ -109,7 +121,7 @@ class _Budget:
                                     "(the number limit)")
 
 
-_BUDGET: contextvars.ContextVar[_Budget] = contextvars.ContextVar("chat_template_budget")   # set by render_chat
+_BUDGET: contextvars.ContextVar[_Budget] = contextvars.ContextVar("chat_template_budget")   # set by render
 
 
 def _is_int(value) -> bool:
@@ -323,7 +335,7 @@ class _StrictSandbox(ImmutableSandboxedEnvironment):
     def unsafe_undefined(self, obj, attribute):
         """Refuse at once; the stock sandbox returns an Undefined that renders as ''."""
         raise SecurityError(f"access to attribute {attribute!r} of {type(obj).__name__!r} "
-                            "object is unsafe")
+                            "object is unsafe.")
 
     def call_binop(self, context, operator, left, right):
         """Refuse ``left <operator> right`` before it runs if its result would pass a limit."""
@@ -376,6 +388,8 @@ class _StrictSandbox(ImmutableSandboxedEnvironment):
         return "".join(parts)
 
 
+# ---------------------------------------------------------------- what Hugging Face adds to Jinja
+
 def _raise_exception(message: str):
     """Hugging Face templates call this to reject a conversation."""
     raise ChatTemplateError(f"chat template raised: {message}")
@@ -386,8 +400,9 @@ def _strftime_now(fmt: str) -> str:
     return datetime.datetime.now().strftime(fmt)
 
 
-def _tojson(value, indent=None, separators=None, sort_keys=False, ensure_ascii=False) -> str:
-    """JSON as Hugging Face renders it (no HTML escaping, non-ASCII kept), counted as it is made."""
+def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
+    """JSON as Hugging Face renders it (no HTML escaping, non-ASCII kept; its options in its order), counted as
+    it is made."""
     budget = _BUDGET.get()
     if indent is not None:      # one line's indent is at most twice the output counted before it
         budget.fits(indent if _is_int(indent) else len(str(indent)), "tojson()'s indent")
@@ -401,16 +416,68 @@ def _tojson(value, indent=None, separators=None, sort_keys=False, ensure_ascii=F
     return "".join(pieces)
 
 
-@functools.lru_cache(maxsize=32)
+class _Dict:
+    """The template's ``dict``: it makes dicts and has ``fromkeys``, but is not the type, whose unbound
+    ``dict.update(m, ...)`` would write to a message (Hugging Face's TemplateDict)."""
+
+    __slots__ = ()
+    __name__ = "dict"           # what error messages call it
+
+    def __call__(self, *args, **kwargs) -> dict:
+        return dict(*args, **kwargs)
+
+    def fromkeys(self, *args, **kwargs) -> dict:
+        return dict.fromkeys(*args, **kwargs)
+
+
+def _check_namespace_name(name) -> None:
+    if isinstance(name, str) and name.startswith("_"):
+        raise SecurityError(f"a namespace may not hold the underscore-prefixed name {name!r}")
+
+
+class _Namespace(Namespace):
+    """The template's ``namespace``: Jinja's, refusing underscore-prefixed names, which could reach Python's
+    internals (Hugging Face's TemplateNamespace)."""
+
+    def __init__(*args, **kwargs):      # no named self, as Jinja's, so that namespace(self=1) works
+        self, args = args[0], args[1:]
+        attrs = dict(*args, **kwargs)
+        for name in attrs:
+            _check_namespace_name(name)
+        Namespace.__init__(self, attrs)
+
+    def __setitem__(self, name, value):
+        _check_namespace_name(name)
+        Namespace.__setitem__(self, name, value)
+
+
+class _GenerationTag(Extension):
+    """``{% generation %}...{% endgeneration %}`` marks what the assistant says, for Hugging Face's training
+    masks. It renders as its body, which runs as a call block's macro, as transformers runs it (a ``set``
+    inside does not leak out)."""
+
+    tags = {"generation"}
+
+    def parse(self, parser):
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return nodes.CallBlock(self.call_method("generation"), [], [], body).set_lineno(lineno)
+
+    def generation(self, caller: Macro) -> str:
+        return caller()
+
+
+@functools.lru_cache(maxsize=64)
 def _compile(template: str) -> jinja2.Template:
-    """Parse a template once, its loops and made values bounded by _Bounds; options match Hugging
-    Face's apply_chat_template. Call it with a budget set: Jinja folds constants as it compiles."""
+    """Parse a template once, its loops and made values bounded by _Bounds; options, tags, filters and globals
+    match Hugging Face's. Call it with a budget set: Jinja folds constants as it compiles."""
     env = _StrictSandbox(trim_blocks=True, lstrip_blocks=True,
-                         extensions=["jinja2.ext.loopcontrols"])
+                         extensions=[_GenerationTag, "jinja2.ext.loopcontrols"])
     env.filters.update(tojson=_tojson, sum=_sum, round=_round)
     env.filters = {name: _bounded_filter(name, fn) for name, fn in env.filters.items()}
     env.filters.update(_in_time=_in_time, _sized=_sized)        # for _Bounds; they check themselves
-    env.globals.update(raise_exception=_raise_exception, strftime_now=_strftime_now, lipsum=_lipsum)
+    env.globals.update(raise_exception=_raise_exception, strftime_now=_strftime_now, lipsum=_lipsum,
+                       dict=_Dict(), namespace=_Namespace)
     try:
         return env.from_string(_Bounds().visit(env.parse(template)))
     except jinja2.TemplateSyntaxError as e:
@@ -419,31 +486,87 @@ def _compile(template: str) -> jinja2.Template:
         raise ChatTemplateError(f"chat template does not compile to Python: {e.msg}") from e
 
 
-def _check_messages(messages) -> None:
-    """Messages are a list of dicts, each with a string 'role'."""
+# ---------------------------------------------------------------- what the template sees
+
+_REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")      # the first is the standard name
+
+
+def _plain(value):
+    """``value`` rebuilt from JSON types, as transformers rebuilds all a template sees: subclasses of str, int
+    and float (enums, numpy scalars) become the base type, mappings dicts, dataclasses and pydantic models their
+    fields, and anything else a placeholder naming its type (``"<ndarray>"``)."""
+    if value is None or type(value) in (str, int, float, bool):
+        return value
+    if isinstance(value, str):
+        return str.__str__(value)
+    if isinstance(value, int):
+        return int.__int__(value)
+    if isinstance(value, float):
+        return float.__float__(value)
+    if isinstance(value, Mapping):
+        return {_plain(key): _plain(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_plain(item) for item in value]
+    if isinstance(value, tuple):
+        return tuple(_plain(item) for item in value)
+    if isinstance(value, np.generic):
+        return _plain(value.item())         # np.bool_(False) must stay falsy
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {field.name: _plain(getattr(value, field.name)) for field in dataclasses.fields(value)}
+    if callable(getattr(value, "model_dump", None)):
+        return _plain(value.model_dump())
+    return f"<{type(value).__name__}>"
+
+
+def _messages(messages) -> list:
+    """The messages a template sees: plain dicts, a message's reasoning (under any of _REASONING_FIELDS) also as
+    'thinking' (first, for gpt-oss) and 'reasoning_content' (last)."""
     if not isinstance(messages, (list, tuple)):
         raise ChatTemplateError(f"messages must be a list of dicts, got {type(messages).__name__}")
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise ChatTemplateError(f"messages[{i}] must be a dict with a string 'role', got {m!r}")
+    aliased = []
+    for i, m in enumerate(_plain(messages)):
+        if not isinstance(m, dict):
+            raise ChatTemplateError(f"messages[{i}] must be a dict, got {messages[i]!r}")
+        reasoning = next((m[key] for key in _REASONING_FIELDS if m.get(key) is not None), None)
+        aliased.append(m if reasoning is None else {"thinking": reasoning, **m, "reasoning_content": reasoning})
+    return aliased
 
 
-def render_chat(template: str, messages: list, add_generation_prompt: bool = True,
-                bos_token: str = "", eos_token: str = "", *, time_limit: float | None = None,
-                max_output: int | None = None, **extra) -> str:
-    """Render ``messages`` through ``template`` in the sandbox; ``extra`` become template variables.
+def _dicts(values, what: str, kind=None):
+    """``values`` (tools or documents) checked to be a list (or tuple) of dicts, made plain, as ``kind`` if
+    given (transformers gives tools as a list, documents as they came); None stays None."""
+    if values is None:
+        return None
+    if not isinstance(values, (list, tuple)):
+        raise ChatTemplateError(f"{what} must be a list of dicts, got {type(values).__name__}")
+    for i, v in enumerate(values):
+        if not isinstance(v, dict):
+            raise ChatTemplateError(f"{what}[{i}] must be a dict, got {v!r}")
+    return _plain(values if kind is None else kind(values))
+
+
+# ---------------------------------------------------------------- rendering
+
+def render(template: str, messages: list[dict], *, add_generation_prompt: bool = True, tools: list | None = None,
+           bos_token: str = "", eos_token: str = "", time_limit: float | None = None,
+           max_output: int | None = None, **kwargs) -> str:
+    """Render ``messages`` through ``template`` in the sandbox, as Hugging Face's ``render_jinja_template``
+    does: ``tools`` are JSON-schema function dicts, ``documents=`` a list of dicts, and every other keyword
+    (``enable_thinking``, ``reasoning_effort`` ...) a template variable.
 
     ``time_limit`` (seconds) and ``max_output`` (characters) default to TIME_LIMIT_S and OUTPUT_LIMIT."""
     if not isinstance(template, str):
         raise ChatTemplateError(f"template must be a str, got {type(template).__name__}")
-    _check_messages(messages)
     budget = _Budget(TIME_LIMIT_S if time_limit is None else time_limit,
                      OUTPUT_LIMIT if max_output is None else max_output)
     token = _BUDGET.set(budget)
     try:
+        variables = dict(messages=_messages(messages), tools=_dicts(tools, "tools", list),
+                         documents=_dicts(kwargs.pop("documents", None), "documents"),
+                         add_generation_prompt=add_generation_prompt,
+                         **_plain(dict(bos_token=bos_token, eos_token=eos_token, **kwargs)))
         pieces, total = [], 0
-        for piece in _compile(template).generate(messages=messages, add_generation_prompt=add_generation_prompt,
-                                                 bos_token=bos_token, eos_token=eos_token, **extra):
+        for piece in _compile(template).generate(**variables):
             total += len(piece)
             budget.fits(total, "output")
             budget.tick()
@@ -462,3 +585,10 @@ def render_chat(template: str, messages: list, add_generation_prompt: bool = Tru
         raise ChatTemplateError(f"chat template failed: {type(e).__name__}: {e}") from e
     finally:
         _BUDGET.reset(token)
+
+
+def render_chat(template: str, messages: list, add_generation_prompt: bool = True,
+                bos_token: str = "", eos_token: str = "", **kwargs) -> str:
+    """render() with ``add_generation_prompt`` and the special tokens also by position, as the tokenizer calls it."""
+    return render(template, messages, add_generation_prompt=add_generation_prompt, bos_token=bos_token,
+                  eos_token=eos_token, **kwargs)
