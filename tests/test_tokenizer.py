@@ -14,12 +14,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import gguf_edit
 from ggraph import gguf
 from ggraph.runtime.chat import CHATML_TEMPLATE, GEMMA_TEMPLATE, ChatTemplateError, render_chat
-from ggraph.runtime.tokenizer import BYTE, CONTROL, NORMAL, Detokenizer, Tokenizer
+from ggraph.runtime.tokenizer import BYTE, CONTROL, NORMAL, PRE_TOKENIZERS, Detokenizer, Tokenizer, split_words
 
 DATA = Path(__file__).parent / "data" / "vocab"
-VOCABS = ("llama-spm", "qwen2", "gpt-2")
+VOCABS = ("llama-spm", "qwen2", "gpt-2", "deepseek-llm", "falcon", "mpt", "refact", "qwen35", "gemma-4")
 
 PROMPTS = [
     "Hello world", " Hello world", "Hello  world", "   leading spaces", "trailing spaces   ",
@@ -145,13 +146,47 @@ def test_bpe_applies_merges_by_rank():
     assert no_abc.encode("abc", add_special=False) == [3, 2]         # ab + c: "ab c" is no merge
 
 
-def test_gpt2_pretokenizer_splits_words():
-    from ggraph.runtime.tokenizer import _split_gpt2, _split_llama3, _split_qwen2
-    text = "I'm  42 cats!!\n\n  Ok"
-    assert _split_gpt2(text) == ["I", "'m", " ", " 42", " cats", "!!", "\n\n ", " Ok"]
-    assert _split_llama3(text) == ["I", "'m", " ", " ", "42", " cats", "!!\n\n", " ", " Ok"]
-    assert _split_qwen2("12345 x") == ["1", "2", "3", "4", "5", " x"]
-    assert _split_llama3("12345 x") == ["123", "45", " x"]
+@pytest.mark.parametrize("pre, text, words", [
+    ("gpt-2", "I'm  42 cats!!\n\n  Ok", ["I", "'m", " ", " 42", " cats", "!!", "\n\n ", " Ok"]),
+    ("llama3", "I'm  42 cats!!\n\n  Ok", ["I", "'m", " ", " ", "42", " cats", "!!\n\n", " ", " Ok"]),
+    ("llama3", "12345 x", ["123", "45", " x"]),
+    ("qwen2", "12345 x", ["1", "2", "3", "4", "5", " x"]),
+    ("default", "a+b=12345!! ok", ["a", "+", "b", "=", "123", "45", "!!", " ok"]),
+    ("superbpe", "x1234567", ["x", "1", "234", "567"]),                # digits grouped from the right
+    ("kimi-k2", "中文abc'S 1234", ["中文", "abc'S", " ", "123", "4"]),
+    ("gpt-4o", "HelloWorld CamelCase", ["Hello", "World", " Camel", "Case"]),
+    ("bloom", "Hi, there. ok", ["Hi", ",", " there", ".", " ok"]),
+    ("gemma4", "a b\n\nc", ["a b", "\n\n", "c"]),                      # whole lines
+    ("deepseek-llm", "Hello, 世界 123\n", ["Hello", ",", " ", "世界", " ", "123", "\n"]),
+])
+def test_pretokenizers_split_words(pre, text, words):
+    assert split_words(pre, text) == words
+
+
+def test_every_pretokenizer_cuts_text_into_words():
+    assert len(PRE_TOKENIZERS) == 91                 # every name llama.cpp 0.3.36's llama-vocab.cpp maps
+    from ggraph.runtime.tokenizer import _BPE_OPTIONS
+    text = "".join(PROMPTS)
+    for pre, (_, options) in PRE_TOKENIZERS.items():
+        assert set(options) <= set(_BPE_OPTIONS), (pre, options)
+        words = split_words(pre, text)
+        assert "".join(words) == text and "" not in words, pre
+    with pytest.raises(ValueError, match="tokenizer.ggml.pre 'klingon' is not supported; supported: .*smollm"):
+        split_words("klingon", text)
+
+
+def test_unicode_15_code_points_have_llama_cpps_classes():
+    # Python 3.11 calls them unassigned; llama.cpp's tables (Unicode 15.1) call them letters and numbers
+    kawi, cjk_h, kaktovik = "\U00011f04\U00011f05", "\U00031350\U00031351", "\U0001d2c0\U0001d2c1"
+    assert split_words("gpt-2", f"a{kawi} 1{kaktovik} x{cjk_h}") == [f"a{kawi}", f" 1{kaktovik}", f" x{cjk_h}"]
+
+
+def test_kimi_k2_needs_no_merges():
+    md = bpe_metadata(["a", "b", "ab"], [], **{"tokenizer.ggml.pre": "kimi-k2"})
+    del md["tokenizer.ggml.merges"]
+    assert Tokenizer.from_metadata(md).encode("ab", add_special=False) == [0, 1]
+    with pytest.raises(ValueError, match="gpt2 tokenizer: GGUF metadata has no 'tokenizer.ggml.merges'"):
+        Tokenizer.from_metadata({**md, "tokenizer.ggml.pre": "gpt-2"})
 
 
 @pytest.mark.parametrize("md, match", [
@@ -376,10 +411,74 @@ def rewritten_vocab(src: Path, dst: Path, **changes) -> Path:
     return dst
 
 
-@pytest.mark.parametrize("pre", ["default", "llama-bpe", "stablelm2"])
-def test_other_pretokenizers_match_llama_cpp(pre, tmp_path):
-    path = rewritten_vocab(vocab_path("gpt-2"), tmp_path / f"gpt2-{pre}.gguf", **{"tokenizer.ggml.pre": pre})
-    assert_matches_llama_cpp(path, PROMPTS + vector_strings(), [])
+@functools.cache
+def _cut_vocab(name: str, n: int) -> dict:
+    """The metadata of vocab ``name`` (as gguf_edit.read gives it) cut to its first ``n`` tokens and the
+    merges among them."""
+    meta, _, _ = gguf_edit.read(vocab_path(name))
+    tokens = meta["tokenizer.ggml.tokens"].value[:n]
+    kept = set(tokens)
+    merges = [m for m in meta["tokenizer.ggml.merges"].value
+              if m.replace(" ", "") in kept and all(side in kept for side in m.split(" "))]
+    meta["tokenizer.ggml.tokens"] = gguf.Typed(tokens, "str")
+    meta["tokenizer.ggml.merges"] = gguf.Typed(merges, "str")
+    for key in ("tokenizer.ggml.token_type", "tokenizer.ggml.scores"):
+        if key in meta:
+            meta[key] = gguf.Typed(meta[key].value[:n], meta[key].type)
+    return meta
+
+
+def small_vocab(dst: Path, pre: str, extra_tokens=()) -> Path:
+    """A few-thousand-token cut of the gpt-2 vocab (of gemma-4's for the pre-tokenizers on raw UTF-8) with
+    tokenizer.ggml.pre = ``pre``, the texts ``extra_tokens`` as normal tokens no merge makes and, for gpt-2,
+    no bos/eos ids, so llama.cpp's defaults for ``pre`` apply."""
+    raw = not PRE_TOKENIZERS[pre][1].get("byte_encode", True)
+    meta = dict(_cut_vocab("gemma-4", 20000) if raw else _cut_vocab("gpt-2", 3000))
+    meta["tokenizer.ggml.model"] = gguf.Typed("gpt2", "str")
+    meta["tokenizer.ggml.pre"] = gguf.Typed(pre, "str")
+    extra = [t.replace(" ", "\u2581" if raw else "\u0120") for t in extra_tokens]   # as the pre-tokenizer writes a space
+    if not raw:
+        meta.pop("tokenizer.ggml.bos_token_id")
+        meta.pop("tokenizer.ggml.eos_token_id")
+        extra.append("<|endoftext|>")
+    types = [3 if t == "<|endoftext|>" else 1 for t in extra]                           # 3: control, 1: normal
+    for key, more in (("tokenizer.ggml.tokens", extra), ("tokenizer.ggml.token_type", types),
+                      ("tokenizer.ggml.scores", [0.0] * len(extra))):
+        if key in meta:
+            meta[key] = gguf.Typed([*meta[key].value, *more], meta[key].type)
+    gguf.write(dst, meta, {})
+    return dst
+
+
+# one tokenizer.ggml.pre name for each list of regexes; test_tokenizer_random.py tries every name
+ONE_PRE_PER_REGEXES = list({regexes: name for name, (regexes, _) in reversed(PRE_TOKENIZERS.items())}.values())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("pre", ONE_PRE_PER_REGEXES)
+def test_pretokenizers_match_llama_cpp(pre, tmp_path):
+    path = small_vocab(tmp_path / f"{pre}.gguf", pre)
+    texts = PROMPTS + vector_strings()
+    if pre == "whitespace":                         # its words keep their spaces: on a word like "  ",
+        aborts = [t for t in texts if any(len(w) > 1 and " " in w for w in split_words(pre, t))]
+        tok = Tokenizer.from_gguf(path)             # llama.cpp aborts and ggraph raises
+        for t in aborts:
+            with pytest.raises(ValueError, match="llama.cpp aborts"):
+                tok.encode(t)
+        texts = [t for t in texts if t not in aborts]
+    assert_matches_llama_cpp(path, texts, [])
+
+
+@pytest.mark.slow
+def test_gemma4_keeps_newline_runs_whole_like_llama_cpp(tmp_path):
+    meta = dict(_cut_vocab("gemma-4", 20000))       # without the merges that join newlines
+    merges = [m for m in meta["tokenizer.ggml.merges"].value if m.replace(" ", "").strip("\n")]
+    meta["tokenizer.ggml.merges"] = gguf.Typed(merges, "str")
+    meta["tokenizer.ggml.add_bos_token"] = gguf.Typed(False, "bool")     # llama.cpp adds BOS regardless
+    gguf.write(tmp_path / "gemma4.gguf", meta, {})
+    tok = Tokenizer.from_gguf(tmp_path / "gemma4.gguf")
+    assert tok.encode("\n\n\n", add_special=False) == [tok._tok2id["\n\n\n"]] and tok.add_bos
+    assert_matches_llama_cpp(tmp_path / "gemma4.gguf", ["a\n\n\nb", "\n\n", "x \n\n\n\n\n y\n", "\n \n"], [])
 
 
 def test_phi3_strips_spaces_after_special_tokens_like_llama_cpp(tmp_path):

@@ -1,21 +1,26 @@
 """Tokenizers built from GGUF metadata that give llama.cpp's token ids, token for token.
 
-Two models, chosen by ``tokenizer.ggml.model``:
+Three models, chosen by ``tokenizer.ggml.model``:
 
 - ``llama``: SentencePiece-style. Spaces become U+2581, then adjacent symbols are merged by
   token score (llama.cpp's ``llm_tokenizer_spm``); characters no token covers fall back to
   ``<0xXX>`` byte tokens.
-- ``gpt2``: byte-level BPE. A pre-tokenizer chosen by ``tokenizer.ggml.pre`` splits the text
-  into words, each word's UTF-8 bytes are mapped to printable characters, and the pairs in
-  ``tokenizer.ggml.merges`` are applied lowest rank first.
+- ``gpt2``: BPE (llama.cpp's ``llm_tokenizer_bpe``). A pre-tokenizer chosen by
+  ``tokenizer.ggml.pre`` cuts the text into words by a list of regexes (every name llama.cpp
+  maps is supported, see ``PRE_TOKENIZERS``), each word's UTF-8 bytes are mapped to printable
+  characters (for most pre-tokenizers), and the pairs in ``tokenizer.ggml.merges`` are applied
+  lowest rank first.
+- ``gemma4``: the same BPE with the ``gemma4`` pre-tokenizer: whole lines of text whose spaces
+  became U+2581, merged as raw UTF-8 characters, with ``<0xXX>`` byte fallback.
 
-Before either runs, control and user-defined token texts are cut out of the text
+Before any of them runs, control and user-defined token texts are cut out of the text
 (llama.cpp's ``tokenizer_st_partition``). The behaviour follows the llama.cpp built into
 llama-cpp-python 0.3.36, which is the oracle the tests compare against. Two known gaps:
-letters and numbers are classified by Python's ``unicodedata`` (Unicode 14 on Python 3.11),
-so code points assigned later than that may split differently in the BPE pre-tokenizers;
-and where llama.cpp aborts on a character that has no token and no byte token, this
-tokenizer emits the unknown token.
+code points are classified by Python's ``unicodedata`` plus the Unicode 15.0-15.1 additions
+llama.cpp's tables know, so on a Python whose Unicode is newer than 15.1 the code points
+assigned later may split differently; and where llama.cpp aborts on a character that has no
+token and no byte token, this tokenizer emits the unknown token. (Where llama.cpp aborts on a
+BPE word that holds a space, which only the ``whitespace`` pre-tokenizer makes, it raises.)
 
     tok = Tokenizer.from_gguf("model.gguf")
     ids = tok.encode("Hello")          # [bos, ...]
@@ -23,9 +28,11 @@ tokenizer emits the unknown token.
 """
 from __future__ import annotations
 
+import bisect
 import codecs
 import functools
 import heapq
+import re
 import unicodedata
 
 import numpy as np
@@ -71,6 +78,9 @@ _ID_KEYS = {"bos": "bos_token_id", "eos": "eos_token_id", "eot": "eot_token_id",
             "fim_pad": "fim_pad_token_id", "fim_rep": "fim_rep_token_id",
             "fim_sep": "fim_sep_token_id"}
 
+# each model's special ids when the file names none
+_DEFAULT_IDS = {"llama": {"bos": 1, "eos": 2, "unk": 0}, "gpt2": {"bos": 11, "eos": 11}, "gemma4": {}}
+
 _SPACE = "\u2581"                   # SentencePiece's visible space
 _C_SPACES = frozenset(" \t\n\v\f\r")  # C isspace(), used to strip around special tokens
 
@@ -82,171 +92,399 @@ _WHITESPACE = frozenset(map(chr, [*range(0x09, 0x0E), 0x20, 0x85, 0xA0, 0x1680,
                                   *range(0x2000, 0x200B), 0x2028, 0x2029, 0x202F, 0x205F,
                                   0x3000]))
 
+# Code points that Unicode 15.0 and 15.1 assigned, with their class in llama.cpp's tables (made
+# from Unicode 15.1). Python 3.11's unicodedata is Unicode 14.0 and calls them unassigned.
+_UNICODE_15 = (
+    (0x00CF3, 0x00CF3, "M"), (0x00ECE, 0x00ECE, "M"), (0x02FFC, 0x02FFF, "S"),
+    (0x031EF, 0x031EF, "S"), (0x10EFD, 0x10EFF, "M"), (0x1123F, 0x11240, "L"),
+    (0x11241, 0x11241, "M"), (0x11B00, 0x11B09, "P"), (0x11F00, 0x11F01, "M"),
+    (0x11F02, 0x11F02, "L"), (0x11F03, 0x11F03, "M"), (0x11F04, 0x11F10, "L"),
+    (0x11F12, 0x11F33, "L"), (0x11F34, 0x11F3A, "M"), (0x11F3E, 0x11F42, "M"),
+    (0x11F43, 0x11F4F, "P"), (0x11F50, 0x11F59, "N"), (0x1342F, 0x1342F, "L"),
+    (0x13439, 0x1343F, "C"), (0x13440, 0x13440, "M"), (0x13441, 0x13446, "L"),
+    (0x13447, 0x13455, "M"), (0x1B132, 0x1B132, "L"), (0x1B155, 0x1B155, "L"),
+    (0x1D2C0, 0x1D2D3, "N"), (0x1DF25, 0x1DF2A, "L"), (0x1E030, 0x1E06D, "L"),
+    (0x1E08F, 0x1E08F, "M"), (0x1E4D0, 0x1E4EB, "L"), (0x1E4EC, 0x1E4EF, "M"),
+    (0x1E4F0, 0x1E4F9, "N"), (0x1F6DC, 0x1F6DC, "S"), (0x1F774, 0x1F776, "S"),
+    (0x1F77B, 0x1F77F, "S"), (0x1F7D9, 0x1F7D9, "S"), (0x1FA75, 0x1FA77, "S"),
+    (0x1FA87, 0x1FA88, "S"), (0x1FAAD, 0x1FAAF, "S"), (0x1FABB, 0x1FABD, "S"),
+    (0x1FABF, 0x1FABF, "S"), (0x1FACE, 0x1FACF, "S"), (0x1FADA, 0x1FADB, "S"),
+    (0x1FAE8, 0x1FAE8, "S"), (0x1FAF7, 0x1FAF8, "S"), (0x2B739, 0x2B739, "L"),
+    (0x2EBF0, 0x2EE5D, "L"), (0x31350, 0x323AF, "L"),
+)
+_UNICODE_15_STARTS = [start for start, _, _ in _UNICODE_15]
+
+# llama.cpp's unicode_cpt_is_han: CJK ideographs and their extensions A-F, compatibility ideographs
+_HAN = ((0x4E00, 0x9FFF), (0x3400, 0x4DBF), (0x20000, 0x2A6DF), (0x2A700, 0x2B73F),
+        (0x2B740, 0x2B81F), (0x2B820, 0x2CEAF), (0x2CEB0, 0x2EBEF), (0xF900, 0xFAFF),
+        (0x2F800, 0x2FA1F))
+
 
 @functools.lru_cache(maxsize=1 << 16)
 def _kind(ch: str) -> str:
-    """Class of one code point as llama.cpp's tables see it: W(hitespace), L, N, P, S, M, C or Z."""
-    return "W" if ch in _WHITESPACE else unicodedata.category(ch)[0]
+    """Class of one code point as llama.cpp's tables see it: W(hitespace), L, N, P, M, S or C (the rest)."""
+    if ch in _WHITESPACE:
+        return "W"
+    cat = unicodedata.category(ch)
+    if cat == "Cn":
+        cp = ord(ch)
+        i = bisect.bisect_right(_UNICODE_15_STARTS, cp) - 1
+        if i >= 0 and cp <= _UNICODE_15[i][1]:
+            return _UNICODE_15[i][2]
+    return cat[0]
+
+
+def _is_han(ch: str) -> bool:
+    cp = ord(ch)
+    return any(lo <= cp <= hi for lo, hi in _HAN)
 
 
 # ---------------------------------------------------------------- pre-tokenizers
-# Each splitter maps a text to the list of words BPE then runs on, exactly as llama.cpp's
-# unicode_regex_split does for that regex (its hand-written scanners, or std::regex over
-# category-collapsed text, which is leftmost-first like Python's re).
+# llama.cpp's BPE pre-tokenizer (unicode_regex_split) applies a list of regexes in turn: each one
+# cuts every piece the ones before it left into its matches and the stretches between them. A
+# regex that names a Unicode class (\p{L}, \p{N}, \p{P}, \p{M}, \p{S}, \p{Lu}, ...) runs over a
+# "collapsed" text in which each code point >= 128 is one stand-in character for its class, the
+# class becomes [stand-in + its ASCII members], and so \p{Lu} is just \p{L}. Any other regex runs
+# over the code points themselves, with non-ASCII whitespace turned into \v. Both run std::regex:
+# backtracking, leftmost-first ECMAScript with ASCII-only \s and \d, which Python's re with
+# re.ASCII matches for these patterns. For GPT-2's, Llama 3's, Qwen2's, Qwen3.5's and the newline
+# regex llama.cpp runs hand-written scanners that give what the regex gives; for the three in
+# _HAND_WRITTEN it runs code that differs from the regex text, ported below.
+
+_STAND_IN = {"W": "\x0b", "N": "\xd1", "L": "\xd2", "P": "\xd3", "M": "\xd4", "S": "\xd5"}   # else \xd0
+
+# the characters a \p{..} class stands for in a collapsed regex (llama.cpp's k_ucat_cpt + k_ucat_map)
+_CLASS_CHARS = {"N": "\xd1" "0-9", "L": "\xd2" "A-Za-z", "M": "\xd4",
+                "P": "\xd3" r"!-#%-*,-/:-;?-@\[-\]_\{\}", "S": "\xd5" r"\$\+<->^`\|\~"}
+_PROPERTIES = {"N": "N", "L": "L", "P": "P", "M": "M", "S": "S",
+               "Lu": "L", "Ll": "L", "Lt": "L", "Lm": "L", "Lo": "L"}
 
 
-_WORDY = ("W", "L", "N")     # whitespace, letters, numbers; everything else is "other"
-_OTHER = object()            # _skip's marker for "any kind not in _WORDY"
+class _Collapse(dict):
+    """str.translate table: ASCII stays, any other code point becomes its class's stand-in."""
+
+    def __missing__(self, cp: int) -> str:
+        out = self[cp] = _STAND_IN.get(_kind(chr(cp)), "\xd0")
+        return out
 
 
-def _skip(kinds: list, j: int, wanted) -> int:
-    """First index from ``j`` whose kind is not in ``wanted`` (a kind tuple, or _OTHER)."""
-    n = len(kinds)
-    if wanted is _OTHER:
-        while j < n and kinds[j] not in _WORDY:
-            j += 1
-    else:
-        while j < n and kinds[j] in wanted:
-            j += 1
-    return j
+_COLLAPSE = _Collapse({cp: cp for cp in range(128)})
+_WIDE = {ord(ch): "\x0b" for ch in _WHITESPACE if ord(ch) >= 128}    # str.translate table
 
 
-def _contraction(text: str, i: int, fold_case: bool) -> int:
-    """Length of 's|'t|'re|'ve|'m|'ll|'d at ``i`` (0 if none)."""
-    if text[i] != "'" or i + 1 >= len(text):
-        return 0
-    two = text[i + 1:i + 3]
-    if fold_case:
-        two = "".join(c.lower() if c.isascii() else c for c in two)
-    if two[:1] in ("s", "t", "m", "d"):
-        return 2
-    return 3 if len(two) == 2 and two in ("re", "ve", "ll") else 0
+def _translate(expr: str) -> tuple:
+    """(Python pattern, runs on collapsed text) for one llama.cpp pre-tokenizer regex."""
+    collapsed = any(f"\\p{{{name}}}" in expr for name in _PROPERTIES)
+    if collapsed and not expr.isascii():
+        raise ValueError(f"pre-tokenizer regex {expr!r} mixes Unicode classes with non-ASCII text, "
+                         "which llama.cpp rejects")
+    out, inside, i = [], False, 0
+    while i < len(expr):
+        if expr.startswith("\\p{", i):
+            end = expr.find("}", i)
+            name = expr[i + 3:end]
+            if end < 0 or name not in _PROPERTIES:
+                raise ValueError(f"pre-tokenizer regex {expr!r}: unknown class {expr[i:end + 1]!r}")
+            chars = _CLASS_CHARS[_PROPERTIES[name]]
+            out.append(chars if inside else f"[{chars}]")
+            i = end + 1
+            continue
+        c = expr[i:i + 2] if expr[i] == "\\" else expr[i]     # an escape is copied whole
+        if c == "[":
+            inside = True
+        elif c == "]":
+            inside = False
+        out.append(r"\Z" if c == "$" and not inside else c)    # ECMAScript's $ is the very end only
+        i += len(c)
+    return "".join(out), collapsed
 
 
-def _spaces_end(text: str, kinds: list, i: int, newlines: bool) -> int:
-    r"""End of ``\s*[\r\n]+`` (when ``newlines``), else ``\s+(?!\S)``, else ``\s+`` at ``i``."""
-    j = _skip(kinds, i, ("W",))
-    last_nl = max(text.rfind("\r", i, j), text.rfind("\n", i, j))
-    if newlines and last_nl >= 0:
-        return last_nl + 1
-    if j - i > 1 and j < len(text):     # leave the last space to lead the next word
-        return j - 1
-    return max(j, i + 1)
+def _cut_kimi_k2(text: str, start: int, end: int):
+    r"""Kimi-K2's splitter (llama.cpp unicode_regex_split_custom_kimi_k2, which "\p{Han}+" stands for):
+    Han runs; letter runs without Han, after an optional lead-in character, with an optional
+    contraction; \p{N}{1,3}; then Llama 3's punctuation and whitespace rules."""
+    def kind(j):
+        return _kind(text[j]) if j < end else None
 
+    def letter(j):
+        return j < end and _kind(text[j]) == "L" and not _is_han(text[j])
 
-# 's|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+
-def _gpt2_word_end(text: str, kinds: list, i: int) -> int:
-    """End of the GPT-2 regex match (above) that starts at ``i``."""
-    m = _contraction(text, i, fold_case=False)
-    if m:
-        return i + m
-    k = i + 1 if text[i] == " " else i                  # the optional leading space
-    kind = kinds[k] if k < len(text) else "W"
-    if kind in ("L", "N"):
-        return _skip(kinds, k + 1, (kind,))
-    if kind not in _WORDY:
-        return _skip(kinds, k + 1, _OTHER)
-    return _spaces_end(text, kinds, i, newlines=False)
-
-
-# (?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,max_digits}| ?[^\s\p{L}\p{N}]+[\r\n]*|
-# \s*[\r\n]+|\s+(?!\S)|\s+
-def _llama3_word_end(text: str, kinds: list, i: int, max_digits: int) -> int:
-    """End of the Llama 3 / Qwen2 regex match (above) that starts at ``i``."""
-    n, c, kind = len(text), text[i], kinds[i]
-    m = _contraction(text, i, fold_case=True)
-    if m:
-        return i + m
-    if c not in "\r\n" and kind != "N" and (kind == "L" or (i + 1 < n and kinds[i + 1] == "L")):
-        return _skip(kinds, i + 1, ("L",))               # letters, maybe after one lead-in char
-    if kind == "N":
-        return min(_skip(kinds, i, ("N",)), i + max_digits)
-    k = i + 1 if c == " " else i
-    if (kinds[k] if k < n else "W") not in _WORDY:
-        j = _skip(kinds, k + 1, _OTHER)
-        while j < n and text[j] in "\r\n":
-            j += 1
-        return j
-    return _spaces_end(text, kinds, i, newlines=True)
-
-
-def _scan(text: str, word_end, *args) -> list:
-    """Cut ``text`` into consecutive words, each ending where ``word_end`` says."""
-    kinds = [_kind(c) for c in text]
-    words, i = [], 0
-    while i < len(text):
-        j = word_end(text, kinds, i, *args)
-        words.append(text[i:j])
+    i = start
+    while i < end:
+        c, k = text[i], _kind(text[i])
+        j = i + 1
+        if _is_han(c):
+            while j < end and _is_han(text[j]):
+                j += 1
+        elif letter(i) or (c not in "\r\n" and k not in ("L", "N") and letter(i + 1)):
+            while letter(j):
+                j += 1
+            j += _contraction(text, j, end)
+        elif k == "N":
+            while j < end and j - i < 3 and kind(j) == "N":
+                j += 1
+        elif (kind(i + 1) if c == " " else k) not in ("W", "L", "N", None):
+            j = i + (c == " ")
+            while kind(j) not in ("W", "L", "N", None):
+                j += 1
+            while j < end and text[j] in "\r\n":
+                j += 1
+        elif k == "W":
+            j = _whitespace_end(text, i, end)
+        yield i, j
         i = j
-    return words
 
 
-def _split_gpt2(text: str) -> list:
-    """GPT-2's pre-tokenizer (llama.cpp unicode_regex_split_custom_gpt2)."""
-    return _scan(text, _gpt2_word_end)
+def _contraction(text: str, i: int, end: int) -> int:
+    """Length of (?i:'s|'t|'m|'d|'re|'ve|'ll) at ``i`` (0 if none)."""
+    if text[i:i + 1] != "'" or i + 1 >= end:
+        return 0
+    if text[i + 1].lower() in "stmd":
+        return 2
+    return 3 if i + 2 < end and text[i + 1:i + 3].lower() in ("re", "ve", "ll") else 0
 
 
-def _split_llama3(text: str) -> list:
-    """Llama 3's pre-tokenizer, digits in threes (unicode_regex_split_custom_llama3)."""
-    return _scan(text, _llama3_word_end, 3)
+def _whitespace_end(text: str, i: int, end: int) -> int:
+    r"""End of \s*[\r\n]+, else \s+(?!\S), else \s+ at ``i`` (a whitespace character)."""
+    j = i
+    while j < end and _kind(text[j]) == "W":
+        j += 1
+    last_newline = max(text.rfind("\r", i, j), text.rfind("\n", i, j))
+    if last_newline >= 0:
+        return last_newline + 1
+    return j - 1 if j - i > 1 and j < end else j
 
 
-def _split_qwen2(text: str) -> list:
-    """Qwen2's pre-tokenizer: llama 3's with single digits (unicode_regex_split_custom_qwen2)."""
-    return _scan(text, _llama3_word_end, 1)
-
-
-def _cut_runs(text: str, inside) -> list:
-    """Split ``text`` into maximal runs of characters where ``inside(ch)`` is and is not true."""
-    words, start = [], 0
-    for i in range(1, len(text)):
-        if inside(text[i]) != inside(text[i - 1]):
-            words.append(text[start:i])
-            start = i
-    return words + [text[start:]] if text else words
-
-
-def _cut_digit_triples(text: str) -> list:
-    """Split out each match of ``[0-9][0-9][0-9]``, scanning left to right; the rest stays whole."""
-    words, start, i = [], 0, 0
-    while i + 3 <= len(text):
-        if all("0" <= c <= "9" for c in text[i:i + 3]):
-            if i > start:
-                words.append(text[start:i])
-            words.append(text[i:i + 3])
-            start = i = i + 3
-        else:
+def _cut_digit_groups(text: str, start: int, end: int):
+    r"""AFMoE's digit splitter (llama.cpp unicode_regex_split_custom_afmoe): each run of \p{N} in
+    threes counted from its end, the text before the run joined to its first group."""
+    prev = i = start
+    while i < end:
+        if _kind(text[i]) != "N":
             i += 1
-    return words + [text[start:]] if start < len(text) else words
+            continue
+        j = i
+        while j < end and _kind(text[j]) == "N":
+            j += 1
+        first = i + ((j - i) % 3 or 3)
+        yield prev, first
+        yield from ((g, g + 3) for g in range(first, j, 3))
+        prev = i = j
+    if prev < end:
+        yield prev, end
 
 
-def _split_default(text: str) -> list:
-    r"""Split by ``[\p{P}\$\+<=>\^~\|]+``, the GPT-2 regex, ``\p{N}+``, ``[0-9][0-9][0-9]`` in turn."""
-    words = [text]
-    passes = (lambda w: _cut_runs(w, lambda c: _kind(c) == "P" or c in "$+<=>^~|"),
-              _split_gpt2,
-              lambda w: _cut_runs(w, lambda c: _kind(c) == "N"),
-              _cut_digit_triples)
-    for split in passes:
-        words = [piece for w in words for piece in split(w)]
-    return words
-
-
-# tokenizer.ggml.pre -> (splitter, options that differ from the BPE defaults), as in llama.cpp
-_PRE_TOKENIZERS = {
-    "default": (_split_default, {}),
-    **{name: (_split_gpt2, {}) for name in ("gpt-2", "phi-2", "mpt", "olmo", "jais", "exaone4",
-                                            "gigachat", "jina-es", "jina-de", "jina-v2-es",
-                                            "jina-v2-de", "a.x-4.0", "mellum", "modern-bert")},
-    **{name: (_split_gpt2, {"clean_spaces": False}) for name in ("trillion", "granite-docling")},
-    **{name: (_split_qwen2, {"clean_spaces": False})
-       for name in ("qwen2", "deepseek-r1-qwen", "kormo", "f2llmv2", "hunyuan", "solar-open")},
-    **{name: (_split_qwen2, {}) for name in ("stablelm2", "megrez")},
-    **{name: (_split_llama3, {"ignore_merges": True, "add_bos": True})
-       for name in ("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral",
-                    "midm-2.0", "lfm2", "jina-v5-nano")},
-    **{name: (_split_llama3, {}) for name in ("dbrx", "smaug-bpe")},
+# regexes for which llama.cpp runs other code than the regex says
+_HAND_WRITTEN = {
+    r"\p{Han}+": _cut_kimi_k2,
+    r"\p{AFMoE_digits}": _cut_digit_groups,
+    r"\d{1,3}(?=(?:\d{3})*\b)": _cut_digit_groups,  # tiny_aya's; llama.cpp reuses AFMoE's code
 }
+
+
+@functools.cache
+def _compile(expr: str) -> tuple:
+    """(view, find) for one regex: find(view_text, start, end) yields the spans it matches."""
+    if expr in _HAND_WRITTEN:
+        return "text", _HAND_WRITTEN[expr]
+    pattern, collapsed = _translate(expr)
+    try:
+        finditer = re.compile(pattern, re.ASCII).finditer
+    except re.error as e:
+        raise ValueError(f"pre-tokenizer regex {expr!r} does not compile: {e}") from e
+    return ("collapsed" if collapsed else "wide"), lambda s, i, j: (m.span() for m in finditer(s, i, j))
+
+
+def _split(regexes: tuple, text: str) -> list:
+    """Cut ``text`` by each regex in turn, keeping matches and the text between them (unicode_regex_split)."""
+    views = {"text": text}
+    spans = [(0, len(text))] if text else []
+    for expr in regexes:
+        view, find = _compile(expr)
+        if view not in views:
+            views[view] = text.translate(_COLLAPSE if view == "collapsed" else _WIDE)
+        out = []
+        for start, end in spans:
+            at = start
+            for a, b in find(views[view], start, end):
+                if a > at:
+                    out.append((at, a))
+                if b > a:                           # an empty match only cuts
+                    out.append((a, b))
+                at = b
+            if at < end:
+                out.append((at, end))
+        spans = out
+    return [text[a:b] for a, b in spans]
+
+
+# The regexes llm_tokenizer_bpe splits by, named for a family of LLAMA_VOCAB_PRE_TYPE_*s that share
+# them; copied from llama.cpp's llama-vocab.cpp (with CR and LF written \r and \n).
+_CONTRACTIONS = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])"
+_GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
+_LLAMA3 = (_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
+           r"\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2 = _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+_CJK = "[一-龥\u3040-ゟ゠-ヿ]+"
+_DEEPSEEK3 = (r"""[!"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+|"""
+              r" ?[\p{P}\p{S}]+")
+_CASED = (r"[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+",
+          r"[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*")
+_CASED_LOOKAHEAD = (r"((?=[\p{L}])([^a-z]))*((?=[\p{L}])([^A-Z]))+",
+                    r"((?=[\p{L}])([^a-z]))+((?=[\p{L}])([^A-Z]))*")
+_BLOOM = " ?[^(\\s|.,!?…。，、।۔،)]+"
+
+_PRE_REGEXES = {
+    "default": (r"[\p{P}\$\+<=>\^~\|]+", _GPT2, r"\p{N}+", "[0-9][0-9][0-9]"),
+    "gpt2": (_GPT2,),                               # also MPT, OLMO, JAIS, TRILLION, GRANITE_DOCLING
+    "llama3": (_LLAMA3,),                           # also DBRX, SMAUG, CHATGLM4
+    "qwen2": (_QWEN2,),                             # also STABLELM2, HUNYUAN, SOLAR_OPEN, GROK_2
+    "qwen35": (_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|"
+               r"\s*[\r\n]+|\s+(?!\S)|\s+",),
+    "starcoder": (r"\p{N}", _GPT2),                 # also REFACT, COMMAND_R, SMOLLM, CODESHELL, ...
+    "falcon": (r"[\p{P}\$\+<=>\^~\|`]+", _GPT2, "[0-9][0-9][0-9]"),
+    "jais-2": (_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|"
+               r"\s{512}(?!\S)|\s{256}(?!\S)|\s{128}(?!\S)|\s{64}(?!\S)|\s{32}(?!\S)|\s{16}(?!\S)|"
+               r"\s{8}(?!\S)|\s{4}(?!\S)|\s{1,2}(?!\S)|\s{1}",),
+    "deepseek-llm": (
+        r"[\r\n]",
+        ("\\s?[A-Za-z\u00b5À-ÖØ-öø-ƺƼ-ƿ\u01c4-ʓʕ-ʯͰ-ͳͶͷͻ-ͽͿΆΈ-ΊΌΎ-ΡΣ-\u03f5Ϸ-ҁҊ-ԯԱ-ՖႠ-ჅᎠ-Ᏽᏸ-ᏽᲐ-ᲺᲽ-Ჿᴀ-ᴫ"
+         "ᵫ-ᵷᵹ-ᶚḀ-ἕἘ-Ἕἠ-ὅὈ-Ὅὐ-ὗὙὛὝὟ-\u1f7dᾀ-ᾴᾶ-ᾼ\u1fbeῂ-ῄῆ-ῌῐ-\u1fd3ῖ-\u1fdbῠ-Ῥῲ-ῴῶ-ῼ\u2102\u2107\u210a-\u2113"
+         "\u2115\u2119-\u211d\u2124\u2126\u2128\u212a-\u212d\u212f-\u2134\u2139\u213c-\u213f\u2145-\u2149"
+         "ⅎↃↄⰀ-ⱻⱾ-ⳤⳫ-ⳮⳲⳳꙀ-ꙭꚀ-ꚛꜢ-ꝯꝱ-ꞇꞋ-ꞎꭰ-ꮿ\ufb00-\ufb06\ufb13-\ufb17\uff21-\uff3a\uff41-\uff5a𐐀-𐑏𐒰-𐓓𐓘-𐓻"
+         "𐲀-𐲲𐳀-𐳲𑢠-𑣟𞤀-𞥃]+"),
+        "\\s?[!-/:-~！-／：-～‘-‟\u3000-。]+",
+        r"\s+$",
+        "[一-龥ࠀ-一가-\ud7ff]+",
+        r"\p{N}+"),
+    "deepseek-coder": (r"[\r\n]", r"\s?\p{L}+", r"\s?\p{P}+", "[一-龥ࠀ-一가-\ud7ff]+", r"\p{N}"),
+    # also HUNYUAN_DENSE, JOYAI_LLM, HY_V4
+    "deepseek-v3": (r"\p{N}{1,3}", _CJK, _DEEPSEEK3 + r"[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"),
+    "spark2_5": (r"\p{N}{1,3}", _CJK, _DEEPSEEK3 + r"|[\r\n]|\s+(?!\S)|\s+", r"\p{N}"),
+    "youtu": ("[가-힣ㄱ-ㆎ]+|[！…“”‘’—：；，、-〿︰-﹏]+|[ㄅ-ㄯ]+|" + _CJK,
+              r"[^\r\n\p{L}\p{N}]?" + _CASED[0] + _CONTRACTIONS + r"?|[^\r\n\p{L}\p{N}]?" + _CASED[1] +
+              _CONTRACTIONS + r"?|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"),
+    "bloom": (_BLOOM,),                             # PORO, BLOOM, GPT3_FINNISH
+    "viking": (_BLOOM, r"\p{N}"),
+    "tekken": (r"[^\r\n\p{L}\p{N}]?" + _CASED_LOOKAHEAD[0] + r"|[^\r\n\p{L}\p{N}]?" + _CASED_LOOKAHEAD[1] +
+               r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+",),
+    "chameleon": ("<sentinel:[0-9]+>", "(IMGIMG)((A|B|C|D|E|F|G|H|I){1,4})Z", r"([\t\n]|    |  )", r"\p{N}",
+                  r"[\p{P}!-/:-@\[-`{-~]", _GPT2),
+    "gpt-4o": (r"[^\r\n\p{L}\p{N}]?" + _CASED_LOOKAHEAD[0] + _CONTRACTIONS + r"?|[^\r\n\p{L}\p{N}]?" +
+               _CASED_LOOKAHEAD[1] + _CONTRACTIONS + r"?|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|"
+               r"\s+(?!\S)|\s+",),                 # also MINIMAX_M2
+    "granite-embed-multi": (
+        r"[^\r\n\p{L}\p{N}]?" + _CASED_LOOKAHEAD[0].replace(r"\p{L}", r"\p{L}\p{M}") + _CONTRACTIONS +
+        r"?|[^\r\n\p{L}\p{N}]?" + _CASED_LOOKAHEAD[1].replace(r"\p{L}", r"\p{L}\p{M}") + _CONTRACTIONS +
+        r"?|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+",),
+    "tiny_aya": (r"\d{1,3}(?=(?:\d{3})*\b)",
+                 r"[^\r\n\p{L}\p{N}]?" + _CASED[0] + _CONTRACTIONS + r"?|[^\r\n\p{L}\p{N}]?" + _CASED[1] +
+                 _CONTRACTIONS + r"?|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"),
+    "kimi-k2": (r"\p{Han}+",),
+    "superbpe": (r"\p{N}+", r"(?=(\d{3})+(?!\d))"),
+    "bailingmoe": ((r"'(?:[sSdDmMtT]|[lL][lL]|[vV][eE]|[rR][eE])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}|"
+                    r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]|\s+(?!\S)|\s+"),),
+    "seed-coder": (_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1}| ?[^\s\p{L}\p{N}\r\n]+|\s*[\r\n]+|"
+                   r"\s+(?!\S)|\s+",),
+    "ufakzeka": (r"[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",),
+    "afmoe": (r"\p{AFMoE_digits}",
+              ("[一-鿿㐀-䶿豈-\ufaff\u3040-\u309f゠-\u30ff\uff65-\uff9f\u2f00-\u2fdfเ-\u0e7f\u0e80-\u0eff"
+               "ក-\u17ffက-႟ꩠ-ꩿꧠ-\ua9ff가-\ud7afᄀ-ᇿ]+"),
+              _DEEPSEEK3 + r"[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"),
+    "laguna": (r"[^\n]+|[\n]+", _QWEN2),
+    "exaone-moe": (_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?(?:\p{L}\p{M}*(?: \p{L}\p{M}*)*)+|\p{N}|"
+                   r" ?[^\s\p{L}\p{N}]+[\r\n/]?|\s*[\r\n]|\s+(?!\S)|\s+",),
+    "minicpm5": (r"\p{N}{1,3}", _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}+| ?[^\s\p{L}\p{N}]+[\r\n]*|"
+                 r"\s*[\r\n]+|\s+(?!\S)|\s+"),
+    "newlines": (r"[^\n]+|[\n]+",),                 # GEMMA4, SARVAM_MOE: BPE runs on whole lines
+    "whitespace": (r"\S+",),
+}
+
+# The flags llama_vocab::impl::load starts a BPE (or SentencePiece) vocabulary with, then sets by
+# pre-tokenizer name: add_bos (the default), always_bos (whatever the file says), add_space_prefix,
+# clean_spaces (decoding drops the space in " ?", " 's", ...), ignore_merges (a word that is a token
+# stays whole), default_bos (False: no default BOS id), byte_encode (False: merge raw UTF-8, fall back
+# to <0xXX>), escape_whitespaces (spaces become U+2581), whole_newlines (a newline run that is a token
+# stays whole).
+_BPE_OPTIONS = {"add_bos": False, "add_space_prefix": False, "clean_spaces": True, "ignore_merges": False,
+                "always_bos": False, "default_bos": True, "byte_encode": True, "escape_whitespaces": False,
+                "whole_newlines": False}
+_SPM_OPTIONS = {**_BPE_OPTIONS, "add_bos": True, "add_space_prefix": True, "clean_spaces": False,
+                "escape_whitespaces": True}
+_KEEP = {"clean_spaces": False}
+_PRE_TABLE = (
+    # (tokenizer.ggml.pre names, regexes, options), in about the order llama_vocab::impl::load tests them
+    ("default", "default", {}),
+    ("minicpm5", "minicpm5", {"ignore_merges": True}),
+    ("llama3 llama-v3 llama-bpe falcon3 falcon-h1 pixtral midm-2.0 lfm2 jina-v5-nano", "llama3",
+     {"ignore_merges": True, "add_bos": True}),
+    ("deepseek-llm", "deepseek-llm", _KEEP),
+    ("deepseek-coder", "deepseek-coder", _KEEP),
+    ("deepseek-v3", "deepseek-v3", _KEEP),
+    ("spark2_5", "spark2_5", _KEEP),
+    ("youtu", "youtu", {**_KEEP, "ignore_merges": True}),
+    ("falcon", "falcon", {}),
+    ("mpt", "gpt2", {}),
+    ("starcoder", "starcoder", {}),
+    ("gpt-2 phi-2 jina-es jina-de gigachat jina-v2-es jina-v2-de a.x-4.0 mellum modern-bert", "gpt2", {}),
+    ("jais-2", "jais-2", {}),
+    ("gemma4 granite-embed-multi-311m", "newlines",
+     {"escape_whitespaces": True, "byte_encode": False, "whole_newlines": True, "always_bos": True}),
+    ("sarvam-moe", "newlines", {**_KEEP, "escape_whitespaces": True, "byte_encode": False}),
+    ("jina-v1-en jina-v2-code roberta-bpe", "gpt2", {}),
+    ("whitespace", "whitespace", {"byte_encode": False}),
+    ("refact", "starcoder", {}),
+    ("command-r", "starcoder", _KEEP),
+    ("qwen2 deepseek-r1-qwen kormo f2llmv2", "qwen2", _KEEP),
+    ("qwen35", "qwen35", _KEEP),
+    ("stablelm2", "qwen2", {}),
+    ("olmo", "gpt2", {}),
+    ("dbrx smaug-bpe", "llama3", {}),
+    ("poro-chat", "bloom", _KEEP),
+    ("chatglm-bpe", "llama3", {"default_bos": False}),
+    ("glm4 glm5", "llama3", {"default_bos": False, "ignore_merges": True}),
+    ("viking", "viking", _KEEP),
+    ("jais", "gpt2", {}),
+    ("tekken", "tekken", {**_KEEP, "ignore_merges": True, "add_bos": True}),
+    ("smollm", "starcoder", _KEEP),
+    ("codeshell", "starcoder", {}),
+    ("bloom gpt3-finnish", "bloom", {}),
+    ("exaone", "starcoder", {}),
+    ("exaone4", "gpt2", {}),
+    ("exaone-moe", "exaone-moe", {}),
+    ("chameleon", "chameleon", {**_KEEP, "add_bos": True}),
+    ("minerva-7b", "starcoder", {}),
+    ("megrez", "qwen2", {}),
+    ("gpt-4o llama4 kanana2 talkie", "gpt-4o", _KEEP),
+    ("granite-embed-multi-97m", "granite-embed-multi", {**_KEEP, "ignore_merges": True}),
+    ("tiny_aya cohere2moe", "tiny_aya", _KEEP),
+    ("superbpe", "superbpe", _KEEP),
+    ("trillion granite-docling", "gpt2", _KEEP),
+    ("bailingmoe bailingmoe2 llada-moe", "bailingmoe", _KEEP),
+    ("seed-coder", "seed-coder", _KEEP),
+    ("hunyuan", "qwen2", _KEEP),
+    ("hunyuan-dense hy_v4 joyai-llm", "deepseek-v3", _KEEP),
+    ("kimi-k2", "kimi-k2", _KEEP),
+    ("ufakzeka", "ufakzeka", _KEEP),
+    ("grok-2", "qwen2", _KEEP),
+    ("afmoe", "afmoe", _KEEP),
+    ("laguna", "laguna", _KEEP),
+    ("minimax-m2", "gpt-4o", _KEEP),
+    ("solar-open", "qwen2", _KEEP),
+    ("mellum2", "starcoder", {}),
+)
+
+# tokenizer.ggml.pre -> (regexes, options)
+PRE_TOKENIZERS = {name: (_PRE_REGEXES[regexes], options)
+                  for names, regexes, options in _PRE_TABLE for name in names.split()}
+
+
+def split_words(pre: str, text: str) -> list:
+    """The words llama.cpp's pre-tokenizer ``pre`` cuts ``text`` into, before BPE runs on each."""
+    if pre not in PRE_TOKENIZERS:
+        raise ValueError(f"tokenizer.ggml.pre {pre!r} is not supported; supported: "
+                         f"{', '.join(sorted(PRE_TOKENIZERS))}")
+    return _split(PRE_TOKENIZERS[pre][0], text)
 
 
 # ---------------------------------------------------------------- byte-level encoding
@@ -307,6 +545,38 @@ def _clean_spaces(text: bytes) -> bytes:
     return bytes(out)
 
 
+# ---------------------------------------------------------------- pair merging
+
+def _merge(syms: list, key) -> list:
+    """Join adjacent symbols, the pair with the lowest ``key(left, right)`` first (leftmost on ties), until
+    no pair has a key (None): the work queue of llama.cpp's llm_tokenizer_spm and llm_tokenizer_bpe."""
+    n = len(syms)
+    nxt, prv = [*range(1, n), -1], [*range(-1, n - 1)]
+    heap = []
+
+    def push(left: int, right: int) -> None:
+        k = key(syms[left], syms[right])
+        if k is not None:
+            heapq.heappush(heap, (k, left, right, len(syms[left]) + len(syms[right])))
+
+    for i in range(n - 1):
+        push(i, i + 1)
+    while heap:
+        _, left, right, size = heapq.heappop(heap)
+        if not syms[left] or not syms[right] or len(syms[left]) + len(syms[right]) != size:
+            continue                                # stale: one side changed since the push
+        syms[left] += syms[right]
+        syms[right] = ""
+        nxt[left] = nxt[right]
+        if nxt[right] >= 0:
+            prv[nxt[right]] = left
+        if prv[left] >= 0:
+            push(prv[left], left)
+        if nxt[left] >= 0:
+            push(left, nxt[left])
+    return [s for s in syms if s]
+
+
 # ---------------------------------------------------------------- metadata helpers
 
 def _get(md: dict, key: str, types: tuple, default=None):
@@ -338,7 +608,7 @@ def _array(md: dict, key: str, dtype, n: int):
 class Tokenizer:
     """A llama.cpp-compatible tokenizer; build it with from_gguf or from_metadata."""
 
-    MODELS = ("llama", "gpt2")
+    MODELS = ("llama", "gpt2", "gemma4")
 
     @classmethod
     def from_gguf(cls, path) -> "Tokenizer":
@@ -360,32 +630,37 @@ class Tokenizer:
     # -- loading
 
     def _load_model(self, md: dict) -> None:
-        """Model kind, pre-tokenizer and the flags whose defaults depend on them."""
+        """Model kind, pre-tokenizer and the flags whose defaults depend on them (llama_vocab::impl::load)."""
         model = _get(md, "tokenizer.ggml.model", (str,))
         if model is None:
             raise ValueError("GGUF metadata has no 'tokenizer.ggml.model'")
         if model not in self.MODELS:
             raise ValueError(f"tokenizer.ggml.model {model!r} is not supported; supported: "
-                             "'llama' (SentencePiece), 'gpt2' (byte-level BPE)")
+                             "'llama' (SentencePiece), 'gpt2' (BPE), 'gemma4' (BPE over U+2581-escaped text)")
         self.model = model
         self.architecture = _get(md, "general.architecture", (str,))
         self.chat_template = _get(md, "tokenizer.chat_template", (str,))
-        opts = {"add_bos": model == "llama", "add_space_prefix": model == "llama",
-                "clean_spaces": model == "gpt2", "ignore_merges": False}
-        self.pre = None
-        if model == "gpt2":
-            self.pre = _get(md, "tokenizer.ggml.pre", (str,)) or "default"
-            if self.pre not in _PRE_TOKENIZERS:
+        spm = model == "llama"
+        opts = dict(_SPM_OPTIONS if spm else _BPE_OPTIONS)
+        self.pre, self._regexes = None, ()
+        if not spm:                                 # llama.cpp's gemma4 model always uses the gemma4 pre
+            self.pre = "gemma4" if model == "gemma4" else _get(md, "tokenizer.ggml.pre", (str,)) or "default"
+            if self.pre not in PRE_TOKENIZERS:
                 raise ValueError(f"tokenizer.ggml.pre {self.pre!r} is not supported; supported: "
-                                 f"{', '.join(sorted(_PRE_TOKENIZERS))}")
-            self._split, extra = _PRE_TOKENIZERS[self.pre]
+                                 f"{', '.join(sorted(PRE_TOKENIZERS))}")
+            self._regexes, extra = PRE_TOKENIZERS[self.pre]
             opts.update(extra)
         self.add_space_prefix = _get(md, "tokenizer.ggml.add_space_prefix", (bool,),
                                      opts["add_space_prefix"])
         self.add_bos = _get(md, "tokenizer.ggml.add_bos_token", (bool,), opts["add_bos"])
+        self.add_bos |= opts["always_bos"]
         self.add_eos = _get(md, "tokenizer.ggml.add_eos_token", (bool,), False)
         self._clean = opts["clean_spaces"]
         self._ignore_merges = opts["ignore_merges"]
+        self._default_bos = opts["default_bos"]
+        self._byte_encode = opts["byte_encode"]
+        self._escape = opts["escape_whitespaces"]
+        self._whole_newlines = opts["whole_newlines"]
 
     def _load_vocab(self, md: dict) -> None:
         """Token texts, the text -> id map, scores, attributes and BPE merge ranks."""
@@ -415,14 +690,20 @@ class Tokenizer:
                 lut[ty] = attr
             self._attrs = np.where((types >= 0) & (types < 8), lut[np.clip(types, 0, 7)], UNDEFINED)
         self._ranks = None
-        if self.model == "gpt2":
-            if "tokenizer.ggml.merges" not in md:
-                raise ValueError("gpt2 tokenizer: GGUF metadata has no 'tokenizer.ggml.merges'")
-            merges = list(md["tokenizer.ggml.merges"])
+        if self.model != "llama":
+            if "tokenizer.ggml.merges" not in md and self.pre != "kimi-k2":   # Kimi-K2 may have none
+                raise ValueError(f"{self.model} tokenizer: GGUF metadata has no 'tokenizer.ggml.merges'")
+            merges = list(md.get("tokenizer.ggml.merges", ()))
             # "left right" -> rank; the first occurrence of a duplicate wins, as in llama.cpp
             self._ranks = {m: r for r, m in zip(range(len(merges) - 1, -1, -1), reversed(merges))}
-        self._byte_ids = [self._tok2id.get(f"<0x{b:02X}>", self._tok2id.get(chr(b)) if b < 128 else None)
-                          for b in range(256)]
+        # the token of each byte a text falls back to: SPM's <0xXX> (else the byte itself), BPE's
+        # byte itself (only ASCII can be a token of byte-encoded text), raw-UTF-8 BPE's <0xXX>
+        hex_ids = [self._tok2id.get(f"<0x{b:02X}>") for b in range(256)]
+        char_ids = [self._tok2id.get(chr(b)) if b < 128 else None for b in range(256)]
+        if self.model == "llama":
+            self._byte_ids = [h if h is not None else c for h, c in zip(hex_ids, char_ids)]
+        else:
+            self._byte_ids = char_ids if self._byte_encode else hex_ids
         self._pieces = {}                                   # id -> bytes, filled lazily
         self._word_cache = {}
 
@@ -442,7 +723,9 @@ class Tokenizer:
     def _special_ids(self, md: dict) -> dict:
         """Ids from tokenizer.ggml.*_token_id, else llama.cpp's model defaults, else found by text."""
         n, tok2id, attrs = len(self._tokens), self._tok2id, self._attrs
-        defaults = {"llama": {"bos": 1, "eos": 2, "unk": 0}, "gpt2": {"bos": 11, "eos": 11}}[self.model]
+        defaults = dict(_DEFAULT_IDS[self.model])
+        if not self._default_bos:
+            defaults.pop("bos", None)
         ids = {name: defaults.get(name) for name in _ID_KEYS}
         for name, key in _ID_KEYS.items():
             if ids[name] is not None and ids[name] >= n:
@@ -579,41 +862,16 @@ class Tokenizer:
 
     def _spm(self, text: str) -> list:
         """SentencePiece merge: join the adjacent pair forming the best-scored token, leftmost on ties."""
-        if not text:
-            return []
         tok2id, scores = self._tok2id, self._scores
-        syms = list(text)                               # symbol texts; "" once merged away
-        n = len(syms)
-        nxt = [*range(1, n), -1]
-        prv = list(range(-1, n - 1))
-        heap = []
 
-        def push(left: int, right: int) -> None:
-            pair = syms[left] + syms[right]
-            tid = tok2id.get(pair)
-            if tid is not None:
-                heapq.heappush(heap, (-scores[tid], left, right, len(pair)))
+        def score(left: str, right: str):
+            tid = tok2id.get(left + right)
+            return None if tid is None else -scores[tid]
 
-        for i in range(n - 1):
-            push(i, i + 1)
-        while heap:
-            _, left, right, size = heapq.heappop(heap)
-            if not syms[left] or not syms[right] or len(syms[left]) + len(syms[right]) != size:
-                continue                                # stale: one side changed since the push
-            syms[left] += syms[right]
-            syms[right] = ""
-            nxt[left] = nxt[right]
-            if nxt[right] >= 0:
-                prv[nxt[right]] = left
-            if prv[left] >= 0:
-                push(prv[left], left)
-            if nxt[left] >= 0:
-                push(left, nxt[left])
-        out, i = [], 0
-        while i != -1:
-            tid = tok2id.get(syms[i])
-            out += [tid] if tid is not None else [self._byte_token(b) for b in syms[i].encode()]
-            i = nxt[i]
+        out = []
+        for s in _merge(list(text), score):
+            tid = tok2id.get(s)
+            out += [tid] if tid is not None else [self._byte_token(b) for b in s.encode()]
         return out
 
     def _byte_token(self, b: int) -> int:
@@ -626,39 +884,40 @@ class Tokenizer:
         return tid
 
     def _bpe(self, text: str) -> list:
-        """Byte-level BPE over the pre-tokenizer's words."""
+        """BPE over the pre-tokenizer's words, byte-encoded unless the pre-tokenizer works on raw UTF-8."""
+        if self._escape:
+            text = text.replace(" ", _SPACE)
         out, cache = [], self._word_cache
-        for word in self._split(text):
-            word = _byte_encode(word)
+        for word in _split(self._regexes, text):
+            if self._byte_encode:
+                word = _byte_encode(word)
             ids = cache.get(word)
             if ids is None:
-                if len(cache) > 100_000:
-                    cache.clear()
-                ids = cache[word] = self._bpe_word(word)
+                ids = self._bpe_word(word)
+                if len(word) <= 64:                 # long words are whole Gemma 4 lines: not worth keeping
+                    if len(cache) > 100_000:
+                        cache.clear()
+                    cache[word] = ids
             out += ids
         return out
 
     def _bpe_word(self, word: str) -> list:
-        """Merge the lowest-ranked adjacent pair (leftmost on ties) until none is left."""
-        tok2id, ranks = self._tok2id, self._ranks
-        if self._ignore_merges and word in tok2id:
+        """Merge the lowest-ranked adjacent pair (leftmost on ties) until none is left; unknown symbols fall
+        back to byte tokens, dropping the bytes that have none (as llama.cpp does)."""
+        tok2id, ranks, byte_ids = self._tok2id, self._ranks, self._byte_ids
+        whole = self._ignore_merges or (self._whole_newlines and not word.strip("\n"))
+        if whole and word in tok2id:
             return [tok2id[word]]
-        syms = list(word)
-        while len(syms) > 1:
-            best, at = None, -1
-            for i in range(len(syms) - 1):
-                rank = ranks.get(syms[i] + " " + syms[i + 1])
-                if rank is not None and (best is None or rank < best):
-                    best, at = rank, i
-            if at < 0:
-                break
-            syms[at:at + 2] = [syms[at] + syms[at + 1]]
+        if " " in word and len(word) > 1:           # only raw UTF-8 that keeps its spaces: 'whitespace'
+            raise ValueError(f"BPE word {word!r} holds a space next to another symbol; llama.cpp aborts on it "
+                             f"(GGML_ASSERT in find_bpe_rank) with tokenizer.ggml.pre {self.pre!r}")
         out = []
-        for s in syms:
-            if s in tok2id:
-                out.append(tok2id[s])
-            else:                                   # llama.cpp keeps the single ASCII bytes it knows
-                out += [tok2id[chr(b)] for b in s.encode() if b < 128 and chr(b) in tok2id]
+        for s in _merge(list(word), lambda left, right: ranks.get(left + " " + right)):
+            tid = tok2id.get(s)
+            if tid is not None:
+                out.append(tid)
+            else:
+                out += [byte_ids[b] for b in s.encode() if byte_ids[b] is not None]
         return out
 
     # -- decoding
@@ -681,7 +940,7 @@ class Tokenizer:
         if attr & (UNKNOWN | CONTROL | USER_DEFINED):
             return text.encode()
         if attr & NORMAL:
-            return text.replace(_SPACE, " ").encode() if self.model == "llama" else _byte_decode(text)
+            return text.replace(_SPACE, " ").encode() if self._escape else _byte_decode(text)
         if attr & BYTE:
             if not (len(text) == 6 and text.startswith("<0x") and text.endswith(">")):
                 raise ValueError(f"byte token {token_id} has text {text!r}, not <0xXX>")
