@@ -70,6 +70,8 @@ ROPE_VARIANTS = {   # positions run past each variant's original context
     "llama-linear": ("llama", dict(rope_scaling=dict(type="linear", factor=2.5, attn_factor=0.9))),
     "llama-none": ("llama", dict(rope_scaling=dict(type="none", factor=4.0))),
     "qwen2-yarn": ("qwen2", dict(rope_scaling=dict(type="yarn", factor=4.0, orig_ctx=16))),
+    "qwen2-yarn-betas": ("qwen2", dict(rope_scaling=dict(type="yarn", factor=4.0, orig_ctx=16, beta_fast=8.0,
+                                                         beta_slow=2.0))),   # llama.cpp reads betas for other families only
     "qwen2-yarn-attn_factor": ("qwen2", dict(rope_scaling=dict(type="yarn", factor=8.0, orig_ctx=32, attn_factor=1.1))),
     "phi3-longrope": ("phi3", dict(rope_factors=True, rope_orig_ctx=32,
                                    rope_scaling=dict(type="longrope", factor=2.0))),

@@ -96,7 +96,8 @@ _COMMON = dict(
     rope_scaling=None,   # dict(type=..., factor=..., orig_ctx=..., attn_factor=...): rope.scaling.* keys
 )
 ROPE_SCALING_KEYS = {"type": ("type", "STRING"), "factor": ("factor", "FLOAT32"),
-                     "orig_ctx": ("original_context_length", "UINT32"), "attn_factor": ("attn_factor", "FLOAT32")}
+                     "orig_ctx": ("original_context_length", "UINT32"), "attn_factor": ("attn_factor", "FLOAT32"),
+                     "beta_fast": ("yarn_beta_fast", "FLOAT32"), "beta_slow": ("yarn_beta_slow", "FLOAT32")}
 
 # per-arch defaults; a key listed here is an override the arch accepts
 ARCHS = {

@@ -1,4 +1,4 @@
-"""What every ``ggraph`` command shares: the model argument, compile options, pass names, plugins."""
+"""What every ``ggraph`` command shares: the model argument, compile and sampling options, pass names, plugins."""
 from __future__ import annotations
 
 import argparse
@@ -31,6 +31,37 @@ def add_compile_args(p: argparse.ArgumentParser) -> None:
     add_pass_args(p)
     p.add_argument("--ctx", type=int, default=4096, help="context length: KV cache rows (default 4096)")
     add_memory_arg(p)
+
+
+def add_sampling_args(p: argparse.ArgumentParser, n_predict: int, n_help: str) -> None:
+    p.add_argument("-n", "--n-predict", type=int, default=n_predict, help=n_help)
+    p.add_argument("--temp", type=float, default=0.8, help="temperature; 0 is greedy (default 0.8)")
+    p.add_argument("--top-k", type=int, default=40, help="keep the k most likely tokens (default 40; 0 = all)")
+    p.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling mass (default 0.95)")
+    p.add_argument("--min-p", type=float, default=0.05,
+                   help="drop tokens below min-p × the top probability (default 0.05)")
+    p.add_argument("--repeat-penalty", type=float, default=1.0, help="penalty for recent tokens (default 1.0 = off)")
+    p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
+    p.add_argument("--stop", action="append", default=[], help="stop at this text (repeatable)")
+
+
+def sampling_options(args) -> dict:
+    """Session.generate's keywords from the sampling arguments, each checked before anything slow runs."""
+    from ggraph.runtime.sampling import Sampler
+    Sampler(args.temp, args.top_k, args.top_p, args.min_p, args.repeat_penalty)
+    if args.n_predict < -1:
+        raise ValueError(f"--n-predict must be >= -1 (-1: until the end of text), got {args.n_predict}")
+    return dict(temperature=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                repeat_penalty=args.repeat_penalty, seed=args.seed, stop=args.stop)
+
+
+def open_session(args):
+    """The Session the compile arguments describe, compiled (with its progress bar) before it is returned."""
+    from ggraph.runtime.session import Session
+    session = Session(model_path(args), backend=args.backend, threads=args.threads, passes=passes_arg(args.passes),
+                      ctx=args.ctx, disabled=args.no_pass, max_memory=args.max_memory)
+    session.program(last_only=True)
+    return session
 
 
 def add_memory_arg(p: argparse.ArgumentParser) -> None:

@@ -56,7 +56,13 @@ class Session:
         self.k_cache = [np.zeros(kshape, np.float32) for _ in range(n)]
         self.v_cache = [np.zeros(vshape, np.float32) for _ in range(n)]
         self._n_past = 0
+        self._cached: list[int] = []                      # the ids whose keys and values the cache holds
         self.stats: dict[str, float] = {}
+
+    @property
+    def cached_tokens(self) -> tuple[int, ...]:
+        """The token ids the KV cache holds, in order."""
+        return tuple(self._cached)
 
     @property
     def n_past(self) -> int:
@@ -78,6 +84,7 @@ class Session:
     def reset(self) -> None:
         """Forget the context (the cache rows are simply overwritten later)."""
         self._n_past = 0
+        self._cached = []
 
     def truncate(self, n: int) -> None:
         """Keep only the first ``n`` tokens of the context (0 <= n <= n_past)."""
@@ -85,6 +92,7 @@ class Session:
             raise ValueError(f"truncate: n must be a whole number in 0..{self._n_past} (the tokens in the cache), "
                              f"got {n!r}")
         self._n_past = int(n)
+        del self._cached[self._n_past:]
 
     def step(self, tokens: Sequence[int], last_only: bool = True) -> np.ndarray:
         """Run tokens after the current context; returns logits (T or 1, n_vocab)."""
@@ -97,6 +105,7 @@ class Session:
         prog = self.program(last_only)
         logits, *_ = prog.run_inputs([tokens, np.int32(self._n_past), *self.k_cache, *self.v_cache])
         self._n_past += tokens.size
+        self._cached += tokens.tolist()
         return logits
 
     def logits(self, tokens: Sequence[int]) -> np.ndarray:
@@ -107,56 +116,91 @@ class Session:
     # -- generation ----------------------------------------------------------------------
     def generate(self, prompt: str | Sequence[int], max_tokens: int = 128, temperature: float = 0.8,
                  top_k: int = 40, top_p: float = 0.95, min_p: float = 0.05, repeat_penalty: float = 1.0,
-                 seed: int | None = None, stop: Sequence[str] = (), stream: bool = False):
-        """Generate text after ``prompt`` (text, or token ids); greedy when temperature is 0."""
-        pieces = self._generate(prompt, max_tokens, Sampler(temperature, top_k, top_p, min_p, repeat_penalty),
-                                seed, tuple(stop))
-        return pieces if stream else "".join(pieces)
+                 seed: int | None = None, stop: Sequence[str] = (), stream: bool = False,
+                 reuse_cache: bool = False):
+        """Generate text after ``prompt`` (text, or token ids); greedy when temperature is 0.
 
-    def _generate(self, prompt, max_tokens, sampler, seed, stop) -> Iterator[str]:
+        ``max_tokens=-1`` generates until the end of text or a full context. Generation also ends at a
+        full context; ``stats["stop"]`` says why it ended: "eog", "stop", "length" or "context".
+        With ``reuse_cache`` the tokens the prompt shares with the cached context are kept and only
+        the rest is prefilled (``stats["cached_tokens"]``), as a conversation's next turn is.
+        """
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, (int, np.integer)) or max_tokens < -1:
+            raise ValueError(f"max_tokens must be a whole number >= -1 (-1: until the end of text), got {max_tokens!r}")
+        sampler = Sampler(temperature, top_k, top_p, min_p, repeat_penalty)
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else token_ids(prompt, self.config.n_vocab).tolist()
         if not ids:
             raise ValueError("the prompt encodes to no tokens")
+        if len(ids) > self.ctx:
+            raise ContextFullError(f"context full: the prompt is {len(ids)} tokens > ctx={self.ctx}; "
+                                   "start a new Session with a larger ctx")
+        pieces = self._generate(ids, int(max_tokens), sampler, seed, tuple(stop), reuse_cache)
+        return pieces if stream else "".join(pieces)
+
+    def _keep_prefix(self, ids: list) -> int:
+        """Truncate the cache to its longest common prefix with ``ids``, leaving at least one id to run."""
+        n = 0
+        for a, b in zip(self._cached, ids[:-1]):
+            if a != b:
+                break
+            n += 1
+        self.truncate(n)
+        return n
+
+    def _generate(self, ids, max_tokens, sampler, seed, stop, reuse_cache) -> Iterator[str]:
         rng = np.random.default_rng(seed)
         history = list(ids)
         detok = Detokenizer(self.tokenizer, skip_special=True)
-        self.reset()
+        kept = self._keep_prefix(ids) if reuse_cache else 0
+        if not reuse_cache:
+            self.reset()
         self.program(last_only=True)                       # compile (or load) before the clock starts
         t0 = time.perf_counter()
-        logits = self.step(ids)[-1]
+        logits = self.step(ids[kept:])[-1]
         t1 = time.perf_counter()
-        self.stats = {"prompt_tokens": len(ids), "prompt_s": t1 - t0, "generated_tokens": 0, "generate_s": 0.0}
-        text, emitted = "", 0
-        for n in range(max_tokens):
+        self.stats = {"prompt_tokens": len(ids) - kept, "cached_tokens": kept, "prompt_s": t1 - t0,
+                      "generated_tokens": 0, "generate_s": 0.0, "stop": "length"}
+        text, emitted, n = "", 0, 0
+        while max_tokens < 0 or n < max_tokens:
             tok = sampler(logits, history, rng)
             if self.tokenizer.is_eog(tok):
+                self.stats["stop"] = "eog"
                 break
             history.append(tok)
-            self.stats["generated_tokens"] = n + 1
+            n += 1
+            self.stats["generated_tokens"] = n
             text += detok.push(tok)
             cut = _first_stop(text, stop)
             safe = cut if cut is not None else len(text) - _partial_stop(text, stop)
             if safe > emitted:
                 yield text[emitted:safe]
                 emitted = safe
-            if cut is not None or n + 1 == max_tokens:
+            if cut is not None:
+                self.stats["stop"] = "stop"
+                break
+            if n == max_tokens:
+                break
+            if self._n_past == self.ctx:                   # the sampled token has no row to go in
+                self.stats["stop"] = "context"
                 break
             t = time.perf_counter()
             logits = self.step([tok])[-1]
             self.stats["generate_s"] += time.perf_counter() - t
-        else:
-            pass
         tail = text + detok.flush()
         cut = _first_stop(tail, stop)
         end = cut if cut is not None else len(tail)
         if end > emitted:
             yield tail[emitted:end]
 
+    def chat_ids(self, messages: list[dict], add_generation_prompt: bool = True, **template_vars) -> list[int]:
+        """The token ids of ``messages`` rendered by the model's chat template (one BOS, as the model wants)."""
+        prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                    **template_vars)
+        return self.tokenizer.encode(prompt, add_special=not _starts_with_bos(prompt, self.tokenizer))
+
     def chat(self, messages: list[dict], **kwargs):
         """Render ``messages`` with the model's chat template and generate the reply."""
-        prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        ids = self.tokenizer.encode(prompt, add_special=not _starts_with_bos(prompt, self.tokenizer))
-        return self.generate(ids, **kwargs)
+        return self.generate(self.chat_ids(messages), **kwargs)
 
 
 def token_ids(tokens, n_vocab: int) -> np.ndarray:
