@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from ggraph.runtime import chat
-from ggraph.runtime.chat import CHATML_TEMPLATE, GEMMA_TEMPLATE, ChatTemplateError, render_chat
+from ggraph.runtime.chat import CHATML_TEMPLATE, GEMMA_TEMPLATE, ChatTemplateError, render
 
 MESSAGES = [{"role": "user", "content": "Hello"}, {"role": "assistant", "content": "Hi there"}]
 LIMIT_S = 0.5                   # a small time limit keeps the suite fast
@@ -61,10 +61,10 @@ OTHER_ATTACKS = {
 
 
 def failing(template: str, **limits):
-    """The ChatTemplateError render_chat raises for ``template``, and the seconds it took to."""
+    """The ChatTemplateError render raises for ``template``, and the seconds it took to."""
     start = time.perf_counter()
     with pytest.raises(ChatTemplateError) as failure:
-        render_chat(template, MESSAGES, **limits)
+        render(template, MESSAGES, **limits)
     return failure, time.perf_counter() - start
 
 
@@ -100,30 +100,30 @@ def test_out_of_memory_is_a_chat_template_error(monkeypatch):
         raise MemoryError
     monkeypatch.setattr(chat, "_strftime_now", no_memory)
     with pytest.raises(ChatTemplateError, match=r"ran out of memory \(the memory limit\)"):
-        render_chat("{{ strftime_now('%Y') }}{# a template of its own, compiled with no_memory #}", MESSAGES)
+        render("{{ strftime_now('%Y') }}{# a template of its own, compiled with no_memory #}", MESSAGES)
 
 
 def test_limits_are_arguments():
     ten = "{% for i in range(10) %}x{% endfor %}"
-    assert render_chat(ten, MESSAGES, max_output=10) == "x" * 10
+    assert render(ten, MESSAGES, max_output=10) == "x" * 10
     with pytest.raises(ChatTemplateError, match=r"^chat template: output exceeds 9 characters \(the output limit\)$"):
-        render_chat(ten, MESSAGES, max_output=9)
+        render(ten, MESSAGES, max_output=9)
     with pytest.raises(ChatTemplateError, match=r"str \* 20 exceeds 10 characters"):
-        render_chat("{{ 'a' * 20 }}", MESSAGES, max_output=10)
+        render("{{ 'a' * 20 }}", MESSAGES, max_output=10)
     spin = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
     with pytest.raises(ChatTemplateError, match=r"^chat template: rendering took more than 0\.2 s \(the time limit\)$"):
-        render_chat(spin, MESSAGES, time_limit=0.2)
+        render(spin, MESSAGES, time_limit=0.2)
 
 
 def test_limits_default_to_the_module_constants(monkeypatch):
     monkeypatch.setattr(chat, "OUTPUT_LIMIT", 5)
     monkeypatch.setattr(chat, "TIME_LIMIT_S", 0.2)
     with pytest.raises(ChatTemplateError, match=r"output exceeds 5 characters"):
-        render_chat("{{ 'abcdef' }}", MESSAGES)
+        render("{{ 'abcdef' }}", MESSAGES)
     spin = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}{# 2 #}"
     start = time.perf_counter()
     with pytest.raises(ChatTemplateError, match=r"more than 0\.2 s"):
-        render_chat(spin, MESSAGES)
+        render(spin, MESSAGES)
     assert time.perf_counter() - start < 0.6
 
 
@@ -131,22 +131,22 @@ def test_a_compiled_template_serves_every_budget():
     """Jinja folds constants while compiling, under the first render's budget; later renders get their own."""
     template = "{{ 'ab' ~ 'cd' }}{% for x in [1, 2] %}{{ x }}{% endfor %}"
     with pytest.raises(ChatTemplateError, match=r"a '~' string exceeds 3 characters"):
-        render_chat(template, MESSAGES, max_output=3)
-    assert render_chat(template, MESSAGES) == "abcd12"
-    assert render_chat(template, MESSAGES) == "abcd12"          # the loop's iterable is not used up
+        render(template, MESSAGES, max_output=3)
+    assert render(template, MESSAGES) == "abcd12"
+    assert render(template, MESSAGES) == "abcd12"          # the loop's iterable is not used up
     with pytest.raises(ChatTemplateError, match=r"^chat template: output exceeds 5 characters"):
-        render_chat(template, MESSAGES, max_output=5)
+        render(template, MESSAGES, max_output=5)
 
 
 def test_ordinary_templates_render_within_small_limits():
-    builtin = render_chat(GEMMA_TEMPLATE, MESSAGES, time_limit=LIMIT_S, max_output=200)
+    builtin = render(GEMMA_TEMPLATE, MESSAGES, time_limit=LIMIT_S, max_output=200)
     assert builtin == ("<start_of_turn>user\nHello<end_of_turn>\n<start_of_turn>model\nHi there<end_of_turn>\n"
                        "<start_of_turn>model\n")
-    assert render_chat(CHATML_TEMPLATE, MESSAGES, max_output=200).endswith("<|im_start|>assistant\n")
+    assert render(CHATML_TEMPLATE, MESSAGES, max_output=200).endswith("<|im_start|>assistant\n")
     features = ("{% macro m(a, b=2) %}{{ a }}-{{ b }}{% endmacro %}{{ m(1) }} {{ 'ab' * 2 }} {{ 2 ** 10 }} "
                 "{{ '%5d|' % 3 }}{{ '{:>3}'.format(1) }} {{ 'a-b'.replace('-', '+') }} {{ [3, 1] | sort }} "
                 "{% for m in messages %}{{ loop.index }}/{{ loop.length }}{% endfor %} {{ {'k': 1} | tojson(indent=1) }}")
-    assert render_chat(features, MESSAGES, max_output=200) == (
+    assert render(features, MESSAGES, max_output=200) == (
         '1-2 abab 1024     3|  1 a+b [1, 3] 1/22/2 {\n "k": 1\n}')
 
 
@@ -163,7 +163,7 @@ TOOLS = [{"type": "function", "function": {"name": "now", "description": "The ti
 @pytest.mark.parametrize("path", REAL_TEMPLATES, ids=lambda p: p.stem)
 def test_real_templates_render(path):
     tools = TOOLS if path.name in NEEDS_TOOLS else None
-    text = render_chat(path.read_text(), MESSAGES, add_generation_prompt=True, bos_token="<s>", eos_token="</s>",
+    text = render(path.read_text(), MESSAGES, add_generation_prompt=True, bos_token="<s>", eos_token="</s>",
                        tools=tools, time_limit=LIMIT_S)
     assert "Hello" in text and "Hi there" in text
 
@@ -171,24 +171,24 @@ def test_real_templates_render(path):
 def test_generation_blocks_render_their_body_within_the_limits():
     """Hugging Face's {% generation %} (LFM2.5, poolside Laguna) is its body, whose output counts like a macro's."""
     tagged = "{% for m in messages %}{% generation %}[{{ m['content'] }}]{% endgeneration %}{% endfor %}"
-    assert render_chat(tagged, MESSAGES, max_output=20) == "[Hello][Hi there]"
+    assert render(tagged, MESSAGES, max_output=20) == "[Hello][Hi there]"
     flood = "{% generation %}{% for i in range(100000) %}{{ 'x' * 100 }}{% endfor %}{% endgeneration %}"
     with pytest.raises(ChatTemplateError, match="a macro's or block's output " + OUTPUT):
-        render_chat(flood, MESSAGES, time_limit=LIMIT_S)
+        render(flood, MESSAGES, time_limit=LIMIT_S)
     spin = "{% generation %}{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}" \
            "{% endgeneration %}"
     failure, seconds = failing(spin, time_limit=LIMIT_S)
     failure.match(TIME)
     assert seconds < STOPPED_S
     with pytest.raises(ChatTemplateError, match=r"does not compile: Unexpected end of template.*'endgeneration'"):
-        render_chat("{% generation %}x", MESSAGES)
+        render("{% generation %}x", MESSAGES)
 
 
 def test_real_templates_render_exactly():
-    qwen = render_chat((REAL / "Qwen-Qwen2.5-7B-Instruct.jinja").read_text(), MESSAGES)
+    qwen = render((REAL / "Qwen-Qwen2.5-7B-Instruct.jinja").read_text(), MESSAGES)
     assert qwen == ("<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant."
                     "<|im_end|>\n<|im_start|>user\nHello<|im_end|>\n<|im_start|>assistant\nHi there<|im_end|>\n"
                     "<|im_start|>assistant\n")
-    gemma = render_chat((REAL / "google-gemma-2-2b-it.jinja").read_text(), MESSAGES, bos_token="<bos>")
+    gemma = render((REAL / "google-gemma-2-2b-it.jinja").read_text(), MESSAGES, bos_token="<bos>")
     assert gemma == ("<bos><start_of_turn>user\nHello<end_of_turn>\n<start_of_turn>model\nHi there<end_of_turn>\n"
                      "<start_of_turn>model\n")

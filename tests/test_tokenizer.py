@@ -16,7 +16,7 @@ import pytest
 
 import gguf_edit
 from ggraph import gguf
-from ggraph.runtime.chat import CHATML_TEMPLATE, GEMMA_TEMPLATE, ChatTemplateError, render_chat
+from ggraph.runtime.chat import CHATML_TEMPLATE, GEMMA_TEMPLATE, ChatTemplateError, render
 from ggraph.runtime.tokenizer import BYTE, CONTROL, NORMAL, PRE_TOKENIZERS, Detokenizer, Tokenizer, split_words
 
 DATA = Path(__file__).parent / "data" / "vocab"
@@ -257,12 +257,12 @@ MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "conten
 
 
 def test_builtin_gemma_template():
-    assert render_chat(GEMMA_TEMPLATE, MESSAGES) == (
+    assert render(GEMMA_TEMPLATE, MESSAGES) == (
         "<start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n"
         "<start_of_turn>model\nHello!<end_of_turn>\n"
         "<start_of_turn>user\nBye<end_of_turn>\n"
         "<start_of_turn>model\n")
-    assert render_chat(GEMMA_TEMPLATE, MESSAGES[1:2], add_generation_prompt=False) == \
+    assert render(GEMMA_TEMPLATE, MESSAGES[1:2], add_generation_prompt=False) == \
         "<start_of_turn>user\nHi<end_of_turn>\n"
 
 
@@ -276,7 +276,7 @@ def test_file_template_renders_and_bos_is_left_to_encode():
     spm = tokenizer(str(vocab_path("llama-spm")))               # no template: ChatML
     text = spm.apply_chat_template(MESSAGES[1:2])
     assert text == "<|im_start|>user\n Hi <|im_end|>\n<|im_start|>assistant\n"
-    with_bos = render_chat("{{ bos_token }}[{{ messages[0]['content'] }}]", MESSAGES[1:2], bos_token="<s>")
+    with_bos = render("{{ bos_token }}[{{ messages[0]['content'] }}]", MESSAGES[1:2], bos_token="<s>")
     assert with_bos == "<s>[ Hi ]"
     spm.chat_template = "{{ bos_token }}[{{ messages[0]['content'] }}]"
     try:
@@ -301,19 +301,19 @@ def test_file_template_renders_and_bos_is_left_to_encode():
 ])
 def test_template_cannot_reach_python(attack):
     with pytest.raises(ChatTemplateError, match="refused: access to attribute"):
-        render_chat(attack, MESSAGES)
+        render(attack, MESSAGES)
 
 
 def test_template_errors_are_chat_template_errors():
     with pytest.raises(ChatTemplateError, match="chat template raised: roles must alternate"):
-        render_chat("{{ raise_exception('roles must alternate') }}", MESSAGES)
+        render("{{ raise_exception('roles must alternate') }}", MESSAGES)
     with pytest.raises(ChatTemplateError, match="does not compile"):
-        render_chat("{% for %}", MESSAGES)
+        render("{% for %}", MESSAGES)
     with pytest.raises(ChatTemplateError, match="ZeroDivisionError"):
-        render_chat("{{ 1 / 0 }}", MESSAGES)
+        render("{{ 1 / 0 }}", MESSAGES)
     with pytest.raises(ChatTemplateError, match=r"messages\[1\] must be a dict"):
-        render_chat(CHATML_TEMPLATE, [MESSAGES[0], "hi"])
-    year = render_chat("{{ strftime_now('%Y') }}", MESSAGES)
+        render(CHATML_TEMPLATE, [MESSAGES[0], "hi"])
+    year = render("{{ strftime_now('%Y') }}", MESSAGES)
     assert year in {str(datetime.date.today().year), str(datetime.date.today().year + 1)}
 
 
@@ -530,4 +530,4 @@ def test_builtin_templates_match_llama_cpp():
                     for m in messages])
                 buf = ctypes.create_string_buffer(4096)
                 n = llama_cpp.llama_chat_apply_template(name, chat, len(messages), add, buf, len(buf))
-                assert render_chat(template, messages, add) == buf.raw[:n].decode()
+                assert render(template, messages, add_generation_prompt=add) == buf.raw[:n].decode()

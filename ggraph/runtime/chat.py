@@ -586,9 +586,3 @@ def render(template: str, messages: list[dict], *, add_generation_prompt: bool =
     finally:
         _BUDGET.reset(token)
 
-
-def render_chat(template: str, messages: list, add_generation_prompt: bool = True,
-                bos_token: str = "", eos_token: str = "", **kwargs) -> str:
-    """render() with ``add_generation_prompt`` and the special tokens also by position, as the tokenizer calls it."""
-    return render(template, messages, add_generation_prompt=add_generation_prompt, bos_token=bos_token,
-                  eos_token=eos_token, **kwargs)

@@ -984,13 +984,14 @@ class Tokenizer:
     # -- chat
 
     def apply_chat_template(self, messages: list, add_generation_prompt: bool = True, **extra) -> str:
-        """Render ``messages`` with the file's template (or a built-in one); encode() adds the BOS."""
-        from ggraph.runtime.chat import default_template, render_chat
+        """Render ``messages`` with the file's template (or a built-in one) as transformers would (chat.render;
+        ``extra`` are template variables: tools=, enable_thinking= ...); encode() adds the BOS."""
+        from ggraph.runtime.chat import default_template, render
         template = self.chat_template or default_template(self.architecture)
         bos = self._tokens[self.bos_id] if self.bos_id is not None else ""
         eos = self._tokens[self.eos_id] if self.eos_id is not None else ""
-        text = render_chat(template, messages, add_generation_prompt, bos_token=bos, eos_token=eos,
-                           **extra)
+        text = render(template, messages, add_generation_prompt=add_generation_prompt, bos_token=bos,
+                      eos_token=eos, **extra)
         if self.add_bos and bos and text.startswith(bos):
             text = text[len(bos):]                  # encode(add_special=True) puts it back once
         return text
