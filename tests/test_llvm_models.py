@@ -35,6 +35,17 @@ def test_rope_scaling_matches_llama_cpp(variant):
     assert cos > 0.9999 and top1 == 1.0, (cos, top1)
 
 
+@pytest.mark.parametrize("name", zoo.REAL_SHAPES)
+def test_real_shaped_models_match_llama_cpp(name):
+    """Each family in its real model's shape (head dims, GQA, biases, windows, rope scaling), q4_k_m."""
+    arch, over = zoo.REAL_SHAPES[name]
+    path = zoo.cached_model(arch, "q4_k_m", **over)
+    ids = prompt_ids(100)
+    cos, top1 = agreement(Session(path, backend="llvm", threads=2, ctx=128).logits(ids),
+                          oracle.llama_logits(path, ids, n_ctx=128))
+    assert cos > 0.999 and top1 >= 0.9, (cos, top1)
+
+
 def test_thread_counts_give_identical_logits():
     path = zoo.cached_model("gemma3", "q4_k_m", **zoo.K_QUANT_DIMS)
     ids = prompt_ids(24)

@@ -81,7 +81,7 @@ from pathlib import Path
 import numpy as np
 
 VOCAB_DIR = Path(__file__).parent / "data" / "vocab"
-VOCABS = {"llama-spm": "ggml-vocab-llama-spm.gguf", "qwen2": "ggml-vocab-qwen2.gguf"}
+VOCABS = {"llama-spm": "ggml-vocab-llama-spm.gguf", "qwen2": "ggml-vocab-qwen2.gguf", "gpt-2": "ggml-vocab-gpt-2.gguf"}
 
 # llama.cpp ftype per mix; None means written directly by gguf-py
 MIXES = {"f32": None, "f16": None, "q8_0": 7, "q4_k_m": 15}
@@ -108,6 +108,30 @@ ARCHS = {
                    swa_pattern=None, rope_base_swa=None, attn_softcap=2.0, final_softcap=3.0),
     "gemma3": dict(_COMMON, n_layer=6, head_dim=32, rope_base=1e6, tied=True, sliding_window=8,
                    swa_pattern=None, rope_base_swa=None, final_softcap=None),
+}
+
+# Real models' shapes, narrowed: each keeps its model's head dim, GQA ratio, FFN ratio, tied or untied
+# output, biases, window pattern and rope scaling, with fewer heads, layers and contexts (windows and
+# original contexts shrink with them, so that a 100-token prompt runs past both). Widths that real
+# models leave off 256-blocks stay off them, so llama.cpp's q4_k_m picks the same fallbacks.
+REAL_SHAPES = {
+    # Llama 3.2 1B: GQA 4:1, head 64, tied, a BPE vocab, Llama 3.1's rope_freqs, base 500000
+    "llama-3.2": ("llama", dict(n_embd=512, n_head=8, n_head_kv=2, head_dim=64, n_ff=2048, n_layer=2, tied=True,
+                                vocab="gpt-2", rope_base=500000.0, rope_freqs=True, n_ctx_train=131072)),
+    # Qwen2.5 0.5B: GQA 7:1, head 64, q/k/v biases, tied, 896-wide (off 256-blocks), yarn 4x
+    "qwen2.5": ("qwen2", dict(n_embd=448, n_head=7, n_head_kv=1, head_dim=64, n_ff=2432, n_layer=2, tied=True,
+                              vocab="llama-spm", rope_base=1e6, n_ctx_train=128,
+                              rope_scaling=dict(type="yarn", factor=4.0, orig_ctx=32))),
+    # Phi-3.5 mini: no GQA, head 96 fully rotated, untied, LongRoPE long/short factors, attn factor 1.19
+    "phi-3.5": ("phi3", dict(n_embd=384, n_head=4, n_head_kv=4, head_dim=96, n_rot=96, n_ff=1024, n_layer=2,
+                             rope_factors=True, rope_orig_ctx=64, rope_attn_factor=1.19, n_ctx_train=1024)),
+    # Gemma 2 2B: GQA 2:1, head 256 (wider than n_embd / n_head), softcaps 50 / 30, window every other layer
+    "gemma-2": ("gemma2", dict(n_embd=256, n_head=2, n_head_kv=1, head_dim=256, n_ff=1024, n_layer=4,
+                               sliding_window=32, attn_softcap=50.0, final_softcap=30.0, n_ctx_train=8192)),
+    # Gemma 3 4B: GQA 2:1, head 256, q/k norms, 5 local : 1 global, local base 10000, global linear 8x
+    "gemma-3": ("gemma3", dict(n_embd=256, n_head=2, n_head_kv=1, head_dim=256, n_ff=1024, n_layer=6,
+                               sliding_window=32, rope_base=1e6, rope_base_swa=10000.0, n_ctx_train=131072,
+                               rope_scaling=dict(type="linear", factor=8.0))),
 }
 
 # layer structure per arch: the flags a decoder needs
