@@ -172,7 +172,7 @@ ARGS = {  # argv after the model: what the one error line must say
     "temp_nan": (["run", "-p", "hi", "--temp", "nan"], "temperature must be a finite number"),
     "penalty_nan": (["run", "-p", "hi", "--repeat-penalty", "nan"], "repeat_penalty must be a finite number"),
     "top_p_two": (["run", "-p", "hi", "--top-p", 2], "top_p must be in (0, 1]"),
-    "n_negative": (["run", "-p", "hi", "-n", -1], "--n-predict must be >= 0"),
+    "n_negative": (["run", "-p", "hi", "-n", -5], "--n-predict must be >= -1"),
     "ctx_zero": (["run", "-p", "hi", "--ctx", 0], "ctx must be a positive whole number"),
     "ctx_huge": (["run", "-p", "hi", "--ctx", 10 ** 9], "the KV cache (ctx 1000000000"),
     "max_memory_tiny": (["run", "-p", "hi", "--max-memory", "1K"], "more than the --max-memory limit of 1.00 KiB"),

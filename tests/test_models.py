@@ -137,8 +137,10 @@ def test_context_overflow_is_a_clear_error():
     s.logits(prompt_ids(10))
     with pytest.raises(ContextFullError, match=r"context full: 10 tokens in the cache \+ 7 new > ctx=16"):
         s.step(prompt_ids(7))
-    with pytest.raises(ContextFullError, match="ctx=16"):
-        s.generate(prompt_ids(14), max_tokens=8, temperature=0)
+    with pytest.raises(ContextFullError, match="the prompt is 17 tokens > ctx=16"):
+        s.generate(prompt_ids(17), max_tokens=8, temperature=0)
+    s.generate(prompt_ids(14), max_tokens=8, temperature=0)  # a prompt that fits runs until the context is full
+    assert (s.stats["stop"], s.stats["generated_tokens"]) == ("context", 3)
 
 
 def test_sampling_is_seeded_and_stops():
