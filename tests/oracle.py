@@ -4,8 +4,9 @@ Every call skips the calling test when llama-cpp-python is not installed. Llama 
 cached per (file, n_ctx, kv type) within a process, and reset before each use.
 
 The context is built with flash attention off (llama-cpp-python's default) and, unless
-``kv_f16=True``, an f32 KV cache: llama.cpp's own default stores K and V as f16, which
-rounds every cached key and value and would blur the comparison with an f32 implementation.
+``cache=`` names other types (K, V), an f32 KV cache: llama.cpp's own default stores K and V
+as f16, which rounds every cached key and value and would blur the comparison with an f32
+implementation. Quantised V caches need ``flash_attn=True`` in llama.cpp.
 """
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-GGML_TYPE_F32, GGML_TYPE_F16 = 0, 1
+GGML_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q8_0": 8, "bf16": 30}
+F32 = ("f32", "f32")
 
 
 def _llama_cpp():
@@ -24,24 +26,24 @@ def _llama_cpp():
     return pytest.importorskip("llama_cpp", reason="llama-cpp-python is the oracle")
 
 
-def model(path, n_ctx: int = 512, kv_f16: bool = False):
+def model(path, n_ctx: int = 512, cache: tuple[str, str] = F32, flash_attn: bool = False):
     """A reset ``llama_cpp.Llama`` for ``path`` with logits kept at every position."""
     _llama_cpp()
     p = Path(path).resolve()
     if not p.is_file():
         raise FileNotFoundError(f"oracle: no model file at {p}")
-    llm = _load(str(p), p.stat().st_mtime_ns, n_ctx, kv_f16)
+    llm = _load(str(p), p.stat().st_mtime_ns, n_ctx, tuple(cache), flash_attn)
     llm.reset()
     return llm
 
 
 @lru_cache(maxsize=4)
-def _load(path: str, mtime_ns: int, n_ctx: int, kv_f16: bool):
+def _load(path: str, mtime_ns: int, n_ctx: int, cache: tuple[str, str], flash_attn: bool):
     """Load once per file version and context settings (mtime in the key: rewritten files reload)."""
     from llama_cpp import Llama
-    kv = GGML_TYPE_F16 if kv_f16 else GGML_TYPE_F32
     return Llama(model_path=path, n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx, logits_all=True,
-                 n_threads=2, n_threads_batch=2, flash_attn=False, type_k=kv, type_v=kv,
+                 n_threads=2, n_threads_batch=2, flash_attn=flash_attn, type_k=GGML_TYPES[cache[0]],
+                 type_v=GGML_TYPES[cache[1]],
                  verbose=False)
 
 
@@ -51,22 +53,22 @@ def _close_all() -> None:
     _vocab.cache_clear()
 
 
-def llama_logits(path, tokens, n_ctx: int = 512, kv_f16: bool = False) -> np.ndarray:
+def llama_logits(path, tokens, n_ctx: int = 512, cache: tuple[str, str] = F32, flash_attn: bool = False) -> np.ndarray:
     """Logits at every position from one llama.cpp prefill of ``tokens``: f32 [T, n_vocab]."""
     tokens = [int(t) for t in tokens]
     if not 0 < len(tokens) <= n_ctx:
         raise ValueError(f"oracle: {len(tokens)} tokens do not fit one prefill of n_ctx={n_ctx}")
-    llm = model(path, n_ctx, kv_f16)
+    llm = model(path, n_ctx, cache, flash_attn)
     llm.eval(tokens)
     return np.array(llm.scores[:len(tokens)], dtype=np.float32)  # copy: the buffer is reused
 
 
-def llama_greedy(path, prompt_tokens, n: int, n_ctx: int = 512, kv_f16: bool = False) -> list[int]:
+def llama_greedy(path, prompt_tokens, n: int, n_ctx: int = 512, cache: tuple[str, str] = F32) -> list[int]:
     """``n`` tokens of greedy (temperature 0) decoding after a prefill of ``prompt_tokens``."""
     prompt = [int(t) for t in prompt_tokens]
     if not prompt or len(prompt) + n > n_ctx:
         raise ValueError(f"oracle: prompt of {len(prompt)} + {n} new tokens does not fit n_ctx={n_ctx}")
-    llm = model(path, n_ctx, kv_f16)
+    llm = model(path, n_ctx, cache)
     llm.eval(prompt)
     out = []
     for _ in range(n):
