@@ -25,7 +25,8 @@ from pathlib import Path
 import numpy as np
 
 from ggraph.backends.llvm import cache, jit
-from ggraph.backends.llvm.codegen import PROGRAM_SPEED_LEVEL, Call, ProgramSpec, lower
+from ggraph.backends.llvm.codegen import PROGRAM_SPEED_LEVEL, Call, ProgramSpec, barriers_needed, lower
+from ggraph.backends.llvm.lowering import Ref
 from ggraph.backends.llvm.target import host_target
 from ggraph.backends.llvm.team import PROGRAM_ARGS, Team, check_threads
 from ggraph.backends.values import Program, bind_symbols
@@ -122,6 +123,50 @@ def _spec_from_state(state: dict, graph, units) -> ProgramSpec:
                        state["name"])
 
 
+def lifetimes(spec: ProgramSpec) -> dict[int, tuple[int, int]]:
+    """The (first, last) barrier epoch of each activation and scratch buffer: calls between two
+    barriers form one epoch and may run at once on different threads, so two buffers may share
+    bytes only when their epochs do not meet. An output lives on after the last call."""
+    spans: dict[int, tuple[int, int]] = {}
+    epoch = 0
+    for call, wait in zip(spec.calls, barriers_needed(spec.calls)):
+        epoch += wait
+        for a in call.args:
+            if isinstance(a, Ref):
+                spans[a.buf] = (spans.get(a.buf, (epoch,))[0], epoch)
+    end = epoch + 1
+    for o in spec.outputs:
+        if isinstance(o, Ref):
+            spans[o.buf] = (spans.get(o.buf, (0,))[0], end)
+    return {i: spans.get(i, (0, end)) for i, b in enumerate(spec.buffers) if b.kind in ("act", "scratch")}
+
+
+def pack(sizes: dict[int, int], spans: dict[int, tuple[int, int]]) -> tuple[dict[int, int], int]:
+    """Offsets for buffers of ``sizes`` whose lifetimes are ``spans``, and the arena's total: largest
+    first, each at the lowest offset clear of every placed buffer whose lifetime meets its own."""
+    placed: list[tuple[int, int, int, int]] = []             # (start, end, first epoch, last epoch)
+    offsets = {}
+    for i in sorted(sizes, key=lambda i: (-sizes[i], i)):
+        lo, hi = spans[i]
+        off = 0
+        for start, end in sorted((s, e) for s, e, a, b in placed if a <= hi and lo <= b):
+            if off + sizes[i] <= start:
+                break
+            off = max(off, end)
+        placed.append((off, off + sizes[i], lo, hi))
+        offsets[i] = off
+    return offsets, max((end for _, end, _, _ in placed), default=0)
+
+
+def _aligned(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def _slot(old: int, n: int) -> int:
+    """The bytes a buffer's slot holds once it must take ``n``: ``n`` the first time, then a quarter more."""
+    return old if n <= old else n if not old else _aligned(max(n, old * 5 // 4))
+
+
 class LLVMProgram(Program):
     """A graph compiled to one native program for the host's (or a forced) feature set."""
 
@@ -141,6 +186,8 @@ class LLVMProgram(Program):
         self.table = np.zeros(len(self.spec.buffers), dtype=np.uint64)
         self._keep: dict[int, object] = {}            # arrays whose addresses are in the table
         self._arena = np.zeros(0, dtype=np.uint8)
+        self._spans = lifetimes(self.spec)             # arena buffer -> (first, last) epoch it is used in
+        self._slots: dict[int, int] = {}               # arena buffer -> bytes its place in the arena holds
         self._dim_values = {}                          # dim inputs (P) as i32 scalars in memory
         self._status = np.zeros(2 * len(self.spec.checks), dtype=np.int64)
         for i, buf in enumerate(self.spec.buffers):
@@ -173,20 +220,30 @@ class LLVMProgram(Program):
         """Point weight ``v`` at a checked value (a view of the GGUF mmap, or an array)."""
         self._bind(self.spec.param_index[v], value)
 
+    def arena_bytes(self, dims: dict) -> int:
+        """The activation arena a step at ``dims`` (T, P) needs, packed by lifetime."""
+        return pack(self._sizes(dims), self._spans)[1]
+
+    def _sizes(self, dims: dict) -> dict[int, int]:
+        return {i: _aligned(max(self.spec.buffers[i].size(dims), 1)) for i in self._spans}
+
     def _layout(self, dims: dict) -> None:
-        """Place activation and scratch buffers in the arena for these dims (growing it)."""
-        offsets, total = [], 0
-        for i, buf in enumerate(self.spec.buffers):
-            if buf.kind in ("act", "scratch"):
-                offsets.append((i, total))
-                total += -(-max(buf.size(dims), 1) // ALIGN) * ALIGN
-        if total > self._arena.nbytes:
+        """Place activation and scratch buffers in the arena for these dims. The layout is kept while
+        every buffer fits its slot; a buffer that outgrows it is re-packed with a quarter to spare,
+        so that a size growing step by step re-packs only now and then."""
+        sizes = self._sizes(dims)
+        if all(n <= self._slots.get(i, 0) for i, n in sizes.items()):
+            return
+        slots = {i: _slot(self._slots.get(i, 0), n) for i, n in sizes.items()}
+        offsets, total = pack(slots, self._spans)
+        if total + ALIGN > self._arena.nbytes:
             memory.check(total, f"the activations of a step of T={dims.get('T')}", self.max_memory)
             self._arena = np.zeros(total + ALIGN, dtype=np.uint8)
         base = self._arena.ctypes.data
         base += -base % ALIGN
-        for i, off in offsets:
+        for i, off in offsets.items():
             self.table[i] = base + off
+        self._slots = slots
 
     # -- calling -----------------------------------------------------------------------
     def run(self, values: dict[Var, object]) -> list:
