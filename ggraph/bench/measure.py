@@ -1,9 +1,14 @@
 """Benchmarks: prefill and decode speed of ggraph (and of llama.cpp on the same file), side by side.
 
     result = bench_ggraph("model.gguf", pp=64, tg=32, threads=2)   # {"pp_tok_s": ..., "tg_tok_s": ...}
+    results = bench_side_by_side([GGraphRunner(...), LlamaCppRunner(...)], pp=512, tg=32, depth=4096)
 
-Prefill runs ``pp`` prompt tokens as one step; decode then runs ``tg`` greedy steps of one
-token each. Each figure is the best of ``repeats`` runs.
+As ``llama-bench -d N`` does it: ``depth`` tokens are put in the KV cache untimed; then a
+prefill of ``pp`` tokens (one step, run in ubatches of 512) is timed at P=depth, and ``tg``
+decode steps of one token each are timed after the same ``depth`` tokens. Every round puts
+each engine back at the depth (the cache is truncated, not refilled), and the rounds of the
+engines alternate, so that noise on a busy machine falls on all of them alike; each figure is
+the best of ``repeats`` rounds.
 """
 from __future__ import annotations
 
@@ -13,6 +18,10 @@ import time
 import numpy as np
 
 from ggraph.ir.fused import qmatmul_p
+
+GGML_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q8_0": 8, "bf16": 30}     # llama.cpp's ids of the cache types
+LLAMA_UBATCH = 512                         # llama.cpp's default n_ubatch, as ggraph's ubatch
+LLAMA_BATCH = 2048                         # llama.cpp's default n_batch
 
 
 @dataclasses.dataclass
@@ -26,6 +35,11 @@ class Result:
     passes: str = ""
     backend: str = ""
     load_s: float = 0.0
+    depth: int = 0                         # tokens in the cache before the timed prefill and decode
+    ctx: int = 0
+    cache_k: str = ""
+    cache_v: str = ""
+    flash_attn: str = ""                   # llama.cpp's -fa: "on" or "off" ("" for ggraph)
 
     def row(self) -> dict:
         return dataclasses.asdict(self)
@@ -36,56 +50,148 @@ def prompt_tokens(n: int, n_vocab: int, seed: int = 0) -> list[int]:
     return [int(t) for t in np.random.default_rng(seed).integers(min(1000, n_vocab // 2), n_vocab, n)]
 
 
-def bench_ggraph(path, pp: int = 64, tg: int = 32, threads: int = 1, backend: str = "llvm",
-                 passes="default", repeats: int = 3, ctx: int | None = None, disabled=(), max_memory=None) -> Result:
-    """Best-of-``repeats`` prefill and decode speed of a ggraph Session."""
-    from ggraph.runtime.session import Session
-    t0 = time.perf_counter()
-    s = Session(path, backend=backend, threads=threads, passes=passes, ctx=ctx or max(pp + tg + 1, 64),
-                disabled=disabled, max_memory=max_memory)
-    ids = prompt_tokens(pp, s.config.n_vocab)
-    s.step(ids[:1])                                            # compile and warm up both step kinds
-    s.step(ids[:2])
-    load = time.perf_counter() - t0
-    best_pp = best_tg = float("inf")
-    for _ in range(repeats):
+def context_needed(depth: int, pp: int, tg: int) -> int:
+    """The KV cache rows a measurement at ``depth`` takes, as llama-bench sizes it: depth + pp + tg."""
+    return depth + pp + tg
+
+
+class GGraphRunner:
+    """A ggraph Session set up for timing: compiled, warmed up, and moved to a depth between rounds.
+    ``fill`` holds a context's first tokens in the cache; ``prefill`` and ``decode`` truncate back to
+    them and time a step of ``pp`` tokens, or ``n`` steps of one."""
+    engine = "ggraph"
+
+    def __init__(self, path, threads: int = 1, ctx: int = 4096, backend: str = "llvm", passes="default",
+                 cache_type_k: str = "f16", cache_type_v: str = "f16", disabled=(), max_memory=None):
+        from ggraph.runtime.session import Session
+        t0 = time.perf_counter()
+        self.session = s = Session(path, backend=backend, threads=threads, passes=passes, ctx=ctx, disabled=disabled,
+                                   max_memory=max_memory, cache_type_k=cache_type_k, cache_type_v=cache_type_v)
+        s.step([0])                                            # compile and warm up both step kinds
+        s.step([0, 0])
         s.reset()
+        self.held = 0                                          # leading context tokens the cache holds
+        self.load_s = time.perf_counter() - t0
+        self.n_vocab = s.config.n_vocab
+        self.passes = passes if isinstance(passes, str) else ",".join(passes)
+        self.fields = dict(engine="ggraph", threads=threads, passes=self.passes, backend=backend, ctx=ctx,
+                           cache_k=cache_type_k, cache_v=cache_type_v)
+
+    def fill(self, ids: list[int], depth: int) -> None:
+        """Hold the first ``depth`` of ``ids`` in the cache (prefilling only what it lacks), untimed."""
+        self.held = min(self.held, depth)
+        self.session.truncate(self.held)
+        if depth > self.held:
+            self.session.step(ids[self.held:depth])
+            self.held = depth
+
+    def prefill(self, ids: list[int], depth: int) -> float:
+        self.session.truncate(depth)
         t = time.perf_counter()
-        logits = s.step(ids)
-        best_pp = min(best_pp, time.perf_counter() - t)
-        tok = int(np.argmax(logits[-1]))
+        self.session.step(ids)
+        return time.perf_counter() - t
+
+    def decode(self, tok: int, n: int, depth: int) -> float:
+        s = self.session
+        s.truncate(depth)
         t = time.perf_counter()
-        for _ in range(tg):
+        for _ in range(n):
             tok = int(np.argmax(s.step([tok])[-1]))
-        best_tg = min(best_tg, time.perf_counter() - t)
-    return Result("ggraph", pp, tg, threads, pp / best_pp, tg / best_tg if tg else 0.0,
-                  passes=passes if isinstance(passes, str) else ",".join(passes), backend=backend, load_s=load)
+        return time.perf_counter() - t
+
+    def close(self) -> None:
+        self.session = None
 
 
-def bench_llama_cpp(path, pp: int = 64, tg: int = 32, threads: int = 1, repeats: int = 3) -> Result:
-    """The same measurement through llama-cpp-python (raises ImportError when it is missing)."""
-    import llama_cpp
-    t0 = time.perf_counter()
-    n_ctx = max(pp + tg + 1, 64)               # n_batch = n_ctx: llama-cpp-python indexes its scores by position
-    llm = llama_cpp.Llama(model_path=str(path), n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=max(pp, 1),
-                          n_threads=threads, n_threads_batch=threads, verbose=False)
-    ids = prompt_tokens(pp, llm.n_vocab())
-    load = time.perf_counter() - t0
-    best_pp = best_tg = float("inf")
+class LlamaCppRunner:
+    """The same through llama-cpp-python (ImportError when it is missing): n_batch 2048, n_ubatch 512,
+    the cache types and flash attention as asked."""
+    engine = "llama.cpp"
+
+    def __init__(self, path, threads: int = 1, ctx: int = 4096, cache_type_k: str = "f16",
+                 cache_type_v: str = "f16", flash_attn: bool = True):
+        import llama_cpp
+        t0 = time.perf_counter()
+        self.llm = llama_cpp.Llama(model_path=str(path), n_ctx=ctx, n_batch=min(LLAMA_BATCH, ctx),
+                                   n_ubatch=min(LLAMA_UBATCH, ctx), n_threads=threads, n_threads_batch=threads,
+                                   type_k=GGML_TYPES[cache_type_k], type_v=GGML_TYPES[cache_type_v],
+                                   flash_attn=flash_attn, verbose=False)
+        self.n_vocab = self.llm.n_vocab()
+        self.llm.eval([0])
+        self.llm.eval([0])
+        self.llm.reset()
+        self.held = 0
+        self.load_s = time.perf_counter() - t0
+        self.fields = dict(engine="llama.cpp", threads=threads, backend=f"llama-cpp-python {llama_cpp.__version__}",
+                           ctx=ctx, cache_k=cache_type_k, cache_v=cache_type_v,
+                           flash_attn="on" if flash_attn else "off")
+
+    def _last_token(self) -> int:
+        import llama_cpp
+        logits = llama_cpp.llama_get_logits_ith(self.llm.ctx, -1)
+        return int(np.argmax(np.ctypeslib.as_array(logits, shape=(self.n_vocab,))))
+
+    def fill(self, ids: list[int], depth: int) -> None:
+        self.held = min(self.held, depth)
+        self.llm.n_tokens = self.held                        # eval drops the cache past n_tokens
+        if depth > self.held:
+            self.llm.eval(ids[self.held:depth])
+            self.held = depth
+
+    def prefill(self, ids: list[int], depth: int) -> float:
+        self.llm.n_tokens = depth
+        t = time.perf_counter()
+        self.llm.eval(ids)
+        return time.perf_counter() - t
+
+    def decode(self, tok: int, n: int, depth: int) -> float:
+        self.llm.n_tokens = depth
+        t = time.perf_counter()
+        for _ in range(n):
+            self.llm.eval([tok])
+            tok = self._last_token()
+        return time.perf_counter() - t
+
+    def close(self) -> None:
+        self.llm.close()
+
+
+def bench_side_by_side(runners: list, pp: int, tg: int, depth: int = 0, repeats: int = 3) -> list[Result]:
+    """Best-of-``repeats`` prefill and decode speed of each runner at ``depth``, their rounds alternating."""
+    n_vocab = min(r.n_vocab for r in runners)
+    context, ids = prompt_tokens(depth, n_vocab, seed=1), prompt_tokens(pp, n_vocab)
+    for r in runners:
+        r.fill(context, depth)
+    best = [[float("inf"), float("inf")] for _ in runners]
     for _ in range(repeats):
-        llm.reset()
-        t = time.perf_counter()
-        llm.eval(ids)
-        best_pp = min(best_pp, time.perf_counter() - t)
-        tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
-        t = time.perf_counter()
-        for _ in range(tg):
-            llm.eval([tok])
-            tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
-        best_tg = min(best_tg, time.perf_counter() - t)
-    llm.close()
-    return Result("llama.cpp", pp, tg, threads, pp / best_pp, tg / best_tg if tg else 0.0,
-                  backend=f"llama-cpp-python {llama_cpp.__version__}", load_s=load)
+        for r, b in zip(runners, best):
+            b[0] = min(b[0], r.prefill(ids, depth))
+            b[1] = min(b[1], r.decode(ids[0], tg, depth))
+    return [Result(pp=pp, tg=tg, pp_tok_s=pp / b[0], tg_tok_s=tg / b[1] if tg else 0.0, load_s=r.load_s, depth=depth,
+                   **r.fields) for r, b in zip(runners, best)]
+
+
+def bench_ggraph(path, pp: int = 64, tg: int = 32, threads: int = 1, backend: str = "llvm",
+                 passes="default", repeats: int = 3, ctx: int | None = None, disabled=(), max_memory=None,
+                 depth: int = 0, cache_type_k: str = "f16", cache_type_v: str = "f16") -> Result:
+    """Best-of-``repeats`` prefill and decode speed of a ggraph Session at ``depth``."""
+    runner = GGraphRunner(path, threads, ctx or context_needed(depth, pp, tg), backend, passes, cache_type_k, cache_type_v,
+                          disabled, max_memory)
+    try:
+        return bench_side_by_side([runner], pp, tg, depth, repeats)[0]
+    finally:
+        runner.close()
+
+
+def bench_llama_cpp(path, pp: int = 64, tg: int = 32, threads: int = 1, repeats: int = 3, ctx: int | None = None,
+                    depth: int = 0, cache_type_k: str = "f16", cache_type_v: str = "f16",
+                    flash_attn: bool = True) -> Result:
+    """The same measurement through llama-cpp-python (raises ImportError when it is missing)."""
+    runner = LlamaCppRunner(path, threads, ctx or context_needed(depth, pp, tg), cache_type_k, cache_type_v, flash_attn)
+    try:
+        return bench_side_by_side([runner], pp, tg, depth, repeats)[0]
+    finally:
+        runner.close()
 
 
 # ---------------------------------------------------------------------------------------

@@ -244,3 +244,88 @@ def plot_results(results: list[dict], path, title: str | None = None) -> str:
     """Write the figure to ``path`` (png, svg or pdf by its suffix); returns the path."""
     figure(results, title).savefig(str(path), format=plot_format(path), dpi=110)
     return str(path)
+
+
+# ---------------------------------------------------------------------------------------
+# memory against context length
+# ---------------------------------------------------------------------------------------
+
+PLANNED_PARTS = (("weights", "planned weights", "#9ecae9"), ("kv_cache", "planned KV cache", "#4c78a8"),
+                 ("activations", "planned activations", "#f2cf5b"))
+LLAMA_MARKERS = {True: ("^", "llama.cpp peak RSS, -fa 1"), False: ("s", "llama.cpp peak RSS, -fa 0")}
+
+
+def _ctx_label(n: int) -> str:
+    return f"{n // 1024}k" if n >= 1024 and n % 1024 == 0 else str(n)
+
+
+def _memory_panel(ax, rows: list[dict], k: str, v: str, scale: float, unit: str) -> None:
+    """One cache type: the plan stacked by part, its total, and the measured peaks as markers."""
+    import numpy as np
+    mine = sorted((r for r in rows if r["engine"] == "ggraph" and (r["cache_k"], r["cache_v"]) == (k, v)),
+                  key=lambda r: r["ctx"])
+    xs = np.array([r["ctx"] for r in mine], dtype=float)
+    parts = [np.array([r["planned"][key] for r in mine], dtype=float) / scale for key, _, _ in PLANNED_PARTS]
+    bottom = np.zeros(len(mine))
+    for values, (_, label, colour) in zip(parts, PLANNED_PARTS):
+        if len(mine) > 1:
+            ax.fill_between(xs, bottom, bottom + values, color=colour, alpha=0.85, lw=0, label=label)
+        else:
+            ax.bar(xs, values, bottom=bottom, width=xs * 0.5, color=colour, alpha=0.85, label=label)
+        bottom = bottom + values
+    ax.plot(xs, bottom, color="#333333", lw=1.2, ls="--", label="planned total")
+    ax.plot(xs, [r["end"]["hwm"] / scale for r in mine], "o-", color="#e45756", ms=7, lw=1.2,
+            label="ggraph peak RSS")
+    ax.plot(xs, [r["load"]["rss"] / scale for r in mine], "o", color="#e45756", ms=5, mfc="white",
+            label="ggraph RSS after loading")
+    for fa, (marker, label) in LLAMA_MARKERS.items():
+        theirs = sorted((r for r in rows if r["engine"] == "llama.cpp" and r["flash_attn"] == fa
+                         and (r["cache_k"], r["cache_v"]) == (k, v)), key=lambda r: r["ctx"])
+        if theirs:
+            ax.plot([r["ctx"] for r in theirs], [r["end"]["hwm"] / scale for r in theirs], marker, ls=":",
+                    color="#54a24b" if fa else "#72b7b2", ms=7, lw=1, label=label)
+    ax.set_xscale("log", base=2)
+    ticks = sorted({r["ctx"] for r in rows})
+    ax.set_xticks(ticks, [_ctx_label(t) for t in ticks])
+    ax.minorticks_off()
+    if len(ticks) == 1:
+        ax.set_xlim(ticks[0] / 2, ticks[0] * 2)
+    ax.set_xlabel("context length (tokens, log scale)")
+    ax.set_ylabel(unit)
+    ax.set_ylim(bottom=0)
+    ax.set_title(f"KV cache K={k}, V={v}", fontsize=10)
+    ax.grid(True, axis="y", lw=0.3, alpha=0.6)
+
+
+def memory_figure(rows: list[dict], model: str = "", threads: int | None = None):
+    """A matplotlib Figure of memory against context length, one panel per cache type."""
+    from matplotlib.figure import Figure
+    mine = [r for r in rows if r["engine"] == "ggraph"]
+    if not mine:
+        raise ValueError("memory plot: no ggraph points to draw")
+    types = list(dict.fromkeys((r["cache_k"], r["cache_v"]) for r in mine))
+    top = max([r["end"]["hwm"] for r in rows] + [r["planned"]["total"] for r in mine])
+    scale, unit = (1 << 30, "GiB") if top >= 1.5 * (1 << 30) else (1 << 20, "MiB")
+    fig = Figure(figsize=(4.2 * len(types) + 2.6, 4.4), layout="constrained")
+    axes = fig.subplots(1, len(types), squeeze=False, sharey=True)[0]
+    for ax, (k, v) in zip(axes, types):
+        _memory_panel(ax, rows, k, v, scale, unit)
+    handles, labels = axes[0].get_legend_handles_labels()
+    for ax in axes[1:]:
+        for h, lab in zip(*ax.get_legend_handles_labels()):
+            if lab not in labels:
+                handles.append(h)
+                labels.append(lab)
+    fig.legend(handles, labels, loc="outside right center", fontsize=8, frameon=False)
+    left = {r["ctx"] - r["fill"] for r in mine}
+    filled = f"each context filled to ctx - {left.pop()}, then decoded" if len(left) == 1 else \
+        f"prompts of {', '.join(sorted({str(r['fill']) for r in mine}, key=int))} tokens, then decoded"
+    who = f" · {threads} thread{'s' * (threads != 1)}" if threads else ""
+    fig.suptitle(f"memory against context · {Path(str(model)).name}{who} · {filled}", fontsize=11)
+    return fig
+
+
+def plot_memory(rows: list[dict], path, model: str = "", threads: int | None = None) -> str:
+    """Write the memory figure to ``path`` (png, svg or pdf by its suffix); returns the path."""
+    memory_figure(rows, model, threads).savefig(str(path), format=plot_format(path), dpi=110)
+    return str(path)

@@ -1,4 +1,5 @@
-"""``ggraph bench``: prefill and decode tok/s, pipelines compared, llama.cpp side by side, profiles."""
+"""``ggraph bench``: prefill and decode tok/s (at a depth), pipelines compared, llama.cpp side by side, profiles;
+``--memory``: planned and resident memory against context length."""
 from __future__ import annotations
 
 import argparse
@@ -21,61 +22,169 @@ def _int_list(text: str, what: str, minimum: int = 1) -> list[int]:
     return values
 
 
+def _cache_type(text: str, what: str) -> str:
+    from ggraph.runtime.session import CACHE_TYPES
+    if text.lower() not in CACHE_TYPES:
+        raise ValueError(f"{what} must be one of {', '.join(CACHE_TYPES)}, got {text!r}")
+    return text.lower()
+
+
+def _flash_attn(args, cache_v: str) -> list[bool]:
+    """llama.cpp's flash attention settings to run; -fa off is left out for a quantised V cache, which needs it."""
+    settings = {"on": [True], "off": [False], "both": [True, False]}[args.flash_attn]
+    if not args.vs_llama_cpp or cache_v not in ("q8_0", "q4_0") or False not in settings:
+        return settings
+    if settings == [False]:
+        raise ValueError(f"llama.cpp needs flash attention for a {cache_v} V cache: use --flash-attn on")
+    from ggraph.progress import warn
+    warn(f"llama.cpp needs flash attention for a {cache_v} V cache: no -fa off rows")
+    return [True]
+
+
+def _bench_ctx(args, path, needed: int) -> int:
+    """The context of every bench run: --ctx, else depth + pp + tg (within the model's trained length)."""
+    if args.ctx is not None:
+        ctx = _int_list(args.ctx, "--ctx")
+        if len(ctx) > 1:
+            raise ValueError(f"--ctx takes one context length when benchmarking speed, got {args.ctx!r}")
+        if ctx[0] < needed:
+            raise ValueError(f"--ctx {ctx[0]} is too small: the largest depth + pp + tg is {needed} tokens")
+        return ctx[0]
+    from ggraph.models import load
+    trained = load(path).config.n_ctx_train
+    if needed > trained:
+        raise ValueError(f"depth + pp + tg is {needed} tokens, beyond the model's trained context of {trained}; "
+                         f"give --ctx to run past it")
+    return max(needed, 64)
+
+
 def cmd_bench(args) -> int:
-    """Measure prefill (pp) and decode (tg) tok/s, optionally against llama.cpp on the same file."""
-    from ggraph import bench
-    from ggraph.progress import Progress
+    """Measure prefill (pp) and decode (tg) tok/s, optionally at a depth and against llama.cpp on the same
+    file; with --memory, planned and resident memory against context length instead."""
     from ggraph.backends.llvm.team import check_threads
     path = model_path(args)
-    configs = [(pp, tg, t) for pp in _int_list(args.pp, "--pp") for tg in _int_list(args.tg, "--tg", minimum=0)
-               for t in _int_list(args.threads, "--threads")]
-    for _, _, t in configs:
+    threads = _int_list(args.threads, "--threads")
+    for t in threads:
         check_threads(t)
+    cache_k, cache_v = _cache_type(args.cache_type_k, "--cache-type-k"), _cache_type(args.cache_type_v, "--cache-type-v")
+    if args.vs_llama_cpp and importlib.util.find_spec("llama_cpp") is None:
+        raise ValueError("--vs-llama-cpp needs llama-cpp-python: pip install llama-cpp-python (see the README)")
+    if args.memory:
+        return cmd_memory(args, path, threads, cache_k, cache_v)
+    if args.fill is not None or args.cache_types is not None:
+        raise ValueError("--fill and --cache-types belong to --memory")
+    pps, tgs = _int_list(args.pp or "64", "--pp"), _int_list(args.tg or "32", "--tg", minimum=0)
+    depths = _int_list(args.depth, "--depth", minimum=0)
     if args.repeats < 1:
         raise ValueError(f"--repeats must be at least 1, got {args.repeats}")
     if args.profile and args.backend != "llvm":
         raise ValueError("--profile times the native program: use --backend llvm")
-    if args.vs_llama_cpp and importlib.util.find_spec("llama_cpp") is None:
-        raise ValueError("--vs-llama-cpp needs llama-cpp-python: pip install llama-cpp-python (see the README)")
+    if args.profile and 0 not in depths:
+        raise ValueError("--profile times a prefill at depth 0: include 0 in --depth")
     pipelines = [NAMED_PASSES.get(p, p) for p in (args.compare.split(",") if args.compare else [args.passes])]
     for pipe in pipelines:
         pipeline_names(args, pipe)                       # every argument checked before the slow part
-    jobs = [("ggraph", c, p) for c in configs for p in pipelines]
-    if args.vs_llama_cpp:
-        jobs += [("llama.cpp", c, None) for c in configs]
-    results = []
-    with Progress(len(jobs), "benchmarking", stream=sys.stderr) as bar:
-        for engine, (pp, tg, threads), pipe in jobs:
-            if engine == "ggraph":
-                r = bench.bench_ggraph(path, pp, tg, threads, backend=args.backend, passes=passes_arg(pipe),
-                                       repeats=args.repeats, disabled=args.no_pass, max_memory=args.max_memory)
-            else:
-                r = bench.bench_llama_cpp(path, pp, tg, threads, repeats=args.repeats)
-            results.append(r.row())
-            bar.advance()
+    ctx = _bench_ctx(args, path, max(depths) + max(pps) + max(tgs))
+    fas = _flash_attn(args, cache_v)
+    results = bench_speed(args, path, threads, depths, pps, tgs, pipelines, ctx, cache_k, cache_v, fas)
     if args.profile:
-        for (pp, _, threads), pipe in {((c[0], 0, c[2]), p) for c in configs for p in pipelines}:
-            prof = bench.profile_ggraph(path, pp, threads, passes=passes_arg(pipe), disabled=args.no_pass)
+        from ggraph import bench
+        for (pp, t), pipe in {((pp, t), p) for pp in pps for t in threads for p in pipelines}:
+            prof = bench.profile_ggraph(path, pp, t, passes=passes_arg(pipe), disabled=args.no_pass)
             for r in results:
-                if r["engine"] == "ggraph" and (r["pp"], r["threads"], r["passes"]) == (pp, threads, pipe):
+                if r["engine"] == "ggraph" and (r["pp"], r["threads"], r["passes"], r["depth"]) == (pp, t, pipe, 0):
                     r["profile"], r["roofline"] = prof, prof["roofline"]
     if args.plot:
         from ggraph.bench.plot import plot_results
         print(f"wrote {plot_results(results, args.plot)}", file=sys.stderr)
-    if args.json:
-        print(json.dumps(results[0] if len(results) == 1 else {"results": results}, indent=1))
-        return 0
-    if args.csv:
-        keys = list(results[0])
-        print(",".join(keys))
-        for r in results:
-            print(",".join(str(r[k]) for k in keys))
+    if _print_rows(args, results):
         return 0
     print(bench_table(results))
     for r in results:
         if "profile" in r:
             print(profile_report(r))
     return 0
+
+
+def bench_speed(args, path, threads, depths, pps, tgs, pipelines, ctx, cache_k, cache_v, fas) -> list[dict]:
+    """Every (threads, depth, pp, tg) configuration: ggraph per pipeline, then llama.cpp per flash attention
+    setting, loaded once per thread count, their rounds alternating."""
+    from ggraph.bench.measure import GGraphRunner, LlamaCppRunner, bench_side_by_side
+    from ggraph.progress import Progress
+    results = []
+    with Progress(len(threads) * len(depths) * len(pps) * len(tgs), "benchmarking", stream=sys.stderr) as bar:
+        for t in threads:
+            runners = []
+            try:
+                for pipe in pipelines:
+                    runners.append(GGraphRunner(path, t, ctx, args.backend, passes_arg(pipe), cache_k, cache_v,
+                                                args.no_pass, args.max_memory))
+                for fa in fas if args.vs_llama_cpp else ():
+                    runners.append(LlamaCppRunner(path, t, ctx, cache_k, cache_v, fa))
+                for depth in depths:
+                    for pp in pps:
+                        for tg in tgs:
+                            results += [r.row() for r in bench_side_by_side(runners, pp, tg, depth, args.repeats)]
+                            bar.advance()
+            finally:
+                for r in runners:
+                    r.close()
+    return results
+
+
+def cmd_memory(args, path, threads, cache_k, cache_v) -> int:
+    """Planned and resident memory per context length and cache type, each point in a fresh process."""
+    from ggraph.bench.memory import QUANTISED, memory_curve, memory_points, memory_table
+    from ggraph.progress import Progress
+    unused = [flag for flag, given in (("--pp", args.pp), ("--tg", args.tg), ("--depth", args.depth != "0"),
+                                       ("--compare", args.compare), ("--profile", args.profile)) if given]
+    if unused:
+        raise ValueError(f"--memory measures memory, not speed: {', '.join(unused)} do not apply")
+    if len(threads) > 1:
+        raise ValueError(f"--memory takes one --threads value, got {args.threads!r}")
+    ctxs = _int_list(args.ctx or "512,4096", "--ctx")
+    types = [(_cache_type(t, "--cache-types"),) * 2 for t in args.cache_types.split(",")] if args.cache_types \
+        else [(cache_k, cache_v)]
+    if args.fill is not None and args.fill < 1:
+        raise ValueError(f"--fill must be at least 1 token, got {args.fill}")
+    fas = {"on": [True], "off": [False], "both": [True, False]}[args.flash_attn]
+    points = memory_points(ctxs, types, args.vs_llama_cpp, fas)
+    if args.vs_llama_cpp and fas == [False] and any(v in QUANTISED for _, v in types):
+        from ggraph.progress import warn
+        warn("llama.cpp needs flash attention for a quantised V cache: those points are left out")
+    with Progress(len(points), "measuring memory", unit=" points", stream=sys.stderr) as bar:
+        rows = memory_curve(path, points, args.fill, threads[0], bar, args.max_memory)
+    if args.plot:
+        from ggraph.bench.plot import plot_memory
+        print(f"wrote {plot_memory(rows, args.plot, model=path, threads=threads[0])}", file=sys.stderr)
+    if not _print_rows(args, rows):
+        print(memory_table(rows))
+    return 0
+
+
+def _print_rows(args, rows: list[dict]) -> bool:
+    """Print ``rows`` as --json or --csv asked (nested fields flattened with dots); False when neither was."""
+    if args.json:
+        print(json.dumps(rows[0] if len(rows) == 1 else {"results": rows}, indent=1))
+        return True
+    if args.csv:
+        flat = [_flatten(r) for r in rows]
+        keys = list(dict.fromkeys(k for r in flat for k in r))
+        print(",".join(keys))
+        for r in flat:
+            print(",".join(str(r.get(k, "")) for k in keys))
+        return True
+    return False
+
+
+def _flatten(row: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in row.items():
+        if isinstance(v, dict):
+            out.update(_flatten(v, f"{prefix}{k}."))
+        elif k not in ("profile", "roofline"):
+            out[prefix + k] = v
+    return out
 
 
 def profile_report(r: dict) -> str:
@@ -93,42 +202,73 @@ def profile_report(r: dict) -> str:
 
 
 def bench_table(results: list[dict]) -> str:
-    """A table of tok/s per configuration, with each row's ratio to the first row of its config."""
-    lines = [f"{'engine':<10} {'passes':<8} {'threads':>7} {'pp':>5} {'pp tok/s':>10} {'ratio':>6} "
-             f"{'tg':>4} {'tg tok/s':>9} {'ratio':>6}"]
+    """A table of tok/s per configuration, with each row's ratio to the first row of its configuration."""
+    lines = [f"{'engine':<10} {'passes':<8} {'threads':>7} {'fa':>3} {'K/V':<10} {'depth':>6} {'pp':>5} "
+             f"{'pp tok/s':>10} {'ratio':>6} {'tg':>4} {'tg tok/s':>9} {'ratio':>6}"]
     base: dict[tuple, dict] = {}
     for r in results:
-        key = (r["pp"], r["tg"], r["threads"])
+        key = (r["pp"], r["tg"], r["threads"], r["depth"], r["cache_k"], r["cache_v"])
         ref = base.setdefault(key, r)
-        lines.append(f"{r['engine']:<10} {r['passes'] or '-':<8} {r['threads']:>7} {r['pp']:>5} "
+        lines.append(f"{r['engine']:<10} {r['passes'] or '-':<8} {r['threads']:>7} {r['flash_attn'] or '-':>3} "
+                     f"{r['cache_k'] + '/' + r['cache_v']:<10} {r['depth']:>6} {r['pp']:>5} "
                      f"{r['pp_tok_s']:>10.1f} {r['pp_tok_s'] / ref['pp_tok_s']:>5.2f}x "
                      f"{r['tg']:>4} {r['tg_tok_s']:>9.1f} {r['tg_tok_s'] / max(ref['tg_tok_s'], 1e-9):>5.2f}x")
     return "\n".join(lines)
 
 
 def add_parser(sub, parents) -> None:
-    p = sub.add_parser("bench", help="measure prefill and decode speed", description=cmd_bench.__doc__,
-                       parents=parents,
+    p = sub.add_parser("bench", help="measure prefill and decode speed, or memory against context length",
+                       description=cmd_bench.__doc__, parents=parents,
                        epilog="examples: ggraph bench --demo --pp 64 --tg 32 -t 2 --json\n"
-                              "          ggraph bench --demo -p 64,512 -n 64 -t 1,2 --compare fused,unfused --vs-llama-cpp",
+                              "          ggraph bench --demo -p 64,512 -n 64 -t 1,2 --compare fused,unfused --vs-llama-cpp\n"
+                              "          ggraph bench --demo -p 512 -n 32 -d 0,4096,16384 -ctk q8_0 -ctv q8_0 --vs-llama-cpp\n"
+                              "          ggraph bench --memory --demo --ctx 512,4096,32768 --cache-types f16,q8_0 "
+                              "--vs-llama-cpp --plot mem.png\n\n"
+                              "At a depth (-d N), N tokens are prefilled untimed, then a prefill of pp tokens is timed at\n"
+                              "P=N and tg decode steps are timed after the same N tokens, as llama-bench -d does.\n"
+                              "--memory runs every point in a fresh process: planned bytes (weights, KV cache, the\n"
+                              "activations of one 512-token ubatch at a full context) beside the RSS after loading and the\n"
+                              "peak RSS after filling the context. ggraph's cache pages become resident as rows are\n"
+                              "written, so a partial --fill shows only the rows filled; llama.cpp zeroes its KV buffer\n"
+                              "when it makes the context, so all of its cache is resident from the start.",
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_arg(p)
-    p.add_argument("-p", "--pp", default="64", help="prompt tokens per prefill; a comma list sweeps (default 64)")
-    p.add_argument("-n", "--tg", default="32", help="decode steps; a comma list sweeps (default 32)")
+    p.add_argument("-p", "--pp", default=None, help="prompt tokens per prefill; a comma list sweeps (default 64)")
+    p.add_argument("-n", "--tg", default=None, help="decode steps; a comma list sweeps (default 32)")
+    p.add_argument("-d", "--depth", default="0",
+                   help="tokens already in the KV cache before the timed prefill and decode; a comma list sweeps "
+                        "(default 0)")
     p.add_argument("-t", "--threads", default="1", help="threads; a comma list sweeps (default 1)")
+    p.add_argument("--ctx", default=None,
+                   help="context length (default: depth + pp + tg); with --memory, the comma list of context "
+                        "lengths to measure (default 512,4096)")
+    p.add_argument("-ctk", "--cache-type-k", default="f16", metavar="TYPE",
+                   help="K cache type: f32, f16, bf16, q8_0 or q4_0 (default f16), for ggraph and llama.cpp")
+    p.add_argument("-ctv", "--cache-type-v", default="f16", metavar="TYPE", help="V cache type (default f16)")
     p.add_argument("--backend", choices=["numpy", "llvm"], default="llvm", help="backend (default llvm)")
     p.add_argument("--passes", default="default", help="pipeline: default, none, or pass,pass,...")
     p.add_argument("--no-pass", action="append", default=[], metavar="NAME",
                    help="switch off one pass in every pipeline (repeatable)")
     p.add_argument("--compare", help="comma list of pipelines to compare, e.g. fused,unfused")
-    p.add_argument("--vs-llama-cpp", action="store_true", help="also run llama.cpp (llama-cpp-python) on the same file")
-    p.add_argument("--repeats", type=int, default=3, help="best of this many runs (default 3)")
+    p.add_argument("--vs-llama-cpp", action="store_true",
+                   help="also run llama.cpp (llama-cpp-python) on the same file, depth and cache types")
+    p.add_argument("--flash-attn", choices=["on", "off", "both"], default="both",
+                   help="llama.cpp's flash attention: -fa 1, -fa 0 or a row of each (default both; a quantised V "
+                        "cache needs it on)")
+    p.add_argument("--repeats", type=int, default=3, help="best of this many rounds (default 3)")
+    p.add_argument("--memory", action="store_true",
+                   help="measure memory instead of speed: planned and resident (RSS) per --ctx and cache type")
+    p.add_argument("--cache-types", metavar="LIST", default=None,
+                   help="with --memory: comma list of cache types, each for K and V (default: -ctk/-ctv)")
+    p.add_argument("--fill", type=int, default=None, metavar="N",
+                   help="with --memory: prompt tokens to prefill (default: the whole context minus 4 decode steps)")
     p.add_argument("--json", action="store_true", help="print JSON (one object for one configuration)")
     p.add_argument("--csv", action="store_true", help="print CSV rows")
     p.add_argument("--profile", action="store_true",
                    help="time every op inside the native program, per op kind and per layer, against the roofline")
     from ggraph.bench.plot import plot_path
     p.add_argument("--plot", metavar="FILE.png", type=plot_path,
-                   help="also draw tok/s bars with ratios (and a roofline with a profile)")
+                   help="also draw tok/s bars with ratios (and a roofline with a profile); with --memory, bytes "
+                        "against context length")
     add_memory_arg(p)
     p.set_defaults(fn=cmd_bench)
