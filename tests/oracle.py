@@ -93,6 +93,45 @@ def llama_decided(path, prompt_tokens, greedy: list[int], n_ctx: int = 512, marg
     return len(greedy)
 
 
+def llama_logits_at(path, tokens, at, n_ctx: int, n_ubatch: int = 512, cache: tuple[str, str] = F32,
+                    flash_attn: bool = False, swa_full: bool = True) -> np.ndarray:
+    """llama.cpp's logits at positions ``at`` only, from one prefill of ``tokens`` in batches of
+    ``n_ubatch``: f32 [len(at), n_vocab]. For long contexts, where keeping every position's logits
+    (``llama_logits``) would take n_ctx x n_vocab floats and one ubatch of n_ctx tokens a
+    n_ctx x n_ctx score matrix per head. ``swa_full=False`` keeps only a window's worth of keys for
+    sliding-window layers (llama.cpp's small SWA cache): another code path than ggraph's full-size
+    cache, and far cheaper at 32k."""
+    llama_cpp = _llama_cpp()
+    from llama_cpp import Llama
+    tokens, at = [int(t) for t in tokens], [int(p) for p in at]
+    if not 0 < len(tokens) <= n_ctx:
+        raise ValueError(f"oracle: {len(tokens)} tokens do not fit n_ctx={n_ctx}")
+    if not at or not all(0 <= p < len(tokens) for p in at):
+        raise ValueError(f"oracle: positions {at} are not all in 0..{len(tokens) - 1}")
+    llm = Llama(model_path=str(Path(path).resolve()), n_ctx=n_ctx, n_batch=n_ubatch, n_ubatch=n_ubatch,
+                logits_all=False, n_threads=2, n_threads_batch=2, flash_attn=flash_attn, swa_full=swa_full,
+                type_k=GGML_TYPES[cache[0]], type_v=GGML_TYPES[cache[1]], verbose=False)
+    batch = llama_cpp.llama_batch_init(n_ubatch, 0, 1)
+    want, rows = set(at), {}
+    try:
+        for start in range(0, len(tokens), n_ubatch):
+            part = tokens[start:start + n_ubatch]
+            for j, tok in enumerate(part):
+                batch.token[j], batch.pos[j], batch.n_seq_id[j] = tok, start + j, 1
+                batch.seq_id[j][0], batch.logits[j] = 0, start + j in want
+            batch.n_tokens = len(part)
+            if (rc := llama_cpp.llama_decode(llm.ctx, batch)) != 0:
+                raise RuntimeError(f"oracle: llama_decode returned {rc} at position {start}")
+            for j in range(len(part)):
+                if start + j in want:
+                    row = llama_cpp.llama_get_logits_ith(llm.ctx, j)
+                    rows[start + j] = np.ctypeslib.as_array(row, shape=(llm.n_vocab(),)).copy()
+    finally:
+        llama_cpp.llama_batch_free(batch)
+        llm.close()
+    return np.stack([rows[p] for p in at]).astype(np.float32)
+
+
 def llama_tokenize(path, text: str, add_bos: bool = True, special: bool = True) -> list[int]:
     """llama.cpp's tokenisation of ``text`` with the model's own tokenizer."""
     p = Path(path).resolve()
