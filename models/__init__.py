@@ -39,19 +39,29 @@ class Model:
         c = self.config
         return (ctx, c.n_head_kv, c.head_dim), (ctx, c.n_head_kv, c.head_dim_v)
 
-    def graph(self, ctx: int = 4096, last_only: bool = False) -> Graph:
-        """The step graph: (tokens i32[T], P, k_caches, v_caches, weights) -> (logits, k_caches, v_caches)."""
+    def kv_avals(self, ctx: int, cache_types=(f32, f32)) -> tuple[Aval, Aval]:
+        """One layer's K and V cache avals: (ctx, kv heads, head dim) of the cache types (K, V)."""
+        (kshape, vshape), (kt, vt) = self.kv_shapes(ctx), cache_types
+        for what, t, shape in (("K", kt, kshape), ("V", vt, vshape)):
+            if shape[2] % t.block_size:
+                raise ValueError(f"a {t} {what} cache needs a head dim that is a multiple of {t.block_size}; "
+                                 f"this model's is {shape[2]}")
+        return Aval(kshape, kt), Aval(vshape, vt)
+
+    def graph(self, ctx: int = 4096, last_only: bool = False, cache_types=(f32, f32)) -> Graph:
+        """The step graph: (tokens i32[T], P, k_caches, v_caches, weights) -> (logits, k_caches, v_caches).
+        The caches hold ``cache_types`` (K, V): f32, f16, bf16, q8_0 or q4_0."""
         from ggraph.ir.trace import trace
         from ggraph.models.transformer import forward as shared
         cfg = self.config
         forward = architecture(cfg.arch).forward or shared
-        kshape, vshape = self.kv_shapes(ctx)
+        k_aval, v_aval = self.kv_avals(ctx, cache_types)
         factors = self._rope_factors_name(ctx)
 
         def step(tokens, P, k, v, w):
             return forward(cfg, w, tokens, P, k, v, last_only=last_only,
                            rope_factors=w[factors] if factors else None)
-        return trace(step, i32["T"], dim("P"), [f32[kshape]] * cfg.n_layer, [f32[vshape]] * cfg.n_layer,
+        return trace(step, i32["T"], dim("P"), [k_aval] * cfg.n_layer, [v_aval] * cfg.n_layer,
                      self.weights, name=f"{cfg.arch}_{'last' if last_only else 'all'}")
 
     def _rope_factors_name(self, ctx: int) -> str | None:

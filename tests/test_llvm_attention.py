@@ -19,7 +19,7 @@ from ggraph import f32, ops
 from ggraph.ir import composites
 from ggraph.backends.llvm import jit
 from ggraph.backends.llvm.kernels.attention import (Attention, Rope, attention_kernels, from_rope_attention,
-                                                     kernel_names)
+                                                     kernel_arg_names, kernel_names, partial_bytes)
 from ggraph.backends.llvm.target import X86_NAMES, named_target
 from ggraph.passes.fuse_rope_attention import fuse_rope_attention
 
@@ -39,13 +39,18 @@ CACHE = 40
 FROM_EQN = (Attention(4, 2, 64, 48, 0.2, window=4, softcap=30.0),
             Rope(32, 1e4, scale=0.5, style="interleaved", mscale=1.1, freq_factors=True))
 SHAPES = [(T, P) for T in (1, 7, 33) for P in (0, 5)]
+#  K and V cache types: every type as K and as V, with GQA, a window, softcap, interleaved rope
+TYPED = {(kt, vt): (Attention(4, 2, 64, 96, 0.125, window=9, softcap=30.0, k_type=kt, v_type=vt),
+                    Rope(64, 1e4, style="interleaved"))
+         for kt, vt in (("f16", "f16"), ("bf16", "q8_0"), ("q8_0", "q4_0"), ("q4_0", "bf16"), ("f32", "q8_0"))}
+SPLIT = (Attention(4, 1, 64, 64, 0.125, window=150, softcap=20.0, k_type="f16"), Rope(64, 1e4))
 P_ = ctypes.c_void_p
 
 
 def _build(target_name: str) -> jit.Library:
     t = named_target(target_name)
     m = ir.Module()
-    for attn, rope in list(CONFIGS.values()) + [LONG, FROM_EQN]:
+    for attn, rope in list(CONFIGS.values()) + [LONG, FROM_EQN, SPLIT] + list(TYPED.values()):
         attention_kernels(m, t, attn, rope)
     return jit.compile(m, t)
 
@@ -71,8 +76,9 @@ def reference(a: dict, P, attn: Attention, rope: Rope | None):
 
 def run_kernels(target: str, attn: Attention, rope: Rope | None, arrays: dict, T: int, P: int, nth: int,
                 threads: bool = False) -> None:
-    """Kernel A for every ith, then (the barrier) kernel B for every ith."""
-    for fn_name, args in zip(kernel_names(attn, rope, named_target(target)), _args(rope)):
+    """Kernel A for every ith, then (the barrier) kernel B for every ith, then kernel C."""
+    arrays.setdefault("partial", np.zeros(partial_bytes(attn) // 4, np.float32))
+    for fn_name, args in zip(kernel_names(attn, rope, named_target(target)), kernel_arg_names(rope)):
         abi = [P_] * (len(args) - 2) + [ctypes.c_int64] * 2 + [ctypes.c_int32] * 2
         f = _LIBS[target].function(fn_name, None, abi)
         ptrs = [arrays[a].ctypes.data for a in args[:-2]]
@@ -85,12 +91,6 @@ def run_kernels(target: str, attn: Attention, rope: Rope | None, arrays: dict, T
         else:
             for ith in range(nth):
                 f(*ptrs, T, P, ith, nth)
-
-
-def _args(rope):
-    ff = ("freq_factors",) if rope is not None and rope.freq_factors else ()
-    return (("k", "v", "k_cache", "v_cache", "positions") + ff + ("T", "P"),
-            ("q", "k_cache", "v_cache", "positions") + ff + ("out", "T", "P"))
 
 
 def make_arrays(attn: Attention, rope, T: int, P: int, rng) -> dict:
@@ -199,12 +199,17 @@ def test_kernel_arguments_and_errors():
     t = named_target("generic")
     m = ir.Module()
     attn, rope = CONFIGS["phi3_partial"]
-    (fa, args_a), (fb, args_b) = attention_kernels(m, t, attn, rope)
+    (fa, args_a), (fb, args_b), (fc, args_c) = attention_kernels(m, t, attn, rope)
     assert args_a == ("k", "v", "k_cache", "v_cache", "positions", "freq_factors", "T", "P")
-    assert args_b == ("q", "k_cache", "v_cache", "positions", "freq_factors", "out", "T", "P")
-    assert [a.name for a in fa.args] == list(args_a) + ["ith", "nth"]
-    assert [a.name for a in fb.args] == list(args_b) + ["ith", "nth"]
+    assert args_b == ("q", "k_cache", "v_cache", "positions", "freq_factors", "partial", "out", "T", "P")
+    assert args_c == ("partial", "out", "T", "P")
+    for f, args in ((fa, args_a), (fb, args_b), (fc, args_c)):
+        assert [a.name for a in f.args] == list(args) + ["ith", "nth"]
     assert attention_kernels(m, t, attn, rope)[1][0] is fb                # emitted once
+    with pytest.raises(ValueError, match="no kernel reads a q4_k KV cache"):
+        Attention(4, 4, 64, 64, 0.1, k_type="q4_k")
+    with pytest.raises(ValueError, match="a q8_0 cache needs a head dim that is a multiple of 32, not 48"):
+        Attention(4, 4, 64, 48, 0.1, v_type="q8_0")
     with pytest.raises(ValueError, match="style must be one of"):
         Rope(64, 1e4, style="gptj")
     with pytest.raises(ValueError, match="rotary dims 31"):
@@ -215,3 +220,74 @@ def test_kernel_arguments_and_errors():
         Attention(6, 4, 64, 64, 0.1)
     with pytest.raises(ValueError, match="window 0"):
         Attention(4, 4, 64, 64, 0.1, window=0)
+
+
+def _typed_cache(dtype: str, rows: np.ndarray):
+    """f32 rows (C, Hkv, n) as a cache of ``dtype``: its storage array and the numpy rules' view of it."""
+    from ggraph.ir import dtypes
+    from ggraph.ir.prims import Blocks, cache_write
+    dt = dtypes.from_name(dtype)
+    if dt.np_dtype is not None:
+        store = rows.astype(dt.np_dtype)
+        return store, store
+    C, Hkv, n = rows.shape
+    store = np.zeros((C, Hkv, dt.row_bytes(n)), np.uint8)
+    view = Blocks(store.reshape(C * Hkv, -1), dt, rows.shape)
+    cache_write(view, rows, 0)
+    return store, view
+
+
+@pytest.mark.parametrize("types", TYPED, ids="-".join)
+def test_attention_reads_and_writes_cache_types(target, types):
+    """Keys are quantised on write as the numpy rule quantises them (compared dequantised: the
+    kernel's rope may differ from numpy's by an ulp), values byte for byte; attention reads the blocks."""
+    from ggraph.ir.prims import cache_rows
+    attn, rope = TYPED[types]
+    rng = np.random.default_rng(21)
+    for T, P in ((1, 0), (1, 40), (7, 5), (33, 0)):
+        a = make_arrays(attn, rope, T, P, rng)
+        (kc, kview), (vc, vview) = _typed_cache(attn.k_type, a["k_cache"]), _typed_cache(attn.v_type, a["v_cache"])
+        kw = dict(dims=rope.dims, base=rope.base, scale=rope.scale, style=rope.style, mscale=rope.mscale)
+        q, k = (composites._np_rope(x, a["positions"], **kw) for x in (a["q"], a["k"]))
+        want, kwant, vwant = composites._np_attention(q, k, a["v"], kview, vview, P, scale=attn.scale,
+                                                      window=attn.window, softcap=attn.softcap)
+        for nth in (1, 2, 3):
+            arrays = dict(a, k_cache=kc.copy(), v_cache=vc.copy(), out=np.full_like(a["out"], np.nan))
+            run_kernels(target, attn, rope, arrays, T, P, nth)
+            what = f"{types} T={T} P={P} nth={nth}"
+            got_k = cache_rows(_typed_cache_view(attn.k_type, arrays["k_cache"], kwant.shape), kwant.shape[0])
+            k_err = np.abs(got_k - cache_rows(kwant, kwant.shape[0])).max()
+            assert k_err < 1e-6, f"{what}: k_cache off by {k_err}"
+            raw = lambda x: x.data if hasattr(x, "data") and not isinstance(x, np.ndarray) else x  # noqa: E731
+            np.testing.assert_array_equal(arrays["v_cache"].reshape(-1), raw(vwant).reshape(-1).view(
+                arrays["v_cache"].dtype), err_msg=f"{what}: v_cache")
+            err = np.linalg.norm(arrays["out"] - want, axis=-1) / np.linalg.norm(want, axis=-1)
+            assert err.max() < 1e-5, f"{what}: output relative error {err.max():.2e}"
+
+
+def _typed_cache_view(dtype: str, store: np.ndarray, shape):
+    from ggraph.ir import dtypes
+    from ggraph.ir.prims import Blocks
+    dt = dtypes.from_name(dtype)
+    return store if dt.np_dtype is not None else Blocks(store.reshape(shape[0] * shape[1], -1), dt, shape)
+
+
+@pytest.mark.parametrize("T,nth,split", [(1, 2, True), (1, 3, True), (2, 3, True), (3, 3, False), (1, 1, False)])
+def test_decode_splits_keys_across_threads(target, T, nth, split):
+    """With fewer (token, kv head) pairs than threads, every thread takes a range of each row's keys
+    (the partials are written) and kernel C merges them; otherwise threads take rows. Both agree
+    with the reference, at a long context with a window that ends inside a range."""
+    attn, rope = SPLIT
+    rng = np.random.default_rng(22)
+    P = 300
+    a = make_arrays(attn, rope, T, P, rng)
+    kc, _ = _typed_cache("f16", a["k_cache"])
+    kw = dict(dims=rope.dims, base=rope.base, scale=rope.scale, style=rope.style, mscale=rope.mscale)
+    q, k = (composites._np_rope(x, a["positions"], **kw) for x in (a["q"], a["k"]))
+    want, _, _ = composites._np_attention(q, k, a["v"], kc.copy(), a["v_cache"].copy(), P, scale=attn.scale,
+                                          window=attn.window, softcap=attn.softcap)
+    a["k_cache"], a["partial"] = kc, np.zeros(partial_bytes(attn) // 4, np.float32)
+    run_kernels(target, attn, rope, a, T, P, nth, threads=True)
+    assert bool(a["partial"].any()) == split
+    err = np.linalg.norm(a["out"] - want, axis=-1) / np.linalg.norm(want, axis=-1)
+    assert err.max() < 1e-5, f"T={T} nth={nth}: output relative error {err.max():.2e}"

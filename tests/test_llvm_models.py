@@ -5,7 +5,7 @@ import pytest
 import oracle
 import zoo
 from ggraph.runtime.session import Session
-from test_models import ARCHS, ROPE_VARIANTS, agreement, prompt_ids
+from test_models import ARCHS, EXACT, ROPE_VARIANTS, agreement, prompt_ids
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -17,7 +17,7 @@ def test_logits_match_llama_cpp(arch, mix):
     path = zoo.cached_model(arch, mix, **(zoo.K_QUANT_DIMS if mix == "q4_k_m" else {}))
     ids = prompt_ids()
     want = oracle.llama_logits(path, ids, n_ctx=128)
-    got = Session(path, backend="llvm", threads=2, ctx=128).logits(ids)
+    got = Session(path, backend="llvm", threads=2, ctx=128, **EXACT).logits(ids)
     cos, top1 = agreement(got, want)
     assert cos >= 0.995 and top1 >= 0.9, (cos, top1)
     if mix in ("q8_0", "q4_k_m"):         # far tighter than the bar (gemma2's tanh softcaps cost a little)
@@ -30,7 +30,7 @@ def test_rope_scaling_matches_llama_cpp(variant):
     arch, over = ROPE_VARIANTS[variant]
     path = zoo.cached_model(arch, "f32", **over)
     ids = prompt_ids(60)
-    cos, top1 = agreement(Session(path, backend="llvm", threads=2, ctx=128).logits(ids),
+    cos, top1 = agreement(Session(path, backend="llvm", threads=2, ctx=128, **EXACT).logits(ids),
                           oracle.llama_logits(path, ids, n_ctx=128))
     assert cos > 0.9999 and top1 == 1.0, (cos, top1)
 
@@ -41,7 +41,7 @@ def test_real_shaped_models_match_llama_cpp(name):
     arch, over = zoo.REAL_SHAPES[name]
     path = zoo.cached_model(arch, "q4_k_m", **over)
     ids = prompt_ids(100)
-    cos, top1 = agreement(Session(path, backend="llvm", threads=2, ctx=128).logits(ids),
+    cos, top1 = agreement(Session(path, backend="llvm", threads=2, ctx=128, **EXACT).logits(ids),
                           oracle.llama_logits(path, ids, n_ctx=128))
     assert cos > 0.999 and top1 >= 0.9, (cos, top1)
 
@@ -62,7 +62,7 @@ def test_every_feature_set_runs_a_model(target, monkeypatch):
     monkeypatch.setenv("GGRAPH_TARGET", target)
     path = zoo.cached_model("llama", "q4_k_m", **zoo.K_QUANT_DIMS)
     ids = prompt_ids(12)
-    s = Session(path, backend="llvm", threads=2, ctx=32)
+    s = Session(path, backend="llvm", threads=2, ctx=32, **EXACT)
     assert s.program(False).target.name == target
     got = s.logits(ids)
     want = oracle.llama_logits(path, ids, n_ctx=32)
@@ -96,24 +96,25 @@ def test_prefill_then_decode_matches_prefill():
     assert cos > 0.99999 and top1 == 1.0
 
 
-def test_object_code_is_cached(tmp_path, monkeypatch):
+@pytest.mark.parametrize("passes", ["default", "none"])      # unfused programs hold constant buffers
+def test_object_code_is_cached(tmp_path, monkeypatch, passes):
     """Kernels are cached one by one and the lowered program whole; a warm start builds no IR."""
     from ggraph.backends.llvm import program
     monkeypatch.setenv("GGRAPH_CACHE", str(tmp_path))
     monkeypatch.setattr(program, "_LOADED", {})                 # nothing loaded in this process yet
     path = zoo.cached_model("llama", "q8_0")
-    first = Session(path, backend="llvm", threads=1, ctx=16).program(True)
+    first = Session(path, backend="llvm", threads=1, ctx=16, passes=passes).program(True)
     kernels = sorted((tmp_path / "kernels").glob("*.kernel"))
     assert not first.lib.from_cache and kernels and list(tmp_path.glob("*.program"))
     program._LOADED.clear()
     lower = program.lower
     monkeypatch.setattr(program, "lower", lambda *a, **k: pytest.fail("a warm start lowered the graph again"))
-    again = Session(path, backend="llvm", threads=1, ctx=16).program(True)
+    again = Session(path, backend="llvm", threads=1, ctx=16, passes=passes).program(True)
     assert again.lib.from_cache
     monkeypatch.setattr(program, "lower", lower)
     ids = prompt_ids(6)
-    a = Session(path, backend="llvm", threads=1, ctx=16).logits(ids)
-    b = Session(path, backend="llvm", threads=1, ctx=16).logits(ids)
+    a = Session(path, backend="llvm", threads=1, ctx=16, passes=passes).logits(ids)
+    b = Session(path, backend="llvm", threads=1, ctx=16, passes=passes).logits(ids)
     np.testing.assert_array_equal(a, b)
     monkeypatch.undo()
     monkeypatch.setenv("GGRAPH_CACHE", str(tmp_path))
@@ -121,7 +122,7 @@ def test_object_code_is_cached(tmp_path, monkeypatch):
     for cached in tmp_path.glob("*.program"):
         cached.write_bytes(b"torn")                                         # a broken entry is rebuilt
     kernels = sorted((tmp_path / "kernels").glob("*.kernel"))
-    rebuilt = Session(path, backend="llvm", threads=1, ctx=16).program(True)
+    rebuilt = Session(path, backend="llvm", threads=1, ctx=16, passes=passes).program(True)
     assert not rebuilt.lib.from_cache
     assert sorted((tmp_path / "kernels").glob("*.kernel")) == kernels     # from the kernel cache, none new
 
@@ -149,7 +150,7 @@ def gemma():
 
 @pytest.mark.slow
 def test_gemma3_270m_on_llvm(gemma):
-    s = Session(gemma, backend="llvm", threads=2, ctx=128)
+    s = Session(gemma, backend="llvm", threads=2, ctx=128, **EXACT)
     prompt = "The history of the Roman Empire spans more than a thousand years, from the founding of the city " \
              "to the fall of Constantinople in 1453, and shaped Europe deeply."
     ids = s.tokenizer.encode(prompt)

@@ -145,6 +145,23 @@ def test_neon_dotprod_emits_sdot():
     assert re.search(r"\bsdot\b", asm)
 
 
+def typed_cache_attention(m, t):
+    from ggraph.backends.llvm.kernels.attention import Attention, Rope, attention_kernels
+    for kt, vt in (("f16", "q8_0"), ("q4_0", "bf16")):
+        attention_kernels(m, t, Attention(8, 2, 64, 64, 0.125, k_type=kt, v_type=vt), Rope(64, 1e4))
+
+
+@pytest.mark.parametrize("name,widen", [("avx512", r"vcvtph2ps\s+[^\n]*zmm"), ("avx2", r"vcvtph2ps\s+[^\n]*ymm"),
+                                        ("neon", r"\bfcvtl2?\b"), ("generic", None)])
+def test_attention_over_cache_types_builds_for_every_set(name, widen):
+    """The f16 / bf16 / q8_0 / q4_0 cache readers and writers build for each set, converting with its own instructions."""
+    asm = asm_of(typed_cache_attention, name=name)
+    if widen is None:                                   # SSE2 only: integer bit tricks, no F16C
+        assert "vcvtph2ps" not in asm and "ymm" not in asm
+    else:
+        assert re.search(widen, asm), f"{name}: no f16 widening in the attention kernels"
+
+
 # -- the object-code cache ------------------------------------------------------------------------
 @needs("generic")
 def test_second_compile_is_a_cache_hit(tmp_path, monkeypatch):

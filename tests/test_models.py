@@ -20,6 +20,9 @@ def prompt_ids(n=PROMPT_LEN, seed=0, high=1000):
     return [int(t) for t in np.random.default_rng(seed).integers(10, high, n)]
 
 
+EXACT = dict(cache_type_k="f32", cache_type_v="f32")     # as the oracle's llama.cpp context keeps K and V
+
+
 def agreement(a: np.ndarray, b: np.ndarray) -> tuple[float, float]:
     """(minimum cosine over positions, top-1 agreement) of two [T, V] logit arrays."""
     cos = (a * b).sum(1) / np.linalg.norm(a, axis=1) / np.linalg.norm(b, axis=1)
@@ -28,7 +31,7 @@ def agreement(a: np.ndarray, b: np.ndarray) -> tuple[float, float]:
 
 def assert_conforms(path, ids, ctx=128, min_cos=0.995, min_top1=0.9, **session):
     want = oracle.llama_logits(path, ids, n_ctx=ctx)
-    got = Session(path, backend="numpy", ctx=ctx, **session).logits(ids)
+    got = Session(path, backend="numpy", ctx=ctx, **{**EXACT, **session}).logits(ids)
     assert got.shape == want.shape and got.dtype == np.float32
     cos, top1 = agreement(got, want)
     assert cos >= min_cos and top1 >= min_top1, f"{path.name}: min cosine {cos:.5f}, top-1 {top1:.3f}"
@@ -126,7 +129,7 @@ def test_greedy_generation_matches_llama_cpp_on_a_zoo_model(arch):
     """f32 weights: the same arithmetic as llama.cpp, so random models' near-ties agree too."""
     path = zoo.cached_model(arch, "f32")
     ids = prompt_ids(12)
-    s = Session(path, backend="numpy", ctx=64)
+    s = Session(path, backend="numpy", ctx=64, **EXACT)
     want = oracle.llama_greedy(path, ids, 16, n_ctx=64)
     text = s.generate(ids, max_tokens=16, temperature=0)
     assert text == s.tokenizer.decode(want)
@@ -186,7 +189,7 @@ def gemma():
 
 @pytest.mark.slow
 def test_gemma3_270m_logits_match_llama_cpp(gemma):
-    s = Session(gemma, backend="numpy", ctx=128)
+    s = Session(gemma, backend="numpy", ctx=128, **EXACT)
     ids = s.tokenizer.encode(GEMMA_PROMPT)
     assert len(ids) >= 30 and ids == oracle.llama_tokenize(gemma, GEMMA_PROMPT)
     cos, top1 = agreement(s.logits(ids), oracle.llama_logits(gemma, ids, n_ctx=128))
@@ -195,7 +198,7 @@ def test_gemma3_270m_logits_match_llama_cpp(gemma):
 
 @pytest.mark.slow
 def test_gemma3_270m_greedy_text_matches_llama_cpp(gemma):
-    s = Session(gemma, backend="numpy", ctx=128)
+    s = Session(gemma, backend="numpy", ctx=128, **EXACT)
     compared = []
     prompts = ["Once upon a time, in a land far away,", "def fibonacci(n):"]
     for prompt in prompts:

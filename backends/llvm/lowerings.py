@@ -168,7 +168,11 @@ def _cache_update(lw, e):
              f"cache_update at {e.scope or 'top'}: the cache has {cache.aval.shape[0]} rows")
     dst = lw.ref(cache)
     at = dst.plus(Sym(pos.aval.symbol) * row_bytes)
-    lw.call(lw.kernel(G.copy_bytes), lw.ref(x), at, x.aval.shape[0] * row_bytes, writes=(at,))
+    if cache.aval.dtype is x.aval.dtype:
+        lw.call(lw.kernel(G.copy_bytes), lw.ref(x), at, x.aval.shape[0] * row_bytes, writes=(at,))
+    else:                                                   # f32 rows into an f16, bf16, q8_0 or q4_0 cache
+        n = cache.aval.shape[-1]
+        lw.call(lw.kernel(K.kv_store, cache.aval.dtype, n, lw.target), lw.ref(x), at, rows(x.aval), writes=(at,))
     lw.alias(e.outputs[0], dst)
 
 
@@ -180,16 +184,11 @@ def _iota(lw, e):
 
 @lowering(P.dequant_p)
 def _dequant(lw, e):
-    """The unfused baseline's explicit dequant: the whole weight through the gather kernel."""
+    """The unfused baseline's explicit dequant (a weight, or cache rows read by attention): row by row."""
     w = e.inputs[0]
-    if w.aval.ndim != 2:
-        raise LoweringError(f"llvm backend: dequant of {w.aval} (only 2-D weights)")
-    N, D = w.aval.shape
-    ids = lw.ref(Literal(np.arange(N, dtype=np.int32)))
     out = lw.output(e.outputs[0])
-    status = lw.status(f"dequant at {e.scope or 'top'}: row {{id}} is out of range")
-    lw.call(lw.kernel(K.get_rows, w.aval.dtype, D, N, lw.target), lw.ref(w), ids, out, status, N,
-            writes=(out, status))
+    lw.call(lw.kernel(K.dequant_rows, w.aval.dtype, w.aval.shape[-1], lw.target), lw.ref(w), out, rows(w.aval),
+            writes=(out,))
 
 
 @lowering(P.matmul_p)
@@ -209,7 +208,8 @@ def _matmul(lw, e):
 
 @lowering(rope_attention_p)
 def _rope_attention(lw, e):
-    """Two kernels: rope k and store k, v at rows P.. of the caches; then attend (rope q inside)."""
+    """Three kernels: rope k and store k, v at rows P.. of the caches; attend (rope q inside); merge
+    the partial results when the keys were split across threads."""
     attn, rope = A.from_rope_attention(e)
     q, k, v, kc, vc, pos, positions = e.inputs[:7]
     if not isinstance(pos, Var) or not isinstance(pos.aval, DimAval) or pos.aval.symbol != "P":
@@ -221,10 +221,14 @@ def _rope_attention(lw, e):
     refs["out"] = lw.output(e.outputs[0])
     lw.bound(Sym("P") + q.aval.shape[0], kc.aval.shape[0],
              f"attention at {e.scope or 'top'}: the KV cache has {kc.aval.shape[0]} rows")
-    store, attend = lw.kernel(A.attention_unit, lw.target, attn, rope)
-    store_args, attend_args = A.kernel_arg_names(rope)
+    size = A.partial_bytes(attn)                        # split-key partials: one scratch for every layer
+    refs["partial"] = lw.memo(("attention_partial", size)) or \
+        lw.memo(("attention_partial", size), lw.scratch(Bytes("fixed", (size,)), "attention_partial"))
+    store, attend, combine = lw.kernel(A.attention_unit, lw.target, attn, rope)
+    store_args, attend_args, combine_args = A.kernel_arg_names(rope)
     lw.call(store, *[refs[a] for a in store_args], writes=(refs["k_cache"], refs["v_cache"]))
-    lw.call(attend, *[refs[a] for a in attend_args], writes=(refs["out"],))
+    lw.call(attend, *[refs[a] for a in attend_args], writes=(refs["out"], refs["partial"]))
+    lw.call(combine, *[refs[a] for a in combine_args], writes=(refs["out"],))
     lw.alias(e.outputs[1], refs["k_cache"])
     lw.alias(e.outputs[2], refs["v_cache"])
 

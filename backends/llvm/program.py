@@ -282,9 +282,9 @@ class LLVMProgram(Program):
             return ref.value
         shape = var.aval.concrete(dims)
         buf = self.spec.buffers[ref.buf]
-        if buf.kind == "input" and ref.offset == 0 and isinstance(self._keep[ref.buf], np.ndarray) \
+        if buf.kind == "input" and ref.offset == 0 and isinstance(self._keep[ref.buf], (np.ndarray, Blocks)) \
                 and self._keep[ref.buf].shape == shape:
-            return self._keep[ref.buf]                      # an in-place update of an input
+            return self._keep[ref.buf]                      # an in-place update of an input (a KV cache)
         nbytes = var.aval.nbytes(dims)
         off = int(self.table[ref.buf]) + (ref.offset if isinstance(ref.offset, int) else ref.offset.eval(dims))
         raw = np.ctypeslib.as_array((np.ctypeslib.ctypes.c_uint8 * nbytes).from_address(off))

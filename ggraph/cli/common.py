@@ -30,7 +30,17 @@ def add_compile_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", "-t", type=int, default=None, help="threads for the llvm backend (default: all cores)")
     add_pass_args(p)
     p.add_argument("--ctx", type=int, default=4096, help="context length: KV cache rows (default 4096)")
+    add_cache_type_args(p)
     add_memory_arg(p)
+
+
+def add_cache_type_args(p: argparse.ArgumentParser) -> None:
+    """-ctk / -ctv, as llama.cpp names them."""
+    from ggraph.runtime.session import CACHE_TYPES
+    for which in ("k", "v"):
+        p.add_argument(f"--cache-type-{which}", f"-ct{which}", default="f16", choices=CACHE_TYPES, metavar="TYPE",
+                       help=f"KV cache type for {which.upper()}: {', '.join(CACHE_TYPES)} (default f16; q8_0 takes "
+                            f"about half of f16's memory, q4_0 about a quarter, at some accuracy)")
 
 
 def add_sampling_args(p: argparse.ArgumentParser, n_predict: int, n_help: str) -> None:
@@ -59,7 +69,8 @@ def open_session(args):
     """The Session the compile arguments describe, compiled (with its progress bar) before it is returned."""
     from ggraph.runtime.session import Session
     session = Session(model_path(args), backend=args.backend, threads=args.threads, passes=passes_arg(args.passes),
-                      ctx=args.ctx, disabled=args.no_pass, max_memory=args.max_memory)
+                      ctx=args.ctx, disabled=args.no_pass, max_memory=args.max_memory,
+                      cache_type_k=args.cache_type_k, cache_type_v=args.cache_type_v)
     session.program(last_only=True)
     return session
 

@@ -22,8 +22,8 @@ from ggraph.ir import methods  # noqa: F401  (Tracer operators, used by the deco
 from ggraph.ir.dims import Sym, simplify
 from ggraph.ir.dtypes import Aval, DimAval, f32
 from ggraph.ir.primitive import ShapeError, register
-from ggraph.ir.prims import (cache_update, cast, concat, cos, exp, iota, less, matmul, neg, reduce_max,
-                             reduce_sum, reshape, rsqrt, sin, slice, tanh, transpose, where)
+from ggraph.ir.prims import (cache_rows, cache_update, cache_write, cast, concat, cos, dequant, exp, iota, less,
+                             matmul, neg, reduce_max, reduce_sum, reshape, rsqrt, sin, slice, tanh, transpose, where)
 from ggraph.ir.trace import Tracer, bind_composite, to_atom
 
 __all__ = ["composite", "rms_norm", "softmax", "silu", "gelu_tanh", "swiglu", "rope", "attention",
@@ -118,8 +118,9 @@ def _np_attention(q, k, v, k_cache=None, v_cache=None, pos=None, *, scale, windo
         p = int(pos)
         if p < 0 or p + T > k_cache.shape[0]:
             raise ValueError(f"attention: rows {p}..{p + T} do not fit a KV cache of {k_cache.shape[0]} rows")
-        k_cache[p:p + T], v_cache[p:p + T] = k, v
-        k, v = k_cache[:p + T], v_cache[:p + T]
+        cache_write(k_cache, k, p)
+        cache_write(v_cache, v, p)
+        k, v = cache_rows(k_cache, p + T), cache_rows(v_cache, p + T)
     S, Hkv = k.shape[0], k.shape[1]
     kh = np.repeat(k.transpose(1, 0, 2), H // Hkv, axis=0).astype(np.float64)   # (H, S, D)
     vh = np.repeat(v.transpose(1, 0, 2), H // Hkv, axis=0).astype(np.float64)   # (H, S, Dv)
@@ -259,6 +260,7 @@ def _attention(q, k, v, k_cache=None, v_cache=None, pos=None, *, scale, window=N
         P = Sym(pos.aval.symbol)
         S = simplify(P + T)
         k, v = slice(k_cache, 0, 0, S), slice(v_cache, 0, 0, S)                  # (S, Hkv, D)
+        k, v = (x if x.aval.dtype is f32 else dequant(x) for x in (k, v))          # f16, bf16, q8_0, q4_0 caches
         qpos = iota(T) + pos                                                        # (T,)
     else:
         S = T

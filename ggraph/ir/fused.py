@@ -21,7 +21,7 @@ from ggraph.ir import composites, dtypes
 from ggraph.ir.dtypes import Aval, f32, i32
 from ggraph.ir.graph import evaluate
 from ggraph.ir.primitive import ShapeError, fusable, register
-from ggraph.ir.prims import Blocks, io_bytes, matmul_cost
+from ggraph.ir.prims import KV_CACHE_TYPES, Blocks, io_bytes, matmul_cost
 
 WEIGHT_TYPES = frozenset(dtypes.QUANTIZED) | {dtypes.f16, dtypes.bf16, dtypes.f32}
 
@@ -74,8 +74,10 @@ qmatmul_p = register("qmatmul", shape=_qmatmul_shape, impl=_qmatmul_impl, cost=m
 def _rope_attention_shape(q, k, v, k_cache, v_cache, pos, positions, freq_factors=None, *,
                           dims, base, rope_scale, style, scale, mscale=1.0, window=None, softcap=None):
     for name, a in (("q", q), ("k", k), ("v", v), ("k_cache", k_cache), ("v_cache", v_cache)):
-        if a.ndim != 3 or a.dtype is not f32:
-            raise ShapeError(f"rope_attention: {name} must be f32[rows, heads, dim], got {a}")
+        if a.ndim != 3 or (a.dtype is not f32 and (name[2:] != "cache" or a.dtype.name not in KV_CACHE_TYPES)):
+            kinds = f"one of {', '.join(KV_CACHE_TYPES)}" if name[2:] == "cache" else "f32"
+            raise ShapeError(f"rope_attention: {name} must be [rows, heads, dim] of {kinds}, got {a}")
+        a.check_blocks()
     T, H, D = q.shape
     Hkv = k.shape[1]
     if k.shape != (T, Hkv, D) or v.shape[:2] != (T, Hkv):
@@ -114,7 +116,8 @@ def _rope_attention_cost(eqn, dims):
     flops = 6 * T * (H + Hkv) * rot                           # rotate pairs
     flops += 2 * H * T * S * (D + Dv) + 5 * H * T * S         # q·kᵀ, p·v and the softmax
     flops += 10 * H * T * S if eqn.params.get("softcap") else 0
-    row = 4 * Hkv * (D + Dv)                                  # bytes of one k row plus one v row
+    kc, vc = eqn.inputs[3].aval.dtype, eqn.inputs[4].aval.dtype
+    row = Hkv * (kc.row_bytes(D) + vc.row_bytes(Dv))          # bytes of one k row plus one v row in the caches
     moved = sum(a.aval.nbytes(dims) for a in eqn.inputs[:3] + eqn.inputs[6:]) + eqn.outputs[0].aval.nbytes(dims)
     return flops, moved + S * row + T * row                   # cache rows read, new rows written
 

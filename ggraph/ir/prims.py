@@ -339,6 +339,12 @@ def _slice_shape(x, *, axis, start, stop):
 
 
 def _slice_impl(x, *, axis, start, stop):
+    if isinstance(x, Blocks):                              # whole rows of blocks: a view of the bytes
+        rows = x.data.reshape(x.shape[:-1] + (x.data.shape[1],))
+        idx = [builtins.slice(None)] * (len(x.shape) - 1)
+        idx[axis % len(x.shape)] = builtins.slice(start, stop)
+        part = rows[tuple(idx)]
+        return Blocks(part.reshape(-1, x.data.shape[1]), x.dtype, part.shape[:-1] + x.shape[-1:])
     idx = [builtins.slice(None)] * x.ndim
     idx[axis] = builtins.slice(start, stop)
     return x[tuple(idx)]
@@ -450,21 +456,46 @@ iota_p = register("iota", shape=_iota_shape, cost=_move_cost, kind="shape",
                   impl=lambda *, n, dtype="i32": np.arange(n, dtype=dtypes.from_name(dtype).np_dtype))
 
 
+KV_CACHE_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0")   # what a cache may hold; its rows are written from f32
+
+
 def _cache_update_shape(cache, x, pos):
-    _require_plain("cache_update", cache, x)
+    _require_plain("cache_update", x)
     if pos.dtype is not i32 or pos.ndim != 0:
         raise ShapeError(f"cache_update: pos must be a scalar i32, got {pos}")
-    if cache.ndim != x.ndim or cache.shape[1:] != x.shape[1:] or cache.dtype is not x.dtype:
+    if cache.ndim != x.ndim or cache.shape[1:] != x.shape[1:]:
         raise ShapeError(f"cache_update: rows {x} do not fit cache {cache}")
+    if cache.dtype is not x.dtype and not (x.dtype is f32 and cache.dtype.name in KV_CACHE_TYPES):
+        raise ShapeError(f"cache_update: rows {x} do not fit cache {cache} (a cache of {', '.join(KV_CACHE_TYPES)} "
+                         f"takes f32 rows)")
+    cache.check_blocks()
     return cache
+
+
+def cache_write(cache, x: np.ndarray, p: int):
+    """cache[p:p+T] = x, converted or quantised as llama.cpp's CPU backend writes its cache."""
+    if p < 0 or p + x.shape[0] > cache.shape[0]:
+        raise ValueError(f"cache_update: rows {p}..{p + x.shape[0]} do not fit a cache of {cache.shape[0]} rows")
+    if not isinstance(cache, Blocks):
+        cache[p:p + x.shape[0]] = x
+        return cache
+    from ggraph.gguf.quants import quantize, quantize_activations
+    to_bytes = quantize_activations if cache.dtype is dtypes.q8_0 else quantize
+    per = math.prod(cache.shape[1:-1])                          # block rows per cache row
+    cache.data[p * per:(p + x.shape[0]) * per] = to_bytes(x, cache.dtype).reshape(-1, cache.data.shape[1])
+    return cache
+
+
+def cache_rows(cache, stop: int) -> np.ndarray:
+    """The first ``stop`` rows of a cache as f32."""
+    if not isinstance(cache, Blocks):
+        return cache[:stop].astype(np.float32, copy=False)
+    per = math.prod(cache.shape[1:-1])
+    return Blocks(cache.data[:stop * per], cache.dtype, (stop,) + cache.shape[1:]).dequantize()
 
 
 def _cache_update_impl(cache, x, pos):
-    p = int(pos)
-    if p < 0 or p + x.shape[0] > cache.shape[0]:
-        raise ValueError(f"cache_update: rows {p}..{p + x.shape[0]} do not fit a cache of {cache.shape[0]} rows")
-    cache[p:p + x.shape[0]] = x
-    return cache
+    return cache_write(cache, x, int(pos))
 
 
 cache_update_p = register("cache_update", shape=_cache_update_shape, impl=_cache_update_impl, kind="memory",

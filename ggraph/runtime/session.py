@@ -15,6 +15,10 @@ from ggraph.backends.llvm.team import check_threads
 from ggraph.runtime.tokenizer import Detokenizer, Tokenizer
 
 
+UBATCH = 512                  # tokens per native step of a long prompt, as llama.cpp's default n_ubatch
+CACHE_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0")
+
+
 class ContextFullError(ValueError):
     """The KV cache has no room for the tokens of this step."""
 
@@ -26,7 +30,8 @@ class Session:
     """
 
     def __init__(self, path, backend: str = "llvm", threads: int | None = None, passes="default",
-                 ctx: int = 4096, disabled=(), profile: bool = False, max_memory: int | str | None = None):
+                 ctx: int = 4096, disabled=(), profile: bool = False, max_memory: int | str | None = None,
+                 cache_type_k: str = "f16", cache_type_v: str = "f16", ubatch: int = UBATCH):
         from ggraph import memory
         from ggraph.compiler import BACKENDS
         from ggraph.models import load
@@ -34,30 +39,44 @@ class Session:
             raise ValueError(f"unknown backend {backend!r}; available: {', '.join(BACKENDS)}")
         if isinstance(ctx, bool) or not isinstance(ctx, (int, np.integer)) or ctx < 1:
             raise ValueError(f"ctx must be a positive whole number of tokens, got {ctx!r}")
+        if isinstance(ubatch, bool) or not isinstance(ubatch, (int, np.integer)) or ubatch < 1:
+            raise ValueError(f"ubatch must be a positive whole number of tokens, got {ubatch!r}")
         if profile and backend != "llvm":
             raise ValueError("profile=True needs backend='llvm' (it times the native program's kernels)")
         self.threads = check_threads(threads)             # before any slow work
         self.max_memory = memory.parse_size(max_memory) if max_memory is not None else None
+        self.cache_types = (cache_dtype(cache_type_k, "cache_type_k"), cache_dtype(cache_type_v, "cache_type_v"))
         self.model = load(path)
         self.config = self.model.config
         self.tokenizer = Tokenizer.from_metadata(self.model.file.metadata)
         if self.tokenizer.n_vocab != self.config.n_vocab:
             raise ValueError(f"the tokenizer has {self.tokenizer.n_vocab} tokens but the model's vocabulary has "
                              f"{self.config.n_vocab}")
-        self.ctx = int(ctx)
+        self.ctx, self.ubatch = int(ctx), int(ubatch)
         self.backend, self.passes, self.disabled = backend, passes, tuple(disabled)
         self.profile = profile
         self._programs: dict[bool, object] = {}
-        kshape, vshape = self.model.kv_shapes(self.ctx)
+        k_aval, v_aval = self.model.kv_avals(self.ctx, self.cache_types)
         n = self.config.n_layer
-        memory.check(4 * n * (int(np.prod(kshape)) + int(np.prod(vshape))),
-                     f"the KV cache (ctx {self.ctx} × {n} layers × {kshape[1]} kv heads × "
-                     f"({kshape[2]}+{vshape[2]}) f32)", self.max_memory)
-        self.k_cache = [np.zeros(kshape, np.float32) for _ in range(n)]
-        self.v_cache = [np.zeros(vshape, np.float32) for _ in range(n)]
+        memory.check(n * (k_aval.nbytes({}) + v_aval.nbytes({})),
+                     f"the KV cache (ctx {self.ctx} × {n} layers × {k_aval.shape[1]} kv heads × "
+                     f"({k_aval.shape[2]} {k_aval.dtype} + {v_aval.shape[2]} {v_aval.dtype}))", self.max_memory)
+        self.k_cache = [cache_array(k_aval) for _ in range(n)]
+        self.v_cache = [cache_array(v_aval) for _ in range(n)]
         self._n_past = 0
         self._cached: list[int] = []                      # the ids whose keys and values the cache holds
         self.stats: dict[str, float] = {}
+
+    def memory(self, tokens: int | None = None) -> dict[str, int]:
+        """Planned bytes: weights (the file's tensors, mapped), KV cache, activations of a step of
+        ``tokens`` (default: one ubatch) at a full context, and their total."""
+        weights = sum(t.nbytes for t in self.model.file.tensors.values())
+        kv = sum(c.nbytes for c in self.k_cache + self.v_cache)
+        T = min(self.ubatch if tokens is None else int(tokens), self.ctx)
+        acts = 0
+        if self.backend == "llvm":
+            acts = self.program(last_only=True).arena_bytes({"T": T, "P": self.ctx - T})
+        return {"weights": weights, "kv_cache": kv, "activations": acts, "total": weights + kv + acts}
 
     @property
     def cached_tokens(self) -> tuple[int, ...]:
@@ -76,7 +95,7 @@ class Session:
             from ggraph.compiler import compile_graph
             options = {"threads": self.threads, "profile": self.profile, "max_memory": self.max_memory} \
                 if self.backend != "numpy" else {}
-            graph = self.model.graph(self.ctx, last_only=last_only)
+            graph = self.model.graph(self.ctx, last_only=last_only, cache_types=self.cache_types)
             self._programs[last_only] = compile_graph(graph, backend=self.backend, passes=self.passes,
                                                       disabled=self.disabled, weights=self.model.file, **options)
         return self._programs[last_only]
@@ -103,10 +122,16 @@ class Session:
             raise ContextFullError(f"context full: {self._n_past} tokens in the cache + {tokens.size} new "
                                    f"> ctx={self.ctx}; start a new Session with a larger ctx")
         prog = self.program(last_only)
-        logits, *_ = prog.run_inputs([tokens, np.int32(self._n_past), *self.k_cache, *self.v_cache])
-        self._n_past += tokens.size
-        self._cached += tokens.tolist()
-        return logits
+        out = []
+        for at in range(0, tokens.size, self.ubatch):     # a long prompt runs in ubatches: bounded activations
+            part = tokens[at:at + self.ubatch]
+            last = at + self.ubatch >= tokens.size
+            logits, *_ = prog.run_inputs([part, np.int32(self._n_past), *self.k_cache, *self.v_cache])
+            self._n_past += part.size
+            self._cached += part.tolist()
+            if last or not last_only:
+                out.append(logits)
+        return out[0] if len(out) == 1 else np.concatenate(out)
 
     def logits(self, tokens: Sequence[int]) -> np.ndarray:
         """Logits at every position of ``tokens``, from a fresh context, as one prefill."""
@@ -201,6 +226,21 @@ class Session:
     def chat(self, messages: list[dict], **kwargs):
         """Render ``messages`` with the model's chat template and generate the reply."""
         return self.generate(self.chat_ids(messages), **kwargs)
+
+
+def cache_dtype(name, what: str = "cache type"):
+    """A KV cache element type by name: one of CACHE_TYPES."""
+    from ggraph.ir import dtypes
+    if not isinstance(name, str) or name.lower() not in CACHE_TYPES:
+        raise ValueError(f"{what} must be one of {', '.join(CACHE_TYPES)}, got {name!r}")
+    return dtypes.from_name(name.lower())
+
+
+def cache_array(aval) -> np.ndarray:
+    """Zeroed storage for a cache of ``aval``: its numpy dtype, or uint8 block bytes (rows, row bytes)."""
+    if aval.dtype.np_dtype is not None:
+        return np.zeros(aval.shape, aval.dtype.np_dtype)
+    return np.zeros((aval.shape[0], aval.shape[1], aval.dtype.row_bytes(aval.shape[2])), np.uint8)
 
 
 def token_ids(tokens, n_vocab: int) -> np.ndarray:

@@ -6,6 +6,8 @@ its name; asking twice for the same kernel returns the existing one.
     qmatmul(module, wtype, K, N, target)          GGUF blocks x quantised activations
     fmatmul(module, wtype, K, N, target)          f32 / f16 / bf16 weights x f32
     get_rows(module, dtype, K, V, target, scale)  embedding gather + dequantisation
+    dequant_rows(module, dtype, K, target)        contiguous rows of any weight type -> f32
+    kv_store(module, dtype, n, target)            f32 rows -> f16 / bf16 / q8_0 / q4_0 cache rows
 
 Sizing: `act_bytes(act_format(wtype), T, K)` bytes of scratch for the activations.
 """
@@ -14,7 +16,8 @@ from ggraph.backends.llvm.kernels import fmatmul as _fmatmul
 from ggraph.backends.llvm.kernels import qmatmul as _qmatmul
 from ggraph.backends.llvm.kernels.act_quant import GROUP, ActLayout, act_bytes, act_quant
 from ggraph.backends.llvm.kernels.fmatmul import fmatmul, float_weight
-from ggraph.backends.llvm.kernels.get_rows import get_rows
+from ggraph.backends.llvm.kernels.get_rows import dequant_rows, get_rows
+from ggraph.backends.llvm.kernels.kv_rows import kv_store
 from ggraph.backends.llvm.kernels.isa import vector_path
 from ggraph.backends.llvm.kernels.qmatmul import FORMATS, act_format, qmatmul
 from ggraph.backends.llvm.target import Target
@@ -37,4 +40,4 @@ def describe(target: Target) -> dict[str, str]:
 
 
 __all__ = ["ActLayout", "FLOAT_TYPES", "GROUP", "QUANT_TYPES", "act_bytes", "act_format", "act_quant",
-           "describe", "float_weight", "fmatmul", "get_rows", "qmatmul"]
+           "dequant_rows", "describe", "float_weight", "fmatmul", "get_rows", "kv_store", "qmatmul"]

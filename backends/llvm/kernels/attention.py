@@ -1,19 +1,29 @@
-"""Causal attention with rope over a KV cache, as two kernels called in turn (the executor
+"""Causal attention with rope over a KV cache, as three kernels called in turn (the executor
 puts a barrier between them):
 
     rope_kv_store_<tag>_<target>(k, v, k_cache, v_cache, positions, [freq_factors], i64 T, i64 P, ith, nth)
         k_cache[P+t, g] = rope(k[t, g], positions[t]);  v_cache[P+t, g] = v[t, g]
-        threads split T*Hkv rows
-    attention_<tag>_<target>(q, k_cache, v_cache, positions, [freq_factors], out, i64 T, i64 P, ith, nth)
+        (converted or quantised to the cache types); threads split T*Hkv rows
+    attention_<tag>_<target>(q, k_cache, v_cache, positions, [freq_factors], partial, out, i64 T, i64 P, ith, nth)
         out[t, h] = sum_j softmax_j(s_j) v_cache[j, h // G],  over the keys j visible from P+t,
         s_j = softcap(scale * rope(q[t, h], positions[t]) · k_cache[j, h // G])
-        threads split T*H rows into contiguous shares with equal numbers of (query, key) pairs
+    attention_combine_<tag>_<target>(partial, out, i64 T, i64 P, ith, nth)
+        the partial results of a step whose keys were split, merged into out
 
-q f32[T,H,D], k f32[T,Hkv,D], v f32[T,Hkv,Dv], caches f32[C,Hkv,D|Dv], positions i32[T] (the
-rope angles; the model's are P..P+T-1), freq_factors f32[dims/2] (only when
-Rope.freq_factors), out f32[T,H,Dv]. As in rope_attention's numpy rule, the cache slot and
-the causal mask use P+t: key j is visible from query t iff j <= P+t and P+t - j < window.
-The caller guarantees P + T <= C.
+q f32[T,H,D], k f32[T,Hkv,D], v f32[T,Hkv,Dv], caches [C,Hkv,D|Dv] of f32, f16, bf16, q8_0 or
+q4_0 (kv_rows.py reads and writes their rows), positions i32[T] (the rope angles; the
+model's are P..P+T-1), freq_factors f32[dims/2] (only when Rope.freq_factors), out
+f32[T,H,Dv], partial scratch of partial_bytes(). As in rope_attention's numpy rule, the
+cache slot and the causal mask use P+t: key j is visible from query t iff j <= P+t and
+P+t - j < window. The caller guarantees P + T <= C.
+
+Threads split the work one of two ways, decided alike in B and C from T and nth. With at
+least as many (token, kv head) pairs as threads, B splits the T*H query rows into
+contiguous shares with equal numbers of (query, key) pairs, and C does nothing. With fewer
+(decode with one or two kv heads: a split by rows would leave threads idle or reading the
+same keys), B cuts every row's visible keys into one range per thread (flash-decoding):
+each thread stores, per row, the running max, the sum of exponentials and the unnormalised
+sum of values over its range, and C rescales and adds them.
 
 Rope angles are computed in the kernel, a vector of pairs at a time, and shared by the
 rows at one position: theta_i = pos * scale * base^(-2i/dims) (/ freq_factors[i]) in f64
@@ -21,12 +31,11 @@ and reduced by pi/2 in f64 (as the numpy rule; an f32 angle would be off by ~1e-
 position 30000), then cos and sin in f32, times mscale. The attention scale is folded
 into the roped query.
 
-The attention kernel takes the query heads that share a kv head (GQA) together, so each
-K and V row is read once for all of them, and walks the visible keys once in blocks of
-16 with an online softmax: per block the scores, their max m, p = exp(s - m), one
-rescale of the accumulators by exp(m_old - m), then p·V. A thread's share of (t, h) rows
-may cut a group; runs of 2^k heads cover any cut. The generic target gets a scalar twin:
-one query row at a time, one key at a time, libm exp.
+Kernel B takes the query heads that share a kv head (GQA) together, so each K and V row
+is read once for all of them, and walks the visible keys once in blocks of 16 with an
+online softmax: per block the scores, their max m, p = exp(s - m), one rescale of the
+accumulators by exp(m_old - m), then p·V. Threads' shares of rows are whole groups. The
+generic target gets a scalar twin: one query row at a time, one key at a time, libm exp.
 """
 from __future__ import annotations
 
@@ -41,11 +50,14 @@ from ggraph.backends.llvm.kernels import vmath
 from ggraph.backends.llvm.kernels.builder import Kernel, f32, f64, i32, i64, ptr, splat_const, vec, vec_const
 from ggraph.backends.llvm.kernels.elementwise import horizontal
 from ggraph.backends.llvm.kernels.isa import Isa, vector_path
+from ggraph.backends.llvm.kernels.kv_rows import KVRow, check_cache_type
 from ggraph.backends.llvm.target import Target
 from ggraph.ops import ROPE_STYLES, rope_inv_freq
 
 BLOCK = 16                       # keys per online-softmax step in the vector kernel
 ROW_COST = BLOCK                 # fixed cost of a query row (rope, a softmax block), in key units
+SPLIT_T = 4                      # key splitting (flash-decoding) serves steps of at most this many tokens
+SPLIT_MAX = 32                   # ... cut into at most this many key ranges, one per thread
 
 
 @dataclass(frozen=True)
@@ -81,8 +93,13 @@ class Attention:
     scale: float
     window: int | None = None
     softcap: float | None = None
+    k_type: str = "f32"          # the caches' element types (kv_rows.CACHE_TYPES)
+    v_type: str = "f32"
 
     def __post_init__(self):
+        for t, n in ((self.k_type, self.D), (self.v_type, self.Dv)):
+            if check_cache_type(t).block_size > 1 and n % 32:
+                raise ValueError(f"attention: a {t} cache needs a head dim that is a multiple of 32, not {n}")
         if min(self.H, self.Hkv, self.D, self.Dv) <= 0 or self.H % self.Hkv:
             raise ValueError(f"attention: {self.H} query heads must be a positive multiple of "
                              f"{self.Hkv} kv heads, and D={self.D}, Dv={self.Dv} positive")
@@ -101,7 +118,8 @@ def from_rope_attention(eqn) -> tuple[Attention, Rope]:
         if not isinstance(d, int):
             raise ValueError(f"rope_attention: {name} = {d} must be static for the llvm kernels")
     p = eqn.params
-    attn = Attention(H, Hkv, D, Dv, float(p["scale"]), p.get("window"), p.get("softcap"))
+    kt, vt = (a.aval.dtype.name for a in eqn.inputs[3:5])
+    attn = Attention(H, Hkv, D, Dv, float(p["scale"]), p.get("window"), p.get("softcap"), kt, vt)
     rope = Rope(int(p["dims"]), float(p["base"]), float(p["rope_scale"]), p["style"], float(p.get("mscale", 1.0)),
                 freq_factors=len(eqn.inputs) > 7)
     return attn, rope
@@ -115,37 +133,42 @@ def variant(target: Target) -> str:
             f"online softmax, in-kernel rope")
 
 
-def kernel_names(attn: Attention, rope: Rope | None, target: Target) -> tuple[str, str]:
-    """The two kernels' names: shapes, a hash of every parameter, the target."""
+def kernel_names(attn: Attention, rope: Rope | None, target: Target) -> tuple[str, str, str]:
+    """The three kernels' names: shapes, a hash of every parameter, the target."""
     h = hashlib.sha256(repr((attn, rope)).encode()).hexdigest()[:10]
     tag = f"h{attn.H}x{attn.Hkv}_d{attn.D}x{attn.Dv}_{h}"
-    return f"rope_kv_store_{tag}_{target.name}", f"attention_{tag}_{target.name}"
+    return (f"rope_kv_store_{tag}_{target.name}", f"attention_{tag}_{target.name}",
+            f"attention_combine_{tag}_{target.name}")
 
 
-def kernel_arg_names(rope: Rope | None) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """The names of kernel A's and kernel B's arguments before (ith, nth)."""
+def kernel_arg_names(rope: Rope | None) -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]:
+    """The names of kernel A's, B's and C's arguments before (ith, nth)."""
     ff = ("freq_factors",) if rope is not None and rope.freq_factors else ()
     return (("k", "v", "k_cache", "v_cache", "positions") + ff + ("T", "P"),
-            ("q", "k_cache", "v_cache", "positions") + ff + ("out", "T", "P"))
+            ("q", "k_cache", "v_cache", "positions") + ff + ("partial", "out", "T", "P"),
+            ("partial", "out", "T", "P"))
 
 
-def attention_unit(module: ir.Module, target: Target, attn: Attention, rope: Rope | None) -> tuple[str, str]:
-    """Emit both kernels into `module`; their names (the llvm backend's kernel-unit form)."""
+def partial_bytes(attn: Attention) -> int:
+    """Scratch for split-key partial results: SPLIT_MAX ranges x SPLIT_T*H rows x (max, sum, Dv sums)."""
+    return 4 * SPLIT_MAX * SPLIT_T * attn.H * (attn.Dv + 2)
+
+
+def attention_unit(module: ir.Module, target: Target, attn: Attention, rope: Rope | None) -> tuple[str, ...]:
+    """Emit the three kernels into `module`; their names (the llvm backend's kernel-unit form)."""
     return tuple(fn.name for fn, _ in attention_kernels(module, target, attn, rope))
 
 
 def attention_kernels(module: ir.Module, target: Target, attn: Attention,
                       rope: Rope | None) -> list[tuple[ir.Function, tuple[str, ...]]]:
-    """Emit (once) kernel A then kernel B; each with the names of its arguments before (ith, nth)."""
+    """Emit (once) kernels A, B and C; each with the names of its arguments before (ith, nth)."""
     if rope is not None and rope.dims > attn.D:
         raise ValueError(f"rope: rotary dims {rope.dims} exceed the head dim {attn.D}")
-    name_a, name_b = kernel_names(attn, rope, target)
-    args_a, args_b = kernel_arg_names(rope)
-    if not Kernel.exists(module, name_a):
-        _emit_store(module, target, attn, rope, name_a, args_a)
-    if not Kernel.exists(module, name_b):
-        _emit_attention(module, target, attn, rope, name_b, args_b)
-    return [(module.globals[name_a], args_a), (module.globals[name_b], args_b)]
+    names, args = kernel_names(attn, rope, target), kernel_arg_names(rope)
+    for emit, name, arg in zip((_emit_store, _emit_attention, _emit_combine), names, args):
+        if not Kernel.exists(module, name):
+            emit(module, target, attn, rope, name, arg)
+    return [(module.globals[name], arg) for name, arg in zip(names, args)]
 
 
 # ---------------------------------------------------------------------------------------
@@ -221,6 +244,8 @@ class _Rows:
         self.lanes = self.isa.vector_bytes // 4 if self.vector else 1
         self.freqs = _freq_table(k.module, name, rope) if rope is not None else None
         self.ff = k.arg.get("freq_factors")
+        self.keys = KVRow(k, self.isa, attn.k_type, attn.D)             # rows of the caches
+        self.values = KVRow(k, self.isa, attn.v_type, attn.Dv)
 
     def row(self, base, index, width: int):
         """Address of row `index` of `width` floats."""
@@ -300,15 +325,17 @@ def _emit_store(module, target: Target, attn: Attention, rope: Rope | None, name
     k = _kernel(module, name, args)
     rows = _Rows(k, target, attn, rope, name)
     b = k.b
+    scratch = _buffer(k, attn.D)
     start, end = k.thread_share(b.mul(k.arg["T"], k.i64(attn.Hkv)))
     with k.loop(start, end, name="row") as r:
         t = b.udiv(r, k.i64(attn.Hkv))
         slot = k.add(k.mul(k.add(k.arg["P"], t), attn.Hkv), b.urem(r, k.i64(attn.Hkv)))   # (P+t)*Hkv + g
-        rows.rope_rows([(rows.row(k.arg["k"], r, attn.D), rows.row(k.arg["k_cache"], slot, attn.D))],
-                       rows.position(t), None)
-        k.intrinsic("llvm.memcpy.p0.p0.i64", ir.VoidType(),
-                    [rows.row(k.arg["v_cache"], slot, attn.Dv), rows.row(k.arg["v"], r, attn.Dv),
-                     k.i64(4 * attn.Dv), ir.Constant(ir.IntType(1), 0)])
+        key = rows.keys.at(k.arg["k_cache"], slot)
+        roped = key if attn.k_type == "f32" else scratch                  # other types: rope, then convert
+        rows.rope_rows([(rows.row(k.arg["k"], r, attn.D), roped)], rows.position(t), None)
+        if roped is not key:
+            rows.keys.store(roped, key)
+        rows.values.store(rows.row(k.arg["v"], r, attn.Dv), rows.values.at(k.arg["v_cache"], slot))
     k.finish()
 
 
@@ -319,8 +346,47 @@ def _emit_store(module, target: Target, attn: Attention, rope: Rope | None, name
 def _emit_attention(module, target: Target, attn: Attention, rope: Rope | None, name: str, args) -> None:
     k = _kernel(module, name, args)
     rows = _Rows(k, target, attn, rope, name)
-    (_attention_grouped if rows.vector else _attention_rows)(rows)
+    walk = _attention_grouped if rows.vector else _attention_rows
+    b = k.b
+    with b.if_else(_splitting(rows)) as (split, whole):
+        with split:                                     # every row, this thread's range of keys
+            part = b.sext(k.arg["ith"], i64)
+            with k.if_then(b.icmp_signed("<", part, _n_parts(rows))):
+                walk(rows, (k.i64(0), b.mul(k.arg["T"], k.i64(attn.H))), part)
+        with whole:                                     # this thread's rows, all their keys
+            walk(rows, _balanced_share(rows), None)
     k.finish()
+
+
+def _splitting(rows: _Rows) -> ir.Value:
+    """Whether this step splits keys across threads: fewer (token, kv head) pairs than threads, so
+    a split by rows would leave threads idle or reading the same keys (decode with one or two kv
+    heads). Kernels B and C decide alike."""
+    k, b = rows.k, rows.b
+    T = k.arg["T"]
+    few = b.icmp_signed("<", b.mul(T, k.i64(rows.attn.Hkv)), b.sext(k.arg["nth"], i64))
+    return b.and_(few, b.icmp_signed("<=", T, k.i64(SPLIT_T)))
+
+
+def _n_parts(rows: _Rows) -> ir.Value:
+    """Key ranges of a split step: one per thread, at most SPLIT_MAX."""
+    k, b = rows.k, rows.b
+    nth = b.sext(k.arg["nth"], i64)
+    return b.select(b.icmp_signed("<", nth, k.i64(SPLIT_MAX)), nth, k.i64(SPLIT_MAX))
+
+
+def _part_range(rows: _Rows, lo, hi, part) -> tuple[ir.Value, ir.Value]:
+    """Range ``part`` of the n_parts equal cuts of keys [lo, hi)."""
+    k, b = rows.k, rows.b
+    n, length = _n_parts(rows), b.sub(hi, lo)
+    return (k.add(lo, b.sdiv(k.mul(length, part), n)), k.add(lo, b.sdiv(k.mul(length, k.add(part, 1)), n)))
+
+
+def _partial_row(rows: _Rows, part, r):
+    """Where query row r's partial result of key range ``part`` lives: f32 {max, sum, acc[Dv]}."""
+    k, attn = rows.k, rows.attn
+    slot = k.add(k.mul(part, SPLIT_T * attn.H), r)
+    return k.addr(k.arg["partial"], k.mul(slot, 4 * (attn.Dv + 2)))
 
 
 def _key_range(rows: _Rows, p) -> tuple[ir.Value, ir.Value]:
@@ -357,15 +423,18 @@ def _work_before(rows: _Rows, r) -> ir.Value:
 def _balanced_share(rows: _Rows) -> tuple[ir.Value, ir.Value]:
     """This thread's [start, end) of the T*H query rows, cut so that every thread gets about
     the same number of visible (query, key) pairs (a contiguous split would give the thread
-    holding the last tokens most of the causal triangle). Boundaries come from a binary
-    search on `_work_before`, the same function for every thread, so shares tie up exactly."""
+    holding the last tokens most of the causal triangle). Cuts fall between groups of the G
+    heads that share a kv head, so every row is computed the same way whatever the thread
+    count. Boundaries come from a binary search on `_work_before`, the same function for
+    every thread, so shares tie up exactly."""
     k, b = rows.k, rows.b
-    n = b.mul(k.arg["T"], k.i64(rows.attn.H))
-    total = _work_before(rows, n)
+    G = rows.attn.H // rows.attn.Hkv
+    n = b.mul(k.arg["T"], k.i64(rows.attn.Hkv))                       # groups
+    total = _work_before(rows, k.mul(n, G))
     ith, nth = b.sext(k.arg["ith"], i64), b.sext(k.arg["nth"], i64)
 
     def boundary(i):
-        goal = b.sdiv(k.mul(total, i), nth)                           # first row whose prefix reaches it
+        goal = b.sdiv(k.mul(total, i), nth)                           # first group whose prefix reaches it
         lo, hi = k.var(i64, k.i64(0)), k.var(i64, n)
         head, body, done = (k.fn.append_basic_block(f"split.{x}") for x in ("head", "body", "done"))
         b.branch(head)
@@ -373,7 +442,7 @@ def _balanced_share(rows: _Rows) -> tuple[ir.Value, ir.Value]:
         b.cbranch(b.icmp_signed("<", lo.get(), hi.get()), body, done)
         b.position_at_end(body)
         mid = b.sdiv(k.add(lo.get(), hi.get()), k.i64(2))
-        reached = b.icmp_signed(">=", _work_before(rows, mid), goal)
+        reached = b.icmp_signed(">=", _work_before(rows, k.mul(mid, G)), goal)
         hi.set(b.select(reached, mid, hi.get()))
         lo.set(b.select(reached, lo.get(), k.add(mid, 1)))
         b.branch(head)
@@ -381,7 +450,7 @@ def _balanced_share(rows: _Rows) -> tuple[ir.Value, ir.Value]:
         return lo.get()
     start = boundary(ith)
     end = b.select(b.icmp_signed("==", k.add(ith, 1), nth), n, boundary(k.add(ith, 1)))
-    return start, end
+    return k.mul(start, G), k.mul(end, G)
 
 
 def _softcap(rows: _Rows, s: ir.Value) -> ir.Value:
@@ -394,49 +463,22 @@ def _softcap(rows: _Rows, s: ir.Value) -> ir.Value:
     return b.fmul(th, vmath.const(s, c))
 
 
-def _run_sizes(G: int) -> list[int]:
-    """Query heads processed together: G, then the powers of two below it (any run is a sum of them)."""
-    return sorted({G} | {1 << i for i in range(G.bit_length()) if (1 << i) < G}, reverse=True)
-
-
-def _attention_grouped(rows: _Rows) -> None:
-    """Runs of query rows (t, h) that share a kv head walk the keys together, so K and V rows
-    are read once per run. A thread's share of rows is cut into runs of the sizes in
-    `_run_sizes`, each size with its own code."""
-    k, b, attn = rows.k, rows.b, rows.attn
+def _attention_grouped(rows: _Rows, share, part) -> None:
+    """The G query rows (t, h) that share a kv head walk the keys together, so K and V rows are
+    read once for all of them; ``share`` is whole groups. With ``part``, only that range of
+    each row's keys is walked and the partial result is stored for kernel C."""
+    k, attn = rows.k, rows.attn
     G = attn.H // attn.Hkv
     bufs = {"q": _buffer(k, G * attn.D), "s": _buffer(k, G * BLOCK), "p": _buffer(k, G * BLOCK),
             "acc": _buffer(k, G * attn.Dv)}
-    start, end = _balanced_share(rows)
-    r_var = k.var(i64, start)
-    head, body, done = (k.fn.append_basic_block(f"run.{x}") for x in ("head", "body", "done"))
-    b.branch(head)
-    b.position_at_end(head)
-    b.cbranch(b.icmp_signed("<", r_var.get(), end), body, done)
-    b.position_at_end(body)
-    r = r_var.get()
-    run_end = k.mul(k.add(b.udiv(r, k.i64(G)), 1), G)                 # rows r..run_end share (t, kv head)
-    left = b.sub(b.select(b.icmp_signed("<", run_end, end), run_end, end), r)
-
-    def chain(sizes):
-        n = sizes[0]
-        if len(sizes) == 1:
-            _run(rows, bufs, r, n)
-            r_var.set(k.add(r, n))
-            return
-        with b.if_else(b.icmp_signed(">=", left, k.i64(n))) as (then, other):
-            with then:
-                _run(rows, bufs, r, n)
-                r_var.set(k.add(r, n))
-            with other:
-                chain(sizes[1:])
-    chain(_run_sizes(G))
-    b.branch(head)
-    b.position_at_end(done)
+    start, end = share
+    with k.loop(start, end, step=G, name="group") as r:
+        _run(rows, bufs, r, G, part)
 
 
-def _run(rows: _Rows, bufs: dict, r, n: int) -> None:
-    """Query rows r..r+n-1 (one token, one kv head): rope, then the keys in blocks of BLOCK."""
+def _run(rows: _Rows, bufs: dict, r, n: int, part) -> None:
+    """Query rows r..r+n-1 (one token, one kv head): rope, then the keys in blocks of BLOCK
+    (with ``part``: that range of them, the unnormalised result stored as a partial)."""
     k, b, isa, attn = rows.k, rows.b, rows.isa, rows.attn
     t, g = b.udiv(r, k.i64(attn.H)), b.udiv(b.urem(r, k.i64(attn.H)), k.i64(attn.H // attn.Hkv))
     p = k.add(k.arg["P"], t)
@@ -445,6 +487,8 @@ def _run(rows: _Rows, bufs: dict, r, n: int) -> None:
     rows.rope_rows([(rows.row(k.arg["q"], k.add(r, i), attn.D), qrow(i)) for i in range(n)],
                    rows.position(t), attn.scale)
     lo, hi = _key_range(rows, p)
+    if part is not None:
+        lo, hi = _part_range(rows, lo, hi, part)
 
     def zero(off, widths):
         o = 0
@@ -477,6 +521,15 @@ def _run(rows: _Rows, bufs: dict, r, n: int) -> None:
             k.store(pv, bufs["p"], 4 * i * BLOCK)
         _values(rows, bufs, arow, n, j0, nk, g, corr)
 
+    if part is not None:
+        for i in range(n):
+            dst = _partial_row(rows, part, k.add(r, i))
+            k.store(m[i].get(), dst)
+            k.store(total[i].get(), dst, 4)
+            k.intrinsic("llvm.memcpy.p0.p0.i64", ir.VoidType(),
+                        [k.addr(dst, 8), arow(i), k.i64(4 * attn.Dv), ir.Constant(ir.IntType(1), 0)])
+        return
+
     def finish(off, widths):
         o = 0
         for w in widths:
@@ -492,7 +545,7 @@ def _run(rows: _Rows, bufs: dict, r, n: int) -> None:
 def _scores(rows: _Rows, bufs: dict, qrow, n: int, j, g, jj) -> None:
     """scores[i][jj] = q_i · k_j for the n queries: each chunk of the K row is loaded once."""
     k, b, isa, attn, lanes = rows.k, rows.b, rows.isa, rows.attn, rows.lanes
-    krow = rows.row(k.arg["k_cache"], k.add(k.mul(j, attn.Hkv), g), attn.D)
+    krow = rows.keys.at(k.arg["k_cache"], k.add(k.mul(j, attn.Hkv), g))
     split = max(1, 4 // n)                                              # independent sums per query
     acc = [[k.var(vec(f32, lanes), _zeros(lanes)) for _ in range(split)] for _ in range(n)]
     tail = [k.var(f32, 0.0) for _ in range(n)]
@@ -501,7 +554,7 @@ def _scores(rows: _Rows, bufs: dict, qrow, n: int, j, g, jj) -> None:
         o = 0
         for u, w in enumerate(widths):
             at = k.mul(k.add(off, o), 4)
-            kv = k.load(_typ(w), krow, at)
+            kv = rows.keys.load(krow, k.add(off, o), w)
             for i in range(n):
                 prod = (kv, k.load(_typ(w), qrow(i), at))
                 if w == lanes:
@@ -528,8 +581,8 @@ def _values(rows: _Rows, bufs: dict, arow, n: int, j0, nk, g, corr: list) -> Non
         accs = [[k.var(_typ(w), k.b.fmul(k.load(_typ(w), arow(i), at), _splat(k, corr[i], w)))
                  for w, at in zip(widths, ats)] for i in range(n)]
         with k.loop(0, nk, name="val") as jj:
-            vrow = rows.row(k.arg["v_cache"], k.add(k.mul(k.add(j0, jj), attn.Hkv), g), attn.Dv)
-            vs = [k.load(_typ(w), vrow, at) for w, at in zip(widths, ats)]
+            vrow = rows.values.at(k.arg["v_cache"], k.add(k.mul(k.add(j0, jj), attn.Hkv), g))
+            vs = [rows.values.load(vrow, k.add(off, sum(widths[:c])), w) for c, w in enumerate(widths)]
             for i in range(n):
                 pij = k.load(f32, bufs["p"], k.mul(k.add(jj, i * BLOCK), 4))
                 for a, v, w in zip(accs[i], vs, widths):
@@ -540,21 +593,25 @@ def _values(rows: _Rows, bufs: dict, arow, n: int, j0, nk, g, corr: list) -> Non
     _chunked(k, attn.Dv, lanes, per, group, "vg")
 
 
-def _attention_rows(rows: _Rows) -> None:
-    """The scalar twin: one query row (t, h) at a time."""
+def _attention_rows(rows: _Rows, share, part) -> None:
+    """The scalar twin: one query row (t, h) at a time (with ``part``, that range of its keys)."""
     k, b, attn = rows.k, rows.b, rows.attn
     q = _buffer(k, attn.D)                                            # this row's roped, scaled query
-    start, end = _balanced_share(rows)
+    start, end = share
     with k.loop(start, end, name="row") as r:
         t, h = b.udiv(r, k.i64(attn.H)), b.urem(r, k.i64(attn.H))
         p = k.add(k.arg["P"], t)
         rows.rope_rows([(rows.row(k.arg["q"], r, attn.D), q)], rows.position(t), attn.scale)
         lo, hi = _key_range(rows, p)
-        _keys_scalar(rows, q, b.udiv(h, k.i64(attn.H // attn.Hkv)), lo, hi, rows.row(k.arg["out"], r, attn.Dv))
+        if part is not None:
+            lo, hi = _part_range(rows, lo, hi, part)
+        out = rows.row(k.arg["out"], r, attn.Dv) if part is None else _partial_row(rows, part, r)
+        _keys_scalar(rows, q, b.udiv(h, k.i64(attn.H // attn.Hkv)), lo, hi, out, part is not None)
 
 
-def _keys_scalar(rows: _Rows, q, g, lo, hi, out) -> None:
-    """One key at a time: score, running max and sum, rescale the accumulator (the spec)."""
+def _keys_scalar(rows: _Rows, q, g, lo, hi, out, partial: bool) -> None:
+    """One key at a time: score, running max and sum, rescale the accumulator (the spec). A
+    partial result is stored unnormalised after its max and sum."""
     k, b, isa, attn = rows.k, rows.b, rows.isa, rows.attn
     acc = _buffer(k, attn.Dv)
     with k.loop(0, attn.Dv, name="zero") as d:
@@ -562,19 +619,65 @@ def _keys_scalar(rows: _Rows, q, g, lo, hi, out) -> None:
     m = k.var(f32, -math.inf)
     total = k.var(f32, 0.0)
     with k.loop(lo, hi, name="key") as j:
-        krow = rows.row(k.arg["k_cache"], k.add(k.mul(j, attn.Hkv), g), attn.D)
+        krow = rows.keys.at(k.arg["k_cache"], k.add(k.mul(j, attn.Hkv), g))
         dot = k.var(f32, 0.0)
         with k.loop(0, attn.D, name="d") as d:
-            dot.set(isa.fma(k.load(f32, q, k.mul(d, 4)), k.load(f32, krow, k.mul(d, 4)), dot.get()))
+            dot.set(isa.fma(k.load(f32, q, k.mul(d, 4)), rows.keys.load(krow, d, 1), dot.get()))
         s = _softcap(rows, dot.get())
         m_new = isa.maxnum(m.get(), s)
         corr = vmath.libm(isa, "exp", b.fsub(m.get(), m_new))
         p = vmath.libm(isa, "exp", b.fsub(s, m_new))
         total.set(isa.fma(total.get(), corr, p))
         m.set(m_new)
-        vrow = rows.row(k.arg["v_cache"], k.add(k.mul(j, attn.Hkv), g), attn.Dv)
+        vrow = rows.values.at(k.arg["v_cache"], k.add(k.mul(j, attn.Hkv), g))
         with k.loop(0, attn.Dv, name="dv") as d:
             a = k.load(f32, acc, k.mul(d, 4))
-            k.store(isa.fma(p, k.load(f32, vrow, k.mul(d, 4)), b.fmul(a, corr)), acc, k.mul(d, 4))
+            k.store(isa.fma(p, rows.values.load(vrow, d, 1), b.fmul(a, corr)), acc, k.mul(d, 4))
+    if partial:
+        k.store(m.get(), out)
+        k.store(total.get(), out, 4)
+        with k.loop(0, attn.Dv, name="out") as d:
+            k.store(k.load(f32, acc, k.mul(d, 4)), out, k.add(k.mul(d, 4), 8))
+        return
     with k.loop(0, attn.Dv, name="out") as d:
         k.store(b.fdiv(k.load(f32, acc, k.mul(d, 4)), total.get()), out, k.mul(d, 4))
+
+
+# ---------------------------------------------------------------------------------------
+# kernel C: combine the partial results of a split step
+# ---------------------------------------------------------------------------------------
+
+def _emit_combine(module, target: Target, attn: Attention, rope: Rope | None, name: str, args) -> None:
+    """out[r] = sum_i e^(m_i - M) acc_i / sum_i e^(m_i - M) l_i over the key ranges i of row r
+    (M the largest m_i); nothing when the step did not split. Threads split rows."""
+    k = _kernel(module, name, args)
+    rows = _Rows(k, target, attn, None, name)
+    b, isa, lanes = k.b, rows.isa, rows.lanes
+    with k.if_then(_splitting(rows)):
+        n = _n_parts(rows)
+        start, end = k.thread_share(b.mul(k.arg["T"], k.i64(attn.H)))
+        with k.loop(start, end, name="row") as r:
+            top = k.var(f32, -math.inf)
+            with k.loop(0, n, name="max") as i:
+                top.set(isa.maxnum(top.get(), k.load(f32, _partial_row(rows, i, r))))
+            total = k.var(f32, 0.0)
+            with k.loop(0, n, name="sum") as i:
+                src = _partial_row(rows, i, r)
+                w = vmath.libm(isa, "exp", b.fsub(k.load(f32, src), top.get()))
+                total.set(isa.fma(w, k.load(f32, src, 4), total.get()))
+            out = rows.row(k.arg["out"], r, attn.Dv)
+            inv = b.fdiv(ir.Constant(f32, 1.0), total.get())
+
+            def mix(off, widths):
+                o = 0
+                for wd in widths:
+                    at = k.mul(k.add(off, o), 4)
+                    acc = k.var(_typ(wd), _zeros(wd))
+                    with k.loop(0, n, name="part") as i:
+                        src = _partial_row(rows, i, r)
+                        w = vmath.libm(isa, "exp", b.fsub(k.load(f32, src), top.get()))
+                        acc.set(isa.fma(_splat(k, b.fmul(w, inv), wd), k.load(_typ(wd), k.addr(src, 8), at), acc.get()))
+                    k.store(acc.get(), out, at)
+                    o += wd
+            _chunked(k, attn.Dv, lanes, 1, mix, "dv")
+    k.finish()

@@ -1,4 +1,5 @@
-"""Embedding gather with dequantisation: out[t] = table[ids[t]] * scale.
+"""Embedding gather with dequantisation: out[t] = table[ids[t]] * scale; and plain dequantisation
+of contiguous rows (dequant_rows).
 
     get_rows_<dtype>_k<K>_v<V>_<target>(table: ptr u8 [V, row_bytes], ids: ptr i32 [T],
                                         out: ptr f32 [T, K], status: ptr i64 [2], T, ith, nth)
@@ -49,6 +50,24 @@ def get_rows(module: ir.Module, dtype, K: int, V: int, target: Target, scale: fl
                 k.store(row_id, k.arg["status"], 8)
                 with k.loop(0, K, name="zero") as i:
                     k.store(ir.Constant(f32, 0.0), out, k.mul(i, 4))
+    return k.finish()
+
+
+def dequant_rows(module: ir.Module, dtype, K: int, target: Target) -> str:
+    """Emit (once) out[r] = dequant(src[r]) for T contiguous rows of K values; returns the kernel name."""
+    dt = dtypes.from_name(dtype)
+    if dt not in FORMATS and dt not in FLOAT_LOADERS:
+        raise ValueError(f"dequant: no kernel for type {dt.name}")
+    name = f"dequant_rows_{dt.name}_k{K}_{target.name}"
+    if Kernel.exists(module, name):
+        return name
+    k = Kernel(module, name, ("src", "out"))
+    isa = Isa(k, target)
+    start, end = k.thread_share(k.arg["T"])
+    with k.loop(start, end, name="r") as r:
+        emit = _quant_row if dt in FORMATS else _float_row
+        emit(k, isa, dt, K, k.addr(k.arg["src"], k.mul(r, dt.row_bytes(K))), k.addr(k.arg["out"], k.mul(r, 4 * K)),
+             None, vector_path(target))
     return k.finish()
 
 
