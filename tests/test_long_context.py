@@ -1,12 +1,12 @@
 """Long contexts against llama.cpp: logits at positions up to the trained length (32k), sliding
 windows far behind the query, rope at large angles, and the reference backend at depth.
 
-Each case fills one context with random tokens. llama.cpp prefills them in ubatches of 512 and keeps
-only the compared positions' logits (``oracle.llama_logits_at``: 32k positions x 32k tokens of
-logits would be 4 GiB). ggraph prefills the same tokens in its own ubatches, returning the last
-position's logits after each spread-out position, then runs the tail as one all-positions step and
-its last few tokens as one-token decode steps. Both keep f32 KV caches, so the comparison is exact
-up to rounding.
+Each case fills one context with random tokens. llama.cpp prefills them in ubatches of 512, with its
+small sliding-window cache, and keeps only the compared positions' logits (``oracle.llama_logits_at``:
+32k positions x 32k tokens of logits would be 4 GiB). ggraph prefills the same tokens in its own
+ubatches into full-size caches: the last position's logits after each spread-out position, then the
+tail as one all-positions step and its last few tokens as one-token decode steps. Both keep f32 KV
+caches, so the comparison is exact up to rounding (the last test: f16 caches on both sides).
 
 Attention costs heads x T^2, so the models are narrow (one or two query heads of 32, one or six
 layers): a 32k prefill then takes llama.cpp 10-20 s on 2 cores, ggraph a few seconds.
@@ -58,10 +58,10 @@ def positions(n: int) -> list[int]:
     return [p for p in SPREAD if p < n - TAIL] + list(range(n - TAIL, n))
 
 
-def ggraph_logits(path, n: int, backend: str = "llvm", ubatch: int = 512) -> np.ndarray:
-    """ggraph's logits at ``positions(n)`` of one pass over ``tokens(n)``, with f32 KV caches."""
+def ggraph_logits(path, n: int, backend: str = "llvm", ubatch: int = 512, cache: str = "f32") -> np.ndarray:
+    """ggraph's logits at ``positions(n)`` of one pass over ``tokens(n)``, with ``cache`` K and V caches."""
     ids = tokens(n)
-    s = Session(path, backend=backend, threads=2, ctx=n, cache_type_k="f32", cache_type_v="f32", ubatch=ubatch)
+    s = Session(path, backend=backend, threads=2, ctx=n, cache_type_k=cache, cache_type_v=cache, ubatch=ubatch)
     rows = [s.step(ids[s.n_past:p + 1]) for p in positions(n)[:-TAIL]]    # prefill through p: its last row
     s.step(ids[s.n_past:n - TAIL])
     rows.append(s.step(ids[n - TAIL:n - DECODE], last_only=False))
@@ -107,3 +107,17 @@ def test_native_matches_the_reference_backend_at_depth():
     path = zoo.cached_model("gemma3", "f32", **GEMMA3)
     cos, top1 = agreement(ggraph_logits(path, 4096, ubatch=300), ggraph_logits(path, 4096, backend="numpy"))
     assert cos > 0.99999 and top1 == 1.0, f"llvm against numpy at 4k: min cosine {cos:.7f}, top-1 {top1:.3f}"
+
+
+def test_f16_caches_round_as_llama_cpp_does_at_32k():
+    """ggraph's default f16 K and V caches against llama.cpp's f16 caches (flash attention, whose CPU kernel
+    reads f16 rows as ggraph's does) at 32k: closer to them than to llama.cpp's f32 run, so the rounding
+    is the same one, and not just small."""
+    arch, over, n = LONG["qwen2.5-32k"]
+    path = zoo.cached_model(arch, "f32", **over)
+    got = ggraph_logits(path, n, cache="f16")
+    want = oracle.llama_logits_at(path, tokens(n), positions(n), n_ctx=n, cache=("f16", "f16"), flash_attn=True)
+    check("qwen2.5-32k", got, want)
+    rms = {ref: float(np.sqrt(((got - logits) ** 2).mean())) for ref, logits in
+           (("f16", want), ("f32", llama_cpp_logits("qwen2.5-32k")))}
+    assert rms["f16"] < rms["f32"] / 2, f"RMS logit difference to llama.cpp's f16 and f32 runs: {rms}"
