@@ -8,12 +8,14 @@ the kernel(s) ``emitter(module, *args)`` emits. Its key hashes the emitter, its 
 (graphs by their signature), the target and the source of the code that emits kernels, so
 a unit seen before is read from the cache without building any IR; a new one is built into
 a module of its own. A ``Compiler`` turns new units into object code while lowering goes on,
-in worker processes when there are many, with a progress bar once it takes a second, and
-``link`` loads the objects of a program together. The cache lives in $GGRAPH_CACHE, else
+in worker processes (one per core when there are many, else one this process keeps), with a
+progress bar once it takes a second, and ``link`` loads the objects of a program together: a
+process that runs programs never has LLVM's optimiser or code generator resident. The cache lives in $GGRAPH_CACHE, else
 ~/.cache/ggraph.
 """
 from __future__ import annotations
 
+import atexit
 import ctypes
 import dataclasses
 import functools
@@ -174,9 +176,9 @@ def cached_unit(key: str) -> Unit | None:
 
 
 class Compiler:
-    """Turns new kernel units into object code (and caches them): in this process when there are a
-    few, in one worker process per core once ``PARALLEL_MIN`` are waiting, so that LLVM compiles
-    while Python goes on lowering. ``finish`` waits for all of them, with a progress bar once it
+    """Turns new kernel units into object code (and caches them): in the compile worker this process
+    keeps when there are a few, in one worker process per core once ``PARALLEL_MIN`` are waiting, so
+    that LLVM compiles while Python goes on lowering. ``finish`` waits for all of them, with a progress bar once it
     has taken a second.
 
         with Compiler(target) as c:
@@ -211,7 +213,7 @@ class Compiler:
         with Progress(len(self.units), self.label, unit=" kernels", stream=sys.stderr, delay=1.0, start=start) as bar:
             if self.workers is None:
                 for i in self.pending:
-                    _finish(self.units[i], emit_object(self.units[i].text, self.target))
+                    _finish(self.units[i], emit_object_elsewhere(self.units[i].text, self.target))
                     bar.advance()
             else:
                 for _ in range(sum(w.sent for w in self.workers)):
@@ -279,6 +281,46 @@ class _Worker:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
+
+
+_kept: dict[tuple, tuple["_Worker", queue.Queue]] = {}      # target -> the compile worker kept for it
+_kept_lock = threading.Lock()
+_kept_timer: list[threading.Timer] = []
+KEPT_IDLE_S = 5.0                  # a kept compile worker exits once it has been idle this long
+
+
+def emit_object_elsewhere(text: str, target: Target) -> bytes:
+    """``emit_object(text, target)`` in a compile worker that this process keeps (one per target, until
+    it has been idle for ``KEPT_IDLE_S``), so that LLVM's optimiser and code generator never become
+    resident here: a process that runs programs maps only the JIT linker's part of LLVM. A function
+    marked ``optnone`` is compiled as at O0."""
+    key = (target.name, target.cpu, target.features)
+    with _kept_lock:
+        for timer in _kept_timer:
+            timer.cancel()
+        _kept_timer.clear()
+        if key not in _kept or _kept[key][0].proc.poll() is not None:
+            if not _kept:
+                atexit.register(_close_kept)
+            results: queue.Queue = queue.Queue()
+            _kept[key] = (_Worker(target, len(_kept), results), results)
+        worker, results = _kept[key]
+        worker.send(0, Unit("", (), text=text))
+        index, result = results.get()
+        timer = threading.Timer(KEPT_IDLE_S, _close_kept)
+        timer.daemon = True
+        timer.start()
+        _kept_timer.append(timer)
+    if index is None or isinstance(result, str):
+        raise RuntimeError(f"llvm backend: {'the compile worker died' if index is None else 'compiling'}: {result}")
+    return result
+
+
+def _close_kept() -> None:
+    with _kept_lock:
+        for worker, _ in _kept.values():
+            worker.close()
+        _kept.clear()
 
 
 def _finish(u: Unit, obj: bytes) -> None:

@@ -14,6 +14,7 @@ in this process is reused as it is.
 """
 from __future__ import annotations
 
+import ctypes
 import functools
 import hashlib
 import os
@@ -25,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from ggraph.backends.llvm import cache, jit
-from ggraph.backends.llvm.codegen import PROGRAM_SPEED_LEVEL, Call, ProgramSpec, barriers_needed, lower
+from ggraph.backends.llvm.codegen import Call, ProgramSpec, barriers_needed, lower
 from ggraph.backends.llvm.lowering import Ref
 from ggraph.backends.llvm.target import host_target
 from ggraph.backends.llvm.team import PROGRAM_ARGS, Team, check_threads
@@ -72,7 +73,21 @@ def _build(graph, target, profile: bool) -> tuple[dict, list]:
         with Progress(len(graph.eqns), "lowering", unit=" ops", stream=sys.stderr, delay=1.0) as bar:
             spec = lower(graph, target, profile, compiler, bar)
         compiler.finish(start=t0)
-    return _spec_state(spec, graph, jit.emit_object(str(spec.module), target, PROGRAM_SPEED_LEVEL)), spec.units
+    fn = spec.module.globals[spec.name]
+    fn.attributes.add("noinline")                  # a list of calls: nothing to optimise, and unoptimised
+    fn.attributes.add("optnone")                   # code generation takes a blink
+    obj = jit.emit_object_elsewhere(str(spec.module), target)
+    _release_freed_heap()
+    return _spec_state(spec, graph, obj), spec.units
+
+
+def _release_freed_heap() -> None:
+    """Hand the heap that lowering freed back to the system (glibc keeps it otherwise), so that it
+    is not resident for the life of the process."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):              # not glibc
+        pass
 
 
 def _load(path: Path):
