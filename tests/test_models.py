@@ -146,6 +146,15 @@ def test_context_overflow_is_a_clear_error():
     assert (s.stats["stop"], s.stats["generated_tokens"]) == ("context", 3)
 
 
+def test_a_context_beyond_the_trained_length_warns(capsys):
+    path = zoo.cached_model("llama", "f32")                       # trained on 4096 tokens
+    Session(path, backend="numpy", ctx=4096)
+    assert "warning" not in capsys.readouterr().err
+    Session(path, backend="numpy", ctx=4097)
+    assert "ctx 4097 is beyond the 4096 tokens this model was trained on (llama.context_length)" in \
+        capsys.readouterr().err
+
+
 def test_sampling_is_seeded_and_stops():
     s = Session(zoo.cached_model("llama", "f32"), backend="numpy", ctx=64)
     a = s.generate(prompt_ids(5), max_tokens=8, temperature=0.9, seed=3)
