@@ -1,7 +1,6 @@
 """``ggraph bench --memory``: planned bytes (weights, KV cache, activations) beside measured RSS, and its plot."""
 import json
 
-import numpy as np
 import pytest
 
 import zoo
@@ -21,7 +20,8 @@ def model():
 
 
 def kv_bytes(model, ctx, cache_type):
-    return Session(model, backend="numpy", ctx=ctx, cache_type_k=cache_type, cache_type_v=cache_type).memory()["kv_cache"]
+    s = Session(model, backend="numpy", ctx=ctx, cache_type_k=cache_type, cache_type_v=cache_type)
+    return s.memory()["kv_cache"]
 
 
 def test_kv_cache_is_linear_in_ctx_and_its_bytes_per_value_follow_the_type(model):

@@ -20,6 +20,7 @@ import numpy as np
 from ggraph.ir.fused import qmatmul_p
 
 GGML_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q8_0": 8, "bf16": 30}     # llama.cpp's ids of the cache types
+LLAMA_NEEDS_FA = ("q8_0", "q4_0")          # V cache types llama.cpp runs only with flash attention
 LLAMA_UBATCH = 512                         # llama.cpp's default n_ubatch, as ggraph's ubatch
 LLAMA_BATCH = 2048                         # llama.cpp's default n_batch
 
@@ -175,8 +176,8 @@ def bench_ggraph(path, pp: int = 64, tg: int = 32, threads: int = 1, backend: st
                  passes="default", repeats: int = 3, ctx: int | None = None, disabled=(), max_memory=None,
                  depth: int = 0, cache_type_k: str = "f16", cache_type_v: str = "f16") -> Result:
     """Best-of-``repeats`` prefill and decode speed of a ggraph Session at ``depth``."""
-    runner = GGraphRunner(path, threads, ctx or context_needed(depth, pp, tg), backend, passes, cache_type_k, cache_type_v,
-                          disabled, max_memory)
+    ctx = ctx or context_needed(depth, pp, tg)
+    runner = GGraphRunner(path, threads, ctx, backend, passes, cache_type_k, cache_type_v, disabled, max_memory)
     try:
         return bench_side_by_side([runner], pp, tg, depth, repeats)[0]
     finally:
@@ -187,7 +188,8 @@ def bench_llama_cpp(path, pp: int = 64, tg: int = 32, threads: int = 1, repeats:
                     depth: int = 0, cache_type_k: str = "f16", cache_type_v: str = "f16",
                     flash_attn: bool = True) -> Result:
     """The same measurement through llama-cpp-python (raises ImportError when it is missing)."""
-    runner = LlamaCppRunner(path, threads, ctx or context_needed(depth, pp, tg), cache_type_k, cache_type_v, flash_attn)
+    ctx = ctx or context_needed(depth, pp, tg)
+    runner = LlamaCppRunner(path, threads, ctx, cache_type_k, cache_type_v, flash_attn)
     try:
         return bench_side_by_side([runner], pp, tg, depth, repeats)[0]
     finally:

@@ -22,7 +22,6 @@ import sys
 
 DECODE_STEPS = 4                     # decode steps after the fill (the fill leaves room for them)
 MIB = 1 << 20
-QUANTISED = ("q8_0", "q4_0")         # cache types llama.cpp's V cache takes only with flash attention
 
 
 def resident() -> dict[str, int]:
@@ -113,12 +112,13 @@ def measure_point(engine: str, path, ctx: int, cache_k: str = "f16", cache_v: st
 def memory_points(ctxs, cache_types, llama_cpp: bool = False, flash_attn=(True,)) -> list[tuple]:
     """(engine, ctx, K type, V type, flash attention) of every point: ggraph's, then llama.cpp's per flash
     attention setting (only on for a quantised V cache, which llama.cpp cannot run without it)."""
+    from ggraph.bench.measure import LLAMA_NEEDS_FA
     points = []
     for k, v in cache_types:
         for ctx in ctxs:
             points.append(("ggraph", ctx, k, v, True))
             points += [("llama.cpp", ctx, k, v, fa) for fa in (flash_attn if llama_cpp else ())
-                       if fa or v not in QUANTISED]
+                       if fa or v not in LLAMA_NEEDS_FA]
     return points
 
 

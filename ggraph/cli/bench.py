@@ -10,6 +10,7 @@ import sys
 from ggraph.cli.common import add_memory_arg, add_model_arg, model_path, passes_arg, pipeline_names
 
 NAMED_PASSES = {"fused": "default", "unfused": "none"}
+FLASH_ATTN = {"on": [True], "off": [False], "both": [True, False]}       # --flash-attn: llama.cpp's -fa settings
 
 
 def _int_list(text: str, what: str, minimum: int = 1) -> list[int]:
@@ -29,16 +30,18 @@ def _cache_type(text: str, what: str) -> str:
     return text.lower()
 
 
-def _flash_attn(args, cache_v: str) -> list[bool]:
-    """llama.cpp's flash attention settings to run; -fa off is left out for a quantised V cache, which needs it."""
-    settings = {"on": [True], "off": [False], "both": [True, False]}[args.flash_attn]
-    if not args.vs_llama_cpp or cache_v not in ("q8_0", "q4_0") or False not in settings:
-        return settings
-    if settings == [False]:
-        raise ValueError(f"llama.cpp needs flash attention for a {cache_v} V cache: use --flash-attn on")
-    from ggraph.progress import warn
-    warn(f"llama.cpp needs flash attention for a {cache_v} V cache: no -fa off rows")
-    return [True]
+def _flash_attn(args, cache_vs: list[str]) -> list[bool]:
+    """llama.cpp's flash attention settings to run. A quantised V cache needs it on: its -fa off rows are
+    left out (said once), and asking for nothing else is an error."""
+    from ggraph.bench.measure import LLAMA_NEEDS_FA
+    settings = FLASH_ATTN[args.flash_attn]
+    quantised = [v for v in cache_vs if v in LLAMA_NEEDS_FA]
+    if args.vs_llama_cpp and quantised and False in settings:
+        if settings == [False] and len(quantised) == len(cache_vs):
+            raise ValueError(f"llama.cpp needs flash attention for a {quantised[0]} V cache: use --flash-attn on")
+        from ggraph.progress import warn
+        warn(f"llama.cpp needs flash attention for a {quantised[0]} V cache: no -fa off rows for it")
+    return settings
 
 
 def _bench_ctx(args, path, needed: int) -> int:
@@ -62,11 +65,13 @@ def cmd_bench(args) -> int:
     """Measure prefill (pp) and decode (tg) tok/s, optionally at a depth and against llama.cpp on the same
     file; with --memory, planned and resident memory against context length instead."""
     from ggraph.backends.llvm.team import check_threads
+    from ggraph.bench.measure import LLAMA_NEEDS_FA
     path = model_path(args)
     threads = _int_list(args.threads, "--threads")
     for t in threads:
         check_threads(t)
-    cache_k, cache_v = _cache_type(args.cache_type_k, "--cache-type-k"), _cache_type(args.cache_type_v, "--cache-type-v")
+    cache_k = _cache_type(args.cache_type_k, "--cache-type-k")
+    cache_v = _cache_type(args.cache_type_v, "--cache-type-v")
     if args.vs_llama_cpp and importlib.util.find_spec("llama_cpp") is None:
         raise ValueError("--vs-llama-cpp needs llama-cpp-python: pip install llama-cpp-python (see the README)")
     if args.memory:
@@ -85,7 +90,7 @@ def cmd_bench(args) -> int:
     for pipe in pipelines:
         pipeline_names(args, pipe)                       # every argument checked before the slow part
     ctx = _bench_ctx(args, path, max(depths) + max(pps) + max(tgs))
-    fas = _flash_attn(args, cache_v)
+    fas = [fa for fa in _flash_attn(args, [cache_v]) if fa or cache_v not in LLAMA_NEEDS_FA]
     results = bench_speed(args, path, threads, depths, pps, tgs, pipelines, ctx, cache_k, cache_v, fas)
     if args.profile:
         from ggraph import bench
@@ -134,7 +139,7 @@ def bench_speed(args, path, threads, depths, pps, tgs, pipelines, ctx, cache_k, 
 
 def cmd_memory(args, path, threads, cache_k, cache_v) -> int:
     """Planned and resident memory per context length and cache type, each point in a fresh process."""
-    from ggraph.bench.memory import QUANTISED, memory_curve, memory_points, memory_table
+    from ggraph.bench.memory import memory_curve, memory_points, memory_table
     from ggraph.progress import Progress
     unused = [flag for flag, given in (("--pp", args.pp), ("--tg", args.tg), ("--depth", args.depth != "0"),
                                        ("--compare", args.compare), ("--profile", args.profile)) if given]
@@ -147,11 +152,7 @@ def cmd_memory(args, path, threads, cache_k, cache_v) -> int:
         else [(cache_k, cache_v)]
     if args.fill is not None and args.fill < 1:
         raise ValueError(f"--fill must be at least 1 token, got {args.fill}")
-    fas = {"on": [True], "off": [False], "both": [True, False]}[args.flash_attn]
-    points = memory_points(ctxs, types, args.vs_llama_cpp, fas)
-    if args.vs_llama_cpp and fas == [False] and any(v in QUANTISED for _, v in types):
-        from ggraph.progress import warn
-        warn("llama.cpp needs flash attention for a quantised V cache: those points are left out")
+    points = memory_points(ctxs, types, args.vs_llama_cpp, _flash_attn(args, [v for _, v in types]))
     with Progress(len(points), "measuring memory", unit=" points", stream=sys.stderr) as bar:
         rows = memory_curve(path, points, args.fill, threads[0], bar, args.max_memory)
     if args.plot:
@@ -216,21 +217,25 @@ def bench_table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
+EPILOG = """\
+examples: ggraph bench --demo --pp 64 --tg 32 -t 2 --json
+          ggraph bench --demo -p 64,512 -n 64 -t 1,2 --compare fused,unfused --vs-llama-cpp
+          ggraph bench --demo -p 512 -n 32 -d 0,4096,16384 -ctk q8_0 -ctv q8_0 --vs-llama-cpp
+          ggraph bench --memory --demo --ctx 512,4096,32768 --cache-types f16,q8_0 --vs-llama-cpp --plot mem.png
+
+At a depth (-d N), N tokens are prefilled untimed, then a prefill of pp tokens is timed at P=N
+and tg decode steps are timed after the same N tokens, as llama-bench -d does.
+
+--memory runs every point in a fresh process: planned bytes (weights, KV cache, the activations
+of one 512-token ubatch at a full context) beside the RSS after loading and the peak RSS after
+filling the context. ggraph's cache pages become resident as rows are written, so a partial
+--fill shows only the rows filled; llama.cpp zeroes its KV buffer when it makes the context, so
+all of its cache is resident from the start."""
+
+
 def add_parser(sub, parents) -> None:
     p = sub.add_parser("bench", help="measure prefill and decode speed, or memory against context length",
-                       description=cmd_bench.__doc__, parents=parents,
-                       epilog="examples: ggraph bench --demo --pp 64 --tg 32 -t 2 --json\n"
-                              "          ggraph bench --demo -p 64,512 -n 64 -t 1,2 --compare fused,unfused --vs-llama-cpp\n"
-                              "          ggraph bench --demo -p 512 -n 32 -d 0,4096,16384 -ctk q8_0 -ctv q8_0 --vs-llama-cpp\n"
-                              "          ggraph bench --memory --demo --ctx 512,4096,32768 --cache-types f16,q8_0 "
-                              "--vs-llama-cpp --plot mem.png\n\n"
-                              "At a depth (-d N), N tokens are prefilled untimed, then a prefill of pp tokens is timed at\n"
-                              "P=N and tg decode steps are timed after the same N tokens, as llama-bench -d does.\n"
-                              "--memory runs every point in a fresh process: planned bytes (weights, KV cache, the\n"
-                              "activations of one 512-token ubatch at a full context) beside the RSS after loading and the\n"
-                              "peak RSS after filling the context. ggraph's cache pages become resident as rows are\n"
-                              "written, so a partial --fill shows only the rows filled; llama.cpp zeroes its KV buffer\n"
-                              "when it makes the context, so all of its cache is resident from the start.",
+                       description=cmd_bench.__doc__, parents=parents, epilog=EPILOG,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_arg(p)
     p.add_argument("-p", "--pp", default=None, help="prompt tokens per prefill; a comma list sweeps (default 64)")
