@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import sys
 
-from ggraph.cli.common import add_model_arg, add_pass_args, model_path, pipeline_names
+from ggraph.cli.common import add_cache_type_args, add_model_arg, add_pass_args, model_path, pipeline_names
 from ggraph.units import fmt_bytes
 
 
@@ -32,7 +32,9 @@ def cmd_dump(args) -> int:
     if args.layer is not None and not 0 <= args.layer < n:
         raise ValueError(f"--layer {args.layer}: the model has layers 0..{n - 1}")
     log = RewriteLog()
-    graph = run(model.graph(ctx=args.ctx), names, log=log)
+    from ggraph.runtime.session import cache_dtype
+    cache_types = (cache_dtype(args.cache_type_k, "--cache-type-k"), cache_dtype(args.cache_type_v, "--cache-type-v"))
+    graph = run(model.graph(ctx=args.ctx, cache_types=cache_types), names, log=log)
     reports = []
     if args.explain:
         reports.append(explain(log, args.layer))
@@ -130,5 +132,6 @@ def add_parser(sub, parents) -> None:
     p.add_argument("--explain", action="store_true",
                    help="print every fusion made and every candidate left alone, with reasons, instead of the graph")
     p.add_argument("--ctx", type=int, default=4096, help="context length: KV cache rows (default 4096)")
+    add_cache_type_args(p)
     p.add_argument("-o", "--output", metavar="FILE", help="write the graph here (needed for png and svg)")
     p.set_defaults(fn=cmd_dump)
