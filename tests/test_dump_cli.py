@@ -29,7 +29,8 @@ def test_dump_text_default_and_none(model, capsys):
     assert out.count(" = qmatmul ") == 7 and "fused{rms_norm,add,rms_norm}" in out and "fused{gelu_tanh,mul}" in out
     assert "# blk.1.attn" in out and "blk.2" not in out
     code, out, _ = cli(capsys, "dump", model, "--layer", 1, "--passes", "none")
-    assert code == 0 and out.count(" = dequant ") == 7 and "qmatmul" not in out and "fused" not in out
+    # 7 weights, and the layer's f16 K and V cache rows read by attention
+    assert code == 0 and out.count(" = dequant ") == 9 and "qmatmul" not in out and "fused" not in out
 
 
 def test_dump_after_and_no_pass(model, capsys):
@@ -78,7 +79,8 @@ def test_dump_dot_png_svg(model, capsys, tmp_path):
 def fused_graph(path):
     from ggraph.models import load
     from ggraph.passes import pipeline, run
-    return run(load(path).graph(ctx=64), pipeline("default"))
+    from ggraph.ir.dtypes import f16
+    return run(load(path).graph(ctx=64, cache_types=(f16, f16)), pipeline("default"))    # as dump's default
 
 
 def test_collapsed_view_has_one_box_per_layer(model):
@@ -89,7 +91,7 @@ def test_collapsed_view_has_one_box_per_layer(model):
     assert all(g.has_edge(a, b) for a, b in zip(boxes, boxes[1:])) and g.number_of_nodes() == 9
     assert sorted(n for n in g if n not in boxes) == ["in:P", "in:tokens", "out:ex"]
     label = {n: g.nodes[n]["label"] for n in boxes}
-    assert "state in/out: k1 v1 f32[64,2,32]" in label["blk.1"] and "7 qmatmul" in label["blk.1"]
+    assert "state in/out: k1 v1 f16[64,2,32]" in label["blk.1"] and "7 qmatmul" in label["blk.1"]
     assert [n for n in boxes if "rope_attention: window=8" in label[n]] == ["blk.0", "blk.2"]   # gemma2's SWA
     assert "(and 4 more boxes)" in g.edges["in:P", "embd"]["label"]                            # P feeds every layer
     assert all(g.nodes[n]["fused"] for n in boxes[1:5])
