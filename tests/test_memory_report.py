@@ -64,6 +64,27 @@ def test_pack_puts_buffers_of_disjoint_lifetimes_in_the_same_place():
     assert offsets[0] == offsets[1] == 0 and offsets[2] == 100 and total == 150
 
 
+def test_programs_load_through_the_system_linker_or_lljit_alike(model, monkeypatch):
+    import shutil
+
+    import numpy as np
+    from ggraph.backends.llvm import jit, program
+    if shutil.which("ld") is None:
+        pytest.skip("no system linker: programs load through LLJIT only")
+    ids = [5, 9, 200, 31, 7]
+
+    def run():
+        program._LOADED.clear()                              # link again, as a new process would
+        s = Session(model, threads=2, ctx=64, cache_type_k="f32", cache_type_v="f32")
+        return s.logits(ids), type(s.program(last_only=False).lib._tracker).__name__
+    shared, kind = run()
+    assert kind == "_Dylib"
+    monkeypatch.setattr(jit.shutil, "which", lambda name: None)
+    lljit, kind = run()
+    assert kind != "_Dylib"
+    np.testing.assert_array_equal(shared, lljit)
+
+
 def test_a_point_measured_in_a_fresh_process(model):
     r = memory.measure_point("ggraph", model, 128, "f32", "f32", threads=1)
     assert (r["ctx"], r["fill"], r["decode"]) == (128, 128 - memory.DECODE_STEPS, memory.DECODE_STEPS)

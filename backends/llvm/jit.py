@@ -1,4 +1,4 @@
-"""Compile LLVM IR for a Target to object code, cache it on disk, and load it with LLJIT.
+"""Compile LLVM IR for a Target to object code, cache it on disk, and load it (``ld -shared``, else LLJIT).
 
     lib = jit.compile(module, target)       # one llvmlite.ir.Module or IR text
     fn = lib.function("name", None, [ctypes.c_void_p, ...])
@@ -9,8 +9,9 @@ the kernel(s) ``emitter(module, *args)`` emits. Its key hashes the emitter, its 
 a unit seen before is read from the cache without building any IR; a new one is built into
 a module of its own. A ``Compiler`` turns new units into object code while lowering goes on,
 in worker processes (one per core when there are many, else one this process keeps), with a
-progress bar once it takes a second, and ``link`` loads the objects of a program together: a
-process that runs programs never has LLVM's optimiser or code generator resident. The cache lives in $GGRAPH_CACHE, else
+progress bar once it takes a second, and ``link`` loads the objects of a program together, as
+one shared object the system linker makes (cached) or through LLJIT: a process that runs
+programs never has LLVM's optimiser or code generator resident. The cache lives in $GGRAPH_CACHE, else
 ~/.cache/ggraph.
 """
 from __future__ import annotations
@@ -25,6 +26,7 @@ import os
 import pickle
 import queue
 import re
+import shutil
 import struct
 import subprocess
 import sys
@@ -32,7 +34,6 @@ import threading
 from pathlib import Path
 
 import llvmlite
-import llvmlite.binding as llvm
 from llvmlite import ir
 
 from ggraph.backends.llvm import cache
@@ -58,8 +59,10 @@ def cache_key(ir_text: str, target: Target) -> str:
     return h.hexdigest()
 
 
-def optimize(module, target: Target, speed_level: int = 3) -> llvm.ModuleRef:
-    """Parse, verify and run the O``speed_level`` pipeline (loop and SLP vectorisers on) for `target`."""
+def optimize(module, target: Target, speed_level: int = 3):
+    """Parse, verify and run the O``speed_level`` pipeline (loop and SLP vectorisers on) for `target`:
+    an llvmlite ModuleRef."""
+    import llvmlite.binding as llvm
     tm = target_machine(target, speed_level)
     mod = llvm.parse_assembly(str(module))
     mod.triple = tm.triple
@@ -332,7 +335,8 @@ def _finish(u: Unit, obj: bytes) -> None:
 # loading
 # ---------------------------------------------------------------------------------------
 
-def _lljit() -> llvm.LLJIT:
+def _lljit():
+    import llvmlite.binding as llvm
     init_llvm()
     with _jit_lock:
         if not _jit:
@@ -376,12 +380,80 @@ def compile(module, target: Target) -> Library:
 
 
 def link(objects, names, from_cache: bool = True) -> Library:
-    """Load object code (one or several objects that call each other) and export ``names``."""
-    builder = llvm.JITLibraryBuilder()
+    """Load object code (one or several objects that call each other) and export ``names``: as one
+    shared object made by the system linker when there is one (cached, so that a process running
+    programs it has run before needs none of LLVM's JIT), else with LLJIT."""
+    lib = _shared_library(objects)
+    if lib is None:
+        import llvmlite.binding as llvm
+        builder = llvm.JITLibraryBuilder()
+        for obj in objects:
+            builder.add_object_img(obj)
+        builder.add_current_process()
+        for name in names:
+            builder.export_symbol(name)
+        lib = builder.link(_lljit(), f"ggraph{next(_names)}")
+    return Library(lib, list(names), from_cache, tuple(objects))
+
+
+class _Dylib:
+    """A shared object loaded with dlopen, its symbols looked up by name as LLJIT's tracker does. It is
+    loaded from a file of its own name (dlopen takes a name it has loaded before for the same
+    library), deleted once mapped."""
+
+    def __init__(self, data: bytes):
+        import tempfile
+        fd, path = tempfile.mkstemp(prefix="ggraph-", suffix=".so")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+            self._lib = ctypes.CDLL(path, mode=os.RTLD_LOCAL)
+        finally:
+            os.unlink(path)
+
+    def __getitem__(self, name: str) -> int:
+        return ctypes.cast(getattr(self._lib, name), ctypes.c_void_p).value
+
+
+def _shared_library(objects) -> _Dylib | None:
+    """``objects`` linked by the system linker (``ld -shared``) into one shared object, loaded; the
+    linked bytes are cached by the objects' digest. None without a linker, or when linking or
+    loading fails (said once; LLJIT loads them then)."""
+    ld = shutil.which("ld")
+    if ld is None or not sys.platform.startswith("linux"):
+        return None
+    h = hashlib.sha256(b"ld -shared")
     for obj in objects:
-        builder.add_object_img(obj)
-    builder.add_current_process()
-    for name in names:
-        builder.export_symbol(name)
-    tracker = builder.link(_lljit(), f"ggraph{next(_names)}")
-    return Library(tracker, list(names), from_cache, tuple(objects))
+        h.update(hashlib.sha256(obj).digest())
+    path = cache_dir() / "libs" / f"{h.hexdigest()}.so"
+    data = cache.read(path, cache.OBJECT)
+    if data is None:
+        data = _ld_shared(ld, objects)
+        if data is None:
+            return None
+        cache.write(path, cache.OBJECT, data)
+    try:
+        return _Dylib(data)
+    except OSError as e:                                  # e.g. a temp dir mounted noexec
+        from ggraph.progress import warn
+        warn(f"cannot load a linked program ({e}); loading with LLVM's JIT instead")
+        return None
+
+
+def _ld_shared(ld: str, objects) -> bytes | None:
+    import tempfile
+    with tempfile.TemporaryDirectory(prefix="ggraph-ld-") as d:
+        paths = [os.path.join(d, f"{i}.o") for i in range(len(objects))]
+        for path, obj in zip(paths, objects):
+            with open(path, "wb") as f:
+                f.write(obj)
+        out = os.path.join(d, "program.so")
+        done = subprocess.run([ld, "-shared", "-o", out, *paths], capture_output=True, text=True)
+        if done.returncode != 0:
+            from ggraph.progress import warn
+            lines = (done.stderr or "").strip().splitlines()
+            warn(f"the system linker failed ({lines[-1] if lines else f'exit {done.returncode}'}); "
+                 "loading with LLVM's JIT instead")
+            return None
+        with open(out, "rb") as f:
+            return f.read()
