@@ -104,3 +104,15 @@ def test_llama_cpp_runs_at_the_same_depth_with_both_flash_attention_settings(mod
     assert [(r["engine"], r["flash_attn"], r["depth"]) for r in rows] == \
         [("ggraph", "", 24), ("llama.cpp", "on", 24), ("llama.cpp", "off", 24)]
     assert seen == [("on", 24), ("off", 24)] * 2          # rounds alternate between the engines
+
+
+def test_plot_keeps_depths_apart(tmp_path):
+    from ggraph.bench import plot
+    rows = [dict(engine="ggraph", passes="default", pp=512, tg=32, threads=1, depth=d, cache_k="f16", cache_v="f16",
+                 flash_attn="", pp_tok_s=pp, tg_tok_s=tg) for d, pp, tg in ((0, 200, 30), (4096, 150, 20))]
+    rows += [dict(r, engine="llama.cpp", passes="", flash_attn="on", pp_tok_s=r["pp_tok_s"] / 2) for r in rows]
+    assert plot.ratios(rows, "pp_tok_s") == [1.0, 1.0, 0.5, 0.5]      # each depth against its own ggraph row
+    assert plot.run_name(rows[2]) == "llama.cpp -fa 1"
+    path = tmp_path / "depth.png"
+    plot.plot_results(rows, path)
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -41,6 +42,7 @@ class Result:
     cache_k: str = ""
     cache_v: str = ""
     flash_attn: str = ""                   # llama.cpp's -fa: "on" or "off" ("" for ggraph)
+    model: str = ""                        # the file's name
 
     def row(self) -> dict:
         return dataclasses.asdict(self)
@@ -76,7 +78,7 @@ class GGraphRunner:
         self.n_vocab = s.config.n_vocab
         self.passes = passes if isinstance(passes, str) else ",".join(passes)
         self.fields = dict(engine="ggraph", threads=threads, passes=self.passes, backend=backend, ctx=ctx,
-                           cache_k=cache_type_k, cache_v=cache_type_v)
+                           cache_k=cache_type_k, cache_v=cache_type_v, model=Path(path).name)
 
     def fill(self, ids: list[int], depth: int) -> None:
         """Hold the first ``depth`` of ``ids`` in the cache (prefilling only what it lacks), untimed."""
@@ -125,7 +127,7 @@ class LlamaCppRunner:
         self.load_s = time.perf_counter() - t0
         self.fields = dict(engine="llama.cpp", threads=threads, backend=f"llama-cpp-python {llama_cpp.__version__}",
                            ctx=ctx, cache_k=cache_type_k, cache_v=cache_type_v,
-                           flash_attn="on" if flash_attn else "off")
+                           flash_attn="on" if flash_attn else "off", model=Path(path).name)
 
     def _last_token(self) -> int:
         import llama_cpp

@@ -70,16 +70,24 @@ def check(results: list[dict]) -> None:
 
 
 def run_name(r: dict) -> str:
-    """engine and pipeline: ``ggraph default``, ``ggraph none``, ``llama.cpp``."""
-    return f"{r['engine']} {r['passes']}" if r.get("passes") else r["engine"]
+    """engine and pipeline or flash attention: ``ggraph default``, ``ggraph none``, ``llama.cpp -fa 1``."""
+    if r.get("passes"):
+        return f"{r['engine']} {r['passes']}"
+    fa = {"on": " -fa 1", "off": " -fa 0"}.get(r.get("flash_attn", ""), "")
+    return r["engine"] + fa
+
+
+def configuration(r: dict) -> tuple:
+    """What a ratio compares within: (pp, tg, threads, depth, K and V cache types)."""
+    return r["pp"], r["tg"], r["threads"], r.get("depth", 0), r.get("cache_k", ""), r.get("cache_v", "")
 
 
 def ratios(results: list[dict], field: str) -> list[float]:
-    """Each result's ``field`` over the first result with the same (pp, tg, threads), as ``ggraph bench`` prints."""
+    """Each result's ``field`` over the first result of the same configuration, as ``ggraph bench`` prints."""
     first: dict[tuple, float] = {}
     out = []
     for r in results:
-        base = first.setdefault((r["pp"], r["tg"], r["threads"]), r[field])
+        base = first.setdefault(configuration(r), r[field])
         out.append(r[field] / base if base else float("nan"))
     return out
 
@@ -115,14 +123,15 @@ def roof_fraction(row: dict, roof: dict) -> float:
 def _speed_bars(ax, results: list[dict], field: str, size_field: str, title: str) -> None:
     """Grouped bars: one group per (threads, size), one bar per engine/pipeline, labelled with the ratio."""
     names = list(dict.fromkeys(run_name(r) for r in results))
-    groups = list(dict.fromkeys((r["threads"], r[size_field]) for r in results))
+    groups = list(dict.fromkeys((r["threads"], r[size_field], r.get("depth", 0)) for r in results))
     width = 0.8 / len(names)
     for r, ratio in zip(results, ratios(results, field)):
-        k, g = names.index(run_name(r)), groups.index((r["threads"], r[size_field]))
+        k, g = names.index(run_name(r)), groups.index((r["threads"], r[size_field], r.get("depth", 0)))
         x = g + (k - (len(names) - 1) / 2) * width
         ax.bar(x, r[field], width * 0.92, color=COLOURS[k % len(COLOURS)], label=run_name(r) if g == 0 else None)
         ax.text(x, r[field], f"{r[field]:.1f}\n{ratio:.2f}x", ha="center", va="bottom", fontsize=7)
-    ax.set_xticks(range(len(groups)), [f"{t} thread{'s' * (t != 1)}\n{size_field}={n}" for t, n in groups])
+    ax.set_xticks(range(len(groups)), [f"{t} thread{'s' * (t != 1)}\n{size_field}={n}" + (f" @ depth {d}" if d else "")
+                                       for t, n, d in groups])
     ax.set_ylabel("tokens / s")
     ax.set_title(title, fontsize=10)
     ax.margins(y=0.25)

@@ -206,10 +206,10 @@ def bench_table(results: list[dict]) -> str:
     """A table of tok/s per configuration, with each row's ratio to the first row of its configuration."""
     lines = [f"{'engine':<10} {'passes':<8} {'threads':>7} {'fa':>3} {'K/V':<10} {'depth':>6} {'pp':>5} "
              f"{'pp tok/s':>10} {'ratio':>6} {'tg':>4} {'tg tok/s':>9} {'ratio':>6}"]
+    from ggraph.bench.plot import configuration
     base: dict[tuple, dict] = {}
     for r in results:
-        key = (r["pp"], r["tg"], r["threads"], r["depth"], r["cache_k"], r["cache_v"])
-        ref = base.setdefault(key, r)
+        ref = base.setdefault(configuration(r), r)
         lines.append(f"{r['engine']:<10} {r['passes'] or '-':<8} {r['threads']:>7} {r['flash_attn'] or '-':>3} "
                      f"{r['cache_k'] + '/' + r['cache_v']:<10} {r['depth']:>6} {r['pp']:>5} "
                      f"{r['pp_tok_s']:>10.1f} {r['pp_tok_s'] / ref['pp_tok_s']:>5.2f}x "
