@@ -282,7 +282,7 @@ def _memory_panel(ax, rows: list[dict], k: str, v: str, scale: float, unit: str)
         else:
             ax.bar(xs, values, bottom=bottom, width=xs * 0.5, color=colour, alpha=0.85, label=label)
         bottom = bottom + values
-    ax.plot(xs, bottom, color="#333333", lw=1.2, ls="--", label="planned total")
+    ax.plot(xs, bottom, color="#333333", lw=1.2, ls="--", label="planned total (peak above it: Python, libraries,\ntokenizer)")
     ax.plot(xs, [r["end"]["hwm"] / scale for r in mine], "o-", color="#e45756", ms=7, lw=1.2,
             label="ggraph peak RSS")
     ax.plot(xs, [r["load"]["rss"] / scale for r in mine], "o", color="#e45756", ms=5, mfc="white",
@@ -300,7 +300,7 @@ def _memory_panel(ax, rows: list[dict], k: str, v: str, scale: float, unit: str)
     if len(ticks) == 1:
         ax.set_xlim(ticks[0] / 2, ticks[0] * 2)
     ax.set_xlabel("context length (tokens, log scale)")
-    ax.set_ylabel(unit)
+    ax.set_ylabel(f"resident memory ({unit})")
     ax.set_ylim(bottom=0)
     ax.set_title(f"KV cache K={k}, V={v}", fontsize=10)
     ax.grid(True, axis="y", lw=0.3, alpha=0.6)
@@ -319,6 +319,8 @@ def memory_figure(rows: list[dict], model: str = "", threads: int | None = None)
     axes = fig.subplots(1, len(types), squeeze=False, sharey=True)[0]
     for ax, (k, v) in zip(axes, types):
         _memory_panel(ax, rows, k, v, scale, unit)
+    for ax in axes[1:]:
+        ax.set_ylabel("")                                   # the panels share the first one's axis
     handles, labels = axes[0].get_legend_handles_labels()
     for ax in axes[1:]:
         for h, lab in zip(*ax.get_legend_handles_labels()):
