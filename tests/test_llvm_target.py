@@ -56,6 +56,28 @@ def test_detection_trusts_the_feature_map_not_the_cpu_name(monkeypatch):
     assert target.host_target().name == "avx2"
 
 
+def test_cpuinfo_features_agree_with_llvms_feature_map():
+    import llvmlite.binding as llvm
+    try:
+        text = open("/proc/cpuinfo").read()
+    except OSError:
+        pytest.skip("no /proc/cpuinfo here: LLVM's map is used directly")
+    llvms = {k for k, v in llvm.get_host_cpu_features().items() if v}
+    mine = target._cpuinfo_features(text)
+    names = {n for n in target._CPUINFO_FLAGS if n in llvm.get_host_cpu_features()}
+    assert mine & names == llvms & names
+
+
+def test_cpuinfo_parsing_of_both_architectures_and_a_bad_file():
+    x86 = "processor\t: 0\nflags\t\t: fpu sse sse2 ssse3 sse4_1 avx avx2 fma f16c bmi2 avx512f avx512_vnni\n"
+    assert target._cpuinfo_features(x86) == {"sse", "sse2", "ssse3", "sse4.1", "avx", "avx2", "fma", "f16c",
+                                             "bmi2", "avx512f", "avx512vnni"}
+    arm = "processor\t: 0\nFeatures\t: fp asimd evtstrm asimddp\n"
+    assert target._cpuinfo_features(arm) == {"neon", "dotprod"}
+    with pytest.raises(ValueError, match="flags"):
+        target._cpuinfo_features("processor : 0\n")
+
+
 def test_forcing_a_target(monkeypatch):
     monkeypatch.setenv("GGRAPH_TARGET", "generic")
     t = target.host_target()

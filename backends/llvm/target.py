@@ -11,8 +11,6 @@ import os
 import platform
 from dataclasses import dataclass
 
-import llvmlite.binding as llvm
-
 X86 = "x86_64-unknown-linux-gnu"
 AARCH64 = "aarch64-unknown-linux-gnu"
 
@@ -74,9 +72,38 @@ def _host_arch() -> str:
     return {"amd64": "x86_64", "arm64": "aarch64"}.get(machine, machine)
 
 
+# LLVM's name for each feature the sets above use -> the flag Linux prints for it in /proc/cpuinfo
+_CPUINFO_FLAGS = {
+    "sse": "sse", "sse2": "sse2", "ssse3": "ssse3", "sse4.1": "sse4_1", "avx": "avx", "avx2": "avx2",
+    "fma": "fma", "f16c": "f16c", "bmi2": "bmi2", "avx512f": "avx512f", "avx512bw": "avx512bw",
+    "avx512vl": "avx512vl", "avx512dq": "avx512dq", "avx512vnni": "avx512_vnni", "avxvnni": "avx_vnni",
+    "amx-tile": "amx_tile", "amx-int8": "amx_int8",
+    "neon": "asimd", "dotprod": "asimddp",
+}
+
+
+def _cpuinfo_features(text: str) -> frozenset:
+    """The features of `_CPUINFO_FLAGS` that a /proc/cpuinfo text lists for its first CPU, by LLVM's names.
+    The kernel prints only what it enabled (AVX-512 state saved by XSAVE, say), which is what code may use."""
+    for line in text.splitlines():
+        key, sep, value = line.partition(":")
+        if sep and key.strip() in ("flags", "Features"):          # x86, AArch64
+            flags = set(value.split())
+            return frozenset(name for name, flag in _CPUINFO_FLAGS.items() if flag in flags)
+    raise ValueError("/proc/cpuinfo has no 'flags' or 'Features' line")
+
+
+@functools.cache
 def host_features() -> frozenset:
-    """The host's CPU features, from LLVM's feature map (the CPU name can mislead)."""
-    return frozenset(k for k, v in llvm.get_host_cpu_features().items() if v)
+    """The host's CPU features by LLVM's names: from the kernel's /proc/cpuinfo on Linux, else from LLVM's
+    feature map (the CPU name can mislead). Reading the file keeps a warm process from loading LLVM (its
+    shared library alone is ~35 MiB resident) just to pick a feature set."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return _cpuinfo_features(f.read())
+    except (OSError, ValueError):
+        import llvmlite.binding as llvm
+        return frozenset(k for k, v in llvm.get_host_cpu_features().items() if v)
 
 
 def named_target(name: str, extra: tuple = ()) -> Target:
@@ -129,6 +156,7 @@ def runnable_targets() -> list[Target]:
 @functools.cache
 def init_llvm(cross: bool = False) -> None:
     """Initialise LLVM's native target, and all targets when cross-compiling; once."""
+    import llvmlite.binding as llvm
     llvm.initialize_native_target()
     llvm.initialize_native_asmprinter()
     if cross:
@@ -137,8 +165,10 @@ def init_llvm(cross: bool = False) -> None:
 
 
 @functools.cache
-def target_machine(target: Target, opt: int = 3) -> llvm.TargetMachine:
-    """A TargetMachine for `target` at codegen level `opt`: PIC, small code model (objects load anywhere)."""
+def target_machine(target: Target, opt: int = 3):
+    """An llvmlite TargetMachine for `target` at codegen level `opt`: PIC, small code model (objects load
+    anywhere)."""
+    import llvmlite.binding as llvm
     init_llvm(not target.executable)
     return llvm.Target.from_triple(target.triple).create_target_machine(
         cpu=target.cpu, features=target.features, opt=opt, reloc="pic", codemodel="small")
