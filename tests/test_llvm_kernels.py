@@ -166,14 +166,15 @@ def test_act_quant_matches_ggml(target, fmt, K):
 
 
 # -- qmatmul --------------------------------------------------------------------------------
-def check_qmatmul(target, dt, K: int, n: int, w: np.ndarray, tokens=TOKENS, rng=None, lib=None) -> None:
-    """qmatmul on weight rows `w` (n, row_bytes) against float64 references, for several T and nth."""
+def check_qmatmul(target, dt, K: int, n: int, w: np.ndarray, tokens=TOKENS, rng=None, lib=None, x_of=None) -> None:
+    """qmatmul on weight rows `w` (n, row_bytes) against float64 references, for several T and nth;
+    x_of(T) gives the activations (default: standard normal)."""
     rng = rng or np.random.default_rng(1)
     fmt = kernels.act_format(dt)
     W = dequant(w, dt, n, K).astype(np.float64)                       # (n, K)
     f = fn(target, f"qmatmul_{dt.name}_k{K}_n{n}", lib=lib)
     for T in tokens:
-        x = rng.standard_normal((T, K)).astype(np.float32)
+        x = rng.standard_normal((T, K)).astype(np.float32) if x_of is None else x_of(T)
         buf = quantize_acts(target, x, fmt, lib)
         q, d = ref_act(x, fmt)
         bs = ActLayout(fmt, K).block
@@ -193,6 +194,20 @@ def check_qmatmul(target, dt, K: int, n: int, w: np.ndarray, tokens=TOKENS, rng=
 def test_qmatmul(target, dt):
     rng = np.random.default_rng(1)
     check_qmatmul(target, dt, k_of(dt), N, random_blocks(dt, N, k_of(dt), rng), rng=rng)
+
+
+@pytest.mark.parametrize("dt", kernels.QUANT_TYPES, ids=lambda d: d.name)
+@pytest.mark.parametrize("sign", [1.0, -1.0], ids=["plus", "minus"])
+def test_qmatmul_at_the_extremes_of_its_integer_sums(target, dt, sign):
+    """Every weight byte 0xFF (the largest level of every field) against activations that quantise to
+    +127 or -128 everywhere: the integer dot sums are as large as they get, so an i16 partial sum
+    that could overflow shows here."""
+    K = k_of(dt)
+    w = np.full((N, dt.row_bytes(K)), 0xFF, np.uint8).reshape(-1, dt.type_size)
+    for off in F16_FIELDS[dt.name]:
+        w[:, off:off + 2] = np.frombuffer(np.float16(0.01).tobytes(), np.uint8)
+    check_qmatmul(target, dt, K, N, w.reshape(N, -1), tokens=(16, 33),
+                  x_of=lambda T: np.full((T, K), sign, np.float32))
 
 
 @pytest.mark.parametrize("dt,K,n", SMALL, ids=lambda v: getattr(v, "name", str(v)))

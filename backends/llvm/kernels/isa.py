@@ -161,6 +161,33 @@ class Isa:
             return self._pieces(acc, a, b, 16, self._sdot)      # sdot: s8 x s8
         return self._dot_generic(acc, a, b, signed)
 
+    def i16_run(self, signed: bool, amax: int, nbytes: int) -> int:
+        """How many u8 x s8 dots of ``nbytes`` may add their i16 pair sums (``pair_sums``) before
+        ``widen`` must take them to i32, where pmaddubsw does the work and a's bytes are small
+        unsigned levels: a pair of a q5 level (<= 31) times activations (>= -128) is at least
+        -2 * 31 * 128 = -7936, so four fit in i16. 1 otherwise, and then ``dot`` is the way."""
+        if signed or self.full_u8_dot or not self._maddubs_width(nbytes):
+            return 1
+        return max(1, 32768 // (2 * 128 * max(amax, 1)))
+
+    def pair_sums(self, a: ir.Value, b: ir.Value, total: list | None = None) -> list:
+        """``total`` (pieces of i16 pair sums, or None) plus pmaddubsw(a, b), piece by piece."""
+        k = self.k
+        width = self._maddubs_width(a.type.count)
+        feature = {64: "avx512bw", 32: "avx2", 16: "ssse3"}[width]
+        maddubs = _PMADDUBSW[(feature, width)][0]
+        pieces = [k.intrinsic(maddubs, vec(i16, width // 2), [x, y])
+                  for x, y in zip(k.split(a, a.type.count // width), k.split(b, a.type.count // width))]
+        return pieces if total is None else [k.b.add(t, p) for t, p in zip(total, pieces)]
+
+    def widen(self, acc: ir.Value, total: list) -> ir.Value:
+        """acc (i32 lanes) plus the i16 pair sums of ``total`` added in pairs (pmaddwd by ones)."""
+        k = self.k
+        width = 2 * total[0].type.count
+        maddwd = _PMADDUBSW[({64: "avx512bw", 32: "avx2", 16: "ssse3"}[width], width)][1]
+        quads = [k.intrinsic(maddwd, vec(i32, width // 4), [t, splat_const(i16, width // 2, 1)]) for t in total]
+        return k.b.add(acc, k.concat(*quads))
+
     def _pieces(self, acc, a, b, width: int, emit) -> ir.Value:
         k = self.k
         parts = a.type.count // width

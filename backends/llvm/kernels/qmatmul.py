@@ -239,12 +239,19 @@ def _gemm_chunk(k: Kernel, isa: Isa, fmt: BlockFormat, lay: ActLayout, decs, blk
                 else ir.Constant(vec(i32, L), [0] * L) for x in xs]
         dots = [[init[g] for g in range(G)] for _ in range(R)]
         per = 8 // len(subs)
-        for j in range(si * per, (si + 1) * per):
+        run = isa.i16_run(dec0.signed, dec0.qmax, 4 * L)
+        part = [[None] * G for _ in range(R)]                                        # i16 pair sums
+        for n_j, j in enumerate(range(si * per, (si + 1) * per)):
             xv = [k.load(vec(i8, 4 * L), xg[g], lay.qs(k, L, k.add(words, j))) for g in range(G)]
             for r in range(R):
                 wb = k.cast_vec(k.shuffle(chunks[r], [j] * L), i8)                    # (64,) i8
                 for g in range(G):
-                    dots[r][g] = isa.dot(dots[r][g], wb, xv[g], dec0.signed, dec0.qmax)
+                    if run == 1:
+                        dots[r][g] = isa.dot(dots[r][g], wb, xv[g], dec0.signed, dec0.qmax)
+                    else:
+                        part[r][g] = isa.pair_sums(wb, xv[g], part[r][g])
+                        if (n_j + 1) % run == 0 or n_j + 1 == per:
+                            dots[r][g], part[r][g] = isa.widen(dots[r][g], part[r][g]), None
         for g in range(G):
             xf = b.fmul(b.sitofp(xs[g], v16), dx[g]) if dec0.mins is not None else None
             for r in range(R):
