@@ -33,6 +33,8 @@ CONFIGS = {
                    Rope(48, 1e4, style="interleaved", freq_factors=True)),
     "odd_tails": (Attention(6, 2, 36, 20, 0.3), Rope(36, 1e4, mscale=0.8)),      # G = 3, dims not /8
     "no_rope": (Attention(3, 1, 64, 64, 0.125, window=5), None),
+    "qwen_gqa7": (Attention(14, 2, 64, 64, 0.125), Rope(64, 1e6)),                 # G = 7, padded to 8
+    "mha_odd_dims": (Attention(3, 3, 20, 12, 0.25, softcap=10.0), Rope(20, 1e4)),  # G = 1, D < lanes
 }
 LONG = (Attention(4, 2, 64, 64, 0.125, window=100, softcap=20.0), Rope(64, 1e4, style="interleaved"))
 CACHE = 40

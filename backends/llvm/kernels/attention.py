@@ -469,17 +469,32 @@ def _attention_grouped(rows: _Rows, share, part) -> None:
     each row's keys is walked and the partial result is stored for kernel C."""
     k, attn = rows.k, rows.attn
     G = attn.H // attn.Hkv
-    bufs = {"q": _buffer(k, G * attn.D), "s": _buffer(k, G * BLOCK), "p": _buffer(k, G * BLOCK),
-            "acc": _buffer(k, G * attn.Dv)}
+    NP = _pow2(G)
+    bufs = {"q": _buffer(k, G * attn.D), "s": _buffer(k, BLOCK * NP), "acc": _buffer(k, G * attn.Dv)}
     start, end = share
     with k.loop(start, end, step=G, name="group") as r:
         _run(rows, bufs, r, G, part)
 
 
+def _pow2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
+def _keys_per_step(rows: _Rows, n: int) -> int:
+    """Keys whose scores one step of the score loop computes: enough that (keys x padded queries)
+    accumulators fill a vector of sums, which `_lane_sums` then reduces together."""
+    return max(1, min(BLOCK, rows.lanes // _pow2(n)))
+
+
 def _run(rows: _Rows, bufs: dict, r, n: int, part) -> None:
     """Query rows r..r+n-1 (one token, one kv head): rope, then the keys in blocks of BLOCK
-    (with ``part``: that range of them, the unnormalised result stored as a partial)."""
+    (with ``part``: that range of them, the unnormalised result stored as a partial).
+
+    A block's scores are kept key-major, s[jj][i] for key jj and query i (queries padded to NP,
+    a power of two), so the online softmax runs down the block with NP-lane vectors, one lane
+    per query: no horizontal max or sum, and p[jj][i] is where p·V reads it."""
     k, b, isa, attn = rows.k, rows.b, rows.isa, rows.attn
+    NP = _pow2(n)
     t, g = b.udiv(r, k.i64(attn.H)), b.udiv(b.urem(r, k.i64(attn.H)), k.i64(attn.H // attn.Hkv))
     p = k.add(k.arg["P"], t)
     qrow = lambda i: k.addr(bufs["q"], 4 * i * attn.D)                  # noqa: E731
@@ -497,83 +512,135 @@ def _run(rows: _Rows, bufs: dict, r, n: int, part) -> None:
                 k.store(_zeros(w), arow(i), k.mul(k.add(off, o), 4))
             o += w
     _chunked(k, attn.Dv, rows.lanes, 1, zero, "zero")
-    m = [k.var(f32, -math.inf) for _ in range(n)]
-    total = [k.var(f32, 0.0) for _ in range(n)]
+    vnp = _typ(NP)
+    m = k.var(vnp, _splat_const(NP, -math.inf))
+    total = k.var(vnp, _zeros(NP))
+    KB = _keys_per_step(rows, n)
     with k.loop(lo, hi, step=BLOCK, name="blk") as j0:
         nk = b.sub(hi, j0)
         nk = b.select(b.icmp_signed("<", nk, k.i64(BLOCK)), nk, k.i64(BLOCK))
-        for i in range(n):
-            k.store(splat_const(f32, BLOCK, -math.inf), bufs["s"], 4 * i * BLOCK)
-        with k.loop(0, nk, name="key") as jj:
-            _scores(rows, bufs, qrow, n, k.add(j0, jj), g, jj)
-        corr = []
-        for i in range(n):                                              # online softmax per query
-            s = k.load(vec(f32, BLOCK), bufs["s"], 4 * i * BLOCK)
-            if attn.softcap is not None:
-                live = b.icmp_unsigned("<", vec_const(i32, range(BLOCK)), k.splat(b.trunc(nk, i32), BLOCK))
-                s = b.select(live, _softcap(rows, s), splat_const(f32, BLOCK, -math.inf))
-            m_old = m[i].get()
-            m_new = isa.maxnum(m_old, isa.hmax(s))
-            corr.append(vmath.exp(isa, b.fsub(m_old, m_new)))
-            pv = vmath.exp(isa, b.fsub(s, k.splat(m_new, BLOCK)))
-            total[i].set(isa.fma(total[i].get(), corr[i], isa.hsum(pv)))
-            m[i].set(m_new)
-            k.store(pv, bufs["p"], 4 * i * BLOCK)
-        _values(rows, bufs, arow, n, j0, nk, g, corr)
+        with k.loop(0, nk, step=KB, name="key") as jj:
+            _scores(rows, bufs, qrow, n, j0, jj, hi, g, KB)
+        live = [b.icmp_signed("<", k.i64(jj), nk) for jj in range(BLOCK)]
+        srows = []
+        for jj in range(BLOCK):                                         # the live keys' scores
+            sj = _softcap(rows, k.load(vnp, bufs["s"], 4 * jj * NP))
+            srows.append(b.select(live[jj], sj, _splat_const(NP, -math.inf)))
+        top = srows[0]
+        for sj in srows[1:]:
+            top = isa.maxnum(top, sj)
+        m_old = m.get()
+        m_new = isa.maxnum(m_old, top)
+        corr = vmath.exp(isa, b.fsub(m_old, m_new))
+        block_sum = None
+        for jj, sj in enumerate(srows):
+            pj = vmath.exp(isa, b.fsub(sj, m_new))
+            block_sum = pj if block_sum is None else b.fadd(block_sum, pj)
+            k.store(pj, bufs["s"], 4 * jj * NP)                         # p over s, in place
+        total.set(isa.fma(total.get(), corr, block_sum))
+        m.set(m_new)
+        _values(rows, bufs, arow, n, j0, nk, g, [_lane(k, corr, i) for i in range(n)])
 
+    ms, totals = [_lane(k, m.get(), i) for i in range(n)], [_lane(k, total.get(), i) for i in range(n)]
     if part is not None:
         for i in range(n):
             dst = _partial_row(rows, part, k.add(r, i))
-            k.store(m[i].get(), dst)
-            k.store(total[i].get(), dst, 4)
+            k.store(ms[i], dst)
+            k.store(totals[i], dst, 4)
             k.intrinsic("llvm.memcpy.p0.p0.i64", ir.VoidType(),
                         [k.addr(dst, 8), arow(i), k.i64(4 * attn.Dv), ir.Constant(ir.IntType(1), 0)])
         return
+    invs = [b.fdiv(ir.Constant(f32, 1.0), totals[i]) for i in range(n)]
 
     def finish(off, widths):
         o = 0
         for w in widths:
             for i in range(n):
                 at = k.mul(k.add(off, o), 4)
-                inv = b.fdiv(ir.Constant(f32, 1.0), total[i].get())
                 out = rows.row(k.arg["out"], k.add(r, i), attn.Dv)
-                k.store(b.fmul(k.load(_typ(w), arow(i), at), _splat(k, inv, w)), out, at)
+                k.store(b.fmul(k.load(_typ(w), arow(i), at), _splat(k, invs[i], w)), out, at)
             o += w
     _chunked(k, attn.Dv, rows.lanes, 1, finish, "out")
 
 
-def _scores(rows: _Rows, bufs: dict, qrow, n: int, j, g, jj) -> None:
-    """scores[i][jj] = q_i · k_j for the n queries: each chunk of the K row is loaded once."""
+def _splat_const(w: int, x: float) -> ir.Constant:
+    return ir.Constant(f32, x) if w == 1 else splat_const(f32, w, x)
+
+
+def _lane(k: Kernel, v: ir.Value, i: int) -> ir.Value:
+    return v if _width(v) == 1 else k.b.extract_element(v, ir.Constant(i32, i))
+
+
+def _scores(rows: _Rows, bufs: dict, qrow, n: int, j0, jj, hi, g, KB: int) -> None:
+    """s[jj + kk][i] = q_i · k_(j0+jj+kk) for KB keys and the n queries, each chunk of a K row
+    loaded once for all queries. Keys past ``hi`` (a partial last step) read row hi-1 and their
+    scores are masked by the caller."""
     k, b, isa, attn, lanes = rows.k, rows.b, rows.isa, rows.attn, rows.lanes
-    krow = rows.keys.at(k.arg["k_cache"], k.add(k.mul(j, attn.Hkv), g))
-    split = max(1, 4 // n)                                              # independent sums per query
-    acc = [[k.var(vec(f32, lanes), _zeros(lanes)) for _ in range(split)] for _ in range(n)]
-    tail = [k.var(f32, 0.0) for _ in range(n)]
+    NP = _pow2(n)
+    last = b.sub(hi, k.i64(1))
+    krows = []
+    for kk in range(KB):
+        j = k.add(j0, jj, kk)
+        j = b.select(b.icmp_signed(">", j, last), last, j) if kk else j
+        krows.append(rows.keys.at(k.arg["k_cache"], k.add(k.mul(j, attn.Hkv), g)))
+    acc = [[k.var(vec(f32, lanes), _zeros(lanes)) for _ in range(n)] for _ in range(KB)]
 
     def dot(off, widths):
         o = 0
-        for u, w in enumerate(widths):
+        for w in widths:
             at = k.mul(k.add(off, o), 4)
-            kv = rows.keys.load(krow, k.add(off, o), w)
+            kvs = [rows.keys.load(krow, k.add(off, o), w) for krow in krows]
             for i in range(n):
-                prod = (kv, k.load(_typ(w), qrow(i), at))
-                if w == lanes:
-                    a = acc[i][u % split]
-                    a.set(isa.fma(*prod, a.get()))
-                else:
-                    tail[i].set(b.fadd(tail[i].get(), horizontal(k, b.fmul(*prod), b.fadd)))
+                qv = k.load(_typ(w), qrow(i), at)
+                for kk in range(KB):
+                    a = acc[kk][i]
+                    if w == lanes:
+                        a.set(isa.fma(kvs[kk], qv, a.get()))
+                    else:                                               # a narrow tail, zero-padded
+                        prod = b.fmul(kvs[kk], qv)
+                        wide = k.shuffle(prod, list(range(w)) + [w] * (lanes - w), _zeros(w)) if w > 1 else \
+                            b.insert_element(_zeros(lanes), prod, ir.Constant(i32, 0))
+                        a.set(b.fadd(a.get(), wide))
             o += w
-    _chunked(k, attn.D, lanes, max(split, 2), dot, "d")
-    for i in range(n):
-        s = acc[i][0].get()
-        for a in acc[i][1:]:
-            s = b.fadd(s, a.get())
-        k.store(b.fadd(horizontal(k, s, b.fadd), tail[i].get()), bufs["s"], k.mul(k.add(jj, i * BLOCK), 4))
+    _chunked(k, attn.D, lanes, 1 if KB * n >= 4 else 2, dot, "d")
+    sums = [a.get() if i < n else _zeros(lanes) for kk in range(KB) for i, a in
+            enumerate(acc[kk] + [None] * (NP - n))]
+    per = min(len(sums), lanes)                                         # vectors reduced together
+    for c in range(0, len(sums), per):
+        k.store(_lane_sums(k, sums[c:c + per]), bufs["s"], k.mul(k.add(k.mul(jj, NP), c), 4))
+
+
+def _lane_sums(k: Kernel, vs: list) -> ir.Value:
+    """A vector whose lane i is the sum of the lanes of vs[i] (len(vs) a power of two, at most
+    the lane count): pairs of vectors fold half of every group of lanes onto the other half and
+    merge, so each add serves all the sums at once, then the single vector folds down to len(vs)
+    lanes. Where len(vs) == 1 this is the plain halving sum."""
+    b = k.b
+    W = _width(vs[0])
+    if W == 1:
+        return vs[0]
+    group = W                                                          # lanes per source in each vector
+    while len(vs) > 1:
+        half, nxt = group // 2, []
+        for x, y in zip(vs[0::2], vs[1::2]):
+            firsts = [gi * group + l for gi in range(W // group) for l in range(half)]
+            lo = firsts + [W + i for i in firsts]
+            hi = [i + half for i in firsts] + [W + i + half for i in firsts]
+            nxt.append(b.fadd(k.shuffle(x, lo, y), k.shuffle(x, hi, y)))
+        vs, group = nxt, half
+    v = vs[0]
+    while group > 1:
+        half = group // 2
+        firsts = [gi * group + l for gi in range(_width(v) // group) for l in range(half)]
+        v = b.fadd(k.shuffle(v, firsts), k.shuffle(v, [i + half for i in firsts]))
+        group = half
+    return v if _width(v) > 1 else b.extract_element(v, ir.Constant(i32, 0))
 
 
 def _values(rows: _Rows, bufs: dict, arow, n: int, j0, nk, g, corr: list) -> None:
-    """acc_i = acc_i * corr_i + sum_jj p_i[jj] v_(j0+jj), a group of Dv chunks in registers at a time."""
+    """acc_i = acc_i * corr_i + sum_jj p[jj][i] v_(j0+jj), a group of Dv chunks in registers at a time."""
     k, isa, attn, lanes = rows.k, rows.isa, rows.attn, rows.lanes
+    NP = _pow2(n)
     per = max(1, (16 if lanes >= 16 else 8) // n)                        # accumulators held in registers
 
     def group(off, widths):
@@ -584,7 +651,7 @@ def _values(rows: _Rows, bufs: dict, arow, n: int, j0, nk, g, corr: list) -> Non
             vrow = rows.values.at(k.arg["v_cache"], k.add(k.mul(k.add(j0, jj), attn.Hkv), g))
             vs = [rows.values.load(vrow, k.add(off, sum(widths[:c])), w) for c, w in enumerate(widths)]
             for i in range(n):
-                pij = k.load(f32, bufs["p"], k.mul(k.add(jj, i * BLOCK), 4))
+                pij = k.load(f32, bufs["s"], k.mul(k.add(k.mul(jj, NP), i), 4))
                 for a, v, w in zip(accs[i], vs, widths):
                     a.set(isa.fma(_splat(k, pij, w), v, a.get()))
         for i in range(n):
