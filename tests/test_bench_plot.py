@@ -85,3 +85,15 @@ def test_bench_cli_plot(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["bench", model, "--plot", str(tmp_path / "bench.txt")])
     assert "argument --plot: bench plot: write a .png, .svg, .pdf file" in capsys.readouterr().err
+
+
+def test_table_shows_dashes_for_what_was_not_timed():
+    from ggraph.cli.bench import bench_table
+    rows = [result(tg_tok_s=0.0, flash_attn=None, cache_k="f16", cache_v="f16", depth=0),
+            result(engine="llama.cpp", passes="", tg_tok_s=0.0, pp_tok_s=50.0, flash_attn="on",
+                   cache_k="f16", cache_v="f16", depth=0)]
+    for r in rows:
+        r["tg"] = 0
+    table = bench_table(rows).splitlines()
+    assert "0.00x" not in "\n".join(table)
+    assert table[2].split()[-2:] == ["-", "-"] and "0.50x" in table[2]

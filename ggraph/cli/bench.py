@@ -202,6 +202,13 @@ def profile_report(r: dict) -> str:
     return "\n".join(parts)
 
 
+def _rate(n: int, tok_s: float, ref: float, width: int) -> str:
+    """tok/s and its ratio to the reference row's; dashes where nothing of the kind was timed (-p 0, -n 0)."""
+    if not n or not ref:
+        return f"{'-':>{width}} {'-':>6}"
+    return f"{tok_s:>{width}.1f} {tok_s / ref:>5.2f}x"
+
+
 def bench_table(results: list[dict]) -> str:
     """A table of tok/s per configuration, with each row's ratio to the first row of its configuration."""
     lines = [f"{'engine':<10} {'passes':<8} {'threads':>7} {'fa':>3} {'K/V':<10} {'depth':>6} {'pp':>5} "
@@ -212,8 +219,8 @@ def bench_table(results: list[dict]) -> str:
         ref = base.setdefault(configuration(r), r)
         lines.append(f"{r['engine']:<10} {r['passes'] or '-':<8} {r['threads']:>7} {r['flash_attn'] or '-':>3} "
                      f"{r['cache_k'] + '/' + r['cache_v']:<10} {r['depth']:>6} {r['pp']:>5} "
-                     f"{r['pp_tok_s']:>10.1f} {r['pp_tok_s'] / ref['pp_tok_s']:>5.2f}x "
-                     f"{r['tg']:>4} {r['tg_tok_s']:>9.1f} {r['tg_tok_s'] / max(ref['tg_tok_s'], 1e-9):>5.2f}x")
+                     f"{_rate(r['pp'], r['pp_tok_s'], ref['pp_tok_s'], 10)} "
+                     f"{r['tg']:>4} {_rate(r['tg'], r['tg_tok_s'], ref['tg_tok_s'], 9)}")
     return "\n".join(lines)
 
 
