@@ -37,6 +37,14 @@ def test_profile_covers_every_call(model):
     assert prof["roofline"]["bandwidth_gb_s"] > 0.5 and prof["roofline"]["peak_gflop_s"] > 1
 
 
+def test_profile_of_a_long_prompt_is_its_last_ubatch(model):
+    def matmul_flops(prof):
+        return sum(r["flops"] for r in prof["prefill"]["op"] if r["name"].startswith("qmatmul"))
+    long = bench.profile_ggraph(model, pp=12, ubatch=8)
+    assert long["prefill_step"] == {"T": 4, "P": 8}
+    assert matmul_flops(long) == matmul_flops(bench.profile_ggraph(model, pp=4, ubatch=8))
+
+
 def test_profile_needs_llvm(model, capsys):
     assert main(["bench", model, "--backend", "numpy", "--profile", "--pp", "2", "--tg", "1", "--repeats", "1"]) == 1
     assert "use --backend llvm" in capsys.readouterr().err

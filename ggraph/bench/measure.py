@@ -280,11 +280,12 @@ def profile_rows(program, dims: dict, bandwidth: float, peaks: dict) -> dict[str
 
 
 def profile_ggraph(path, pp: int = 64, threads: int = 1, passes="default", ctx: int | None = None,
-                   disabled=()) -> dict:
-    """Per-op and per-layer time for one prefill of ``pp`` tokens and one decode step."""
-    from ggraph.runtime.session import Session
+                   disabled=(), ubatch: int | None = None) -> dict:
+    """Per-op and per-layer time for one prefill of ``pp`` tokens (its last ubatch, when it takes
+    several: "prefill_step" says which) and one decode step."""
+    from ggraph.runtime.session import UBATCH, Session
     s = Session(path, backend="llvm", threads=threads, passes=passes, ctx=ctx or max(pp + 8, 64), profile=True,
-                disabled=disabled)
+                disabled=disabled, ubatch=ubatch or UBATCH)
     prog = s.program(last_only=True)
     bandwidth = stream_bandwidth(threads)
     peaks = peak_gflops(prog.target, threads)
@@ -292,12 +293,13 @@ def profile_ggraph(path, pp: int = 64, threads: int = 1, passes="default", ctx: 
     s.step(ids)                                              # warm: page in the weights
     s.reset()
     s.step(ids)
-    prefill = profile_rows(prog, {"T": pp, "P": 0}, bandwidth, peaks)
+    last = (len(ids) - 1) // s.ubatch * s.ubatch             # a long prompt runs in ubatches: the last one is timed
+    prefill = profile_rows(prog, {"T": len(ids) - last, "P": last}, bandwidth, peaks)
     s.step([ids[0]])
     decode = profile_rows(prog, {"T": 1, "P": pp}, bandwidth, peaks)
     return {"roofline": {"bandwidth_gb_s": bandwidth, "peak_gflop_s": peaks["f32"], "peak_int8_gop_s": peaks["int8"],
                          "target": prog.target.name, "threads": threads},
-            "prefill": prefill, "decode": decode}
+            "prefill": prefill, "decode": decode, "prefill_step": {"T": len(ids) - last, "P": last}}
 
 
 def profile_table(title: str, rows: list[dict]) -> str:

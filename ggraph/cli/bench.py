@@ -196,7 +196,10 @@ def profile_report(r: dict) -> str:
             f"{roof['bandwidth_gb_s']:.1f} GB/s measured, {roof['peak_gflop_s']:.0f} GFLOP/s f32 and "
             f"{roof['peak_int8_gop_s']:.0f} Gop/s int8 peak ('of roofline' = the time the limit allows / the time taken)")
     parts = [head]
-    for step, label in (("prefill", f"prefill of {r['pp']} tokens"), ("decode", "one decode step")):
+    first = r["profile"].get("prefill_step", {"T": r["pp"], "P": 0})
+    whole = f"prefill of {r['pp']} tokens" + ("" if first["T"] == r["pp"] else
+                                               f", its last ubatch ({first['T']} tokens at P={first['P']})")
+    for step, label in (("prefill", whole), ("decode", "one decode step")):
         parts.append(profile_table(f"{label}, by op:", r["profile"][step]["op"]))
         parts.append(profile_table(f"{label}, by layer:", r["profile"][step]["layer"]))
     return "\n".join(parts)
