@@ -231,6 +231,20 @@ def _gemm_chunk(k: Kernel, isa: Isa, fmt: BlockFormat, lay: ActLayout, decs, blk
     R, G = len(decs), len(xg)
     dec0 = decs[0]
     chunks = [k.cast_vec(d.chunk(c), i32) for d in decs]                          # (8,) i32 each
+    xrows = [xg] * R
+    from_memory = isa.is_x86 and isa.t.vector_bits < 512          # 16 vector registers: AVX2
+    if from_memory:
+        # Weight words are broadcast from memory (vpbroadcastd m32), not permuted in registers (each
+        # permute holds an index vector), and every tile row loads the activations itself: LLVM
+        # would otherwise load them once and spill them for the next row (q5_0 gemm 1.33x, k-quants
+        # 1.12-1.15x on a znver3, T=512). Both take pointers it
+        # cannot see through (`_launder`), or it would forward the stores and merge the loads.
+        wbuf = k.var(vec(i32, 8 * R), ir.Constant(vec(i32, 8 * R), None)).slot
+        wbuf.type = ir.PointerType()          # llvmlite types allocas as typed pointers; byte offsets want `ptr`
+        for r, ch in enumerate(chunks):
+            k.store(ch, wbuf, 32 * r)
+        words_at = _launder(k, wbuf)
+        xrows = [xg] + [[_launder(k, x) for x in xg] for _ in range(R - 1)]
     subs = _subs(k, fmt, c)
     words = k.add(k.mul(blk, fmt.dtype.block_size // 4), k.mul(c, 8))
     for si, s in enumerate(subs):
@@ -240,18 +254,20 @@ def _gemm_chunk(k: Kernel, isa: Isa, fmt: BlockFormat, lay: ActLayout, decs, blk
         dots = [[init[g] for g in range(G)] for _ in range(R)]
         per = 8 // len(subs)
         run = isa.i16_run(dec0.signed, dec0.qmax, 4 * L)
-        part = [[None] * G for _ in range(R)]                                        # i16 pair sums
-        for n_j, j in enumerate(range(si * per, (si + 1) * per)):
-            xv = [k.load(vec(i8, 4 * L), xg[g], lay.qs(k, L, k.add(words, j))) for g in range(G)]
-            for r in range(R):
-                wb = k.cast_vec(k.shuffle(chunks[r], [j] * L), i8)                    # (64,) i8
+        for r in range(R):
+            part = [None] * G                                                        # i16 pair sums
+            for n_j, j in enumerate(range(si * per, (si + 1) * per)):
+                xv = [k.load(vec(i8, 4 * L), xrows[r][g], lay.qs(k, L, k.add(words, j))) for g in range(G)]
+                wb = k.splat(k.load(i32, words_at, 32 * r + 4 * j), L) if from_memory else \
+                    k.shuffle(chunks[r], [j] * L)
+                wb = k.cast_vec(wb, i8)                                                # (64,) i8
                 for g in range(G):
                     if run == 1:
                         dots[r][g] = isa.dot(dots[r][g], wb, xv[g], dec0.signed, dec0.qmax)
                     else:
-                        part[r][g] = isa.pair_sums(wb, xv[g], part[r][g])
+                        part[g] = isa.pair_sums(wb, xv[g], part[g])
                         if (n_j + 1) % run == 0 or n_j + 1 == per:
-                            dots[r][g], part[r][g] = isa.widen(dots[r][g], part[r][g]), None
+                            dots[r][g], part[g] = isa.widen(dots[r][g], part[g]), None
         for g in range(G):
             xf = b.fmul(b.sitofp(xs[g], v16), dx[g]) if dec0.mins is not None else None
             for r in range(R):
@@ -260,6 +276,13 @@ def _gemm_chunk(k: Kernel, isa: Isa, fmt: BlockFormat, lay: ActLayout, decs, blk
                 if xf is not None:
                     a = isa.fma(k.splat(b.fneg(decs[r].min(k, s)), L), xf, a)
                 acc[r][g].set(a)
+
+
+def _launder(k: Kernel, p: ir.Value) -> ir.Value:
+    """p, through an empty inline asm: the same address, but LLVM can no longer tell, so loads
+    through it are neither merged with loads through p nor fed from stores through p."""
+    asm = ir.InlineAsm(ir.FunctionType(ir.PointerType(), [ir.PointerType()]), "", "=r,0")
+    return k.b.call(asm, [k.b.bitcast(p, ir.PointerType())])
 
 
 def _store_tile(k: Kernel, N: int, n0, R: int, g0, G: int, acc) -> None:
