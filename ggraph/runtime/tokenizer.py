@@ -34,6 +34,7 @@ import functools
 import heapq
 import re
 import unicodedata
+from array import array
 
 import numpy as np
 
@@ -680,7 +681,8 @@ class Tokenizer:
             dup = next(t for t in tokens if t in seen or seen.add(t))
             raise ValueError(f"tokenizer.ggml.tokens: duplicate token {dup!r}")
         scores = _array(md, "tokenizer.ggml.scores", np.float32, n)
-        self._scores = scores.tolist() if scores is not None else [0.0] * n
+        # f32 in an array: 4 bytes a token where a list of floats takes 32 (8 MiB for a 262k vocabulary)
+        self._scores = array("f", scores.astype(np.float32).tobytes() if scores is not None else bytes(4 * n))
         types = _array(md, "tokenizer.ggml.token_type", np.int64, n)
         if types is None:
             self._attrs = np.full(n, NORMAL, np.int64)
