@@ -97,3 +97,9 @@ def test_table_shows_dashes_for_what_was_not_timed():
     table = bench_table(rows).splitlines()
     assert "0.00x" not in "\n".join(table)
     assert table[2].split()[-2:] == ["-", "-"] and "0.50x" in table[2]
+
+
+def test_a_plot_into_a_missing_directory_is_refused_before_measuring(tmp_path, capsys):
+    with pytest.raises(SystemExit) as stop:                 # argparse's usage error, before any measuring
+        main(["bench", "--demo", "--plot", str(tmp_path / "no" / "such" / "b.png")])
+    assert stop.value.code == 2 and "does not exist" in capsys.readouterr().err

@@ -240,12 +240,16 @@ def plot_format(path) -> str:
 
 
 def plot_path(text: str) -> str:
-    """argparse type for ``--plot``: checks the suffix before the benchmark runs, not after."""
+    """argparse type for ``--plot``: checks the suffix and the directory before the benchmark runs, not after."""
     import argparse
+    from pathlib import Path
     try:
         plot_format(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+    parent = Path(text).expanduser().parent
+    if not parent.is_dir():
+        raise argparse.ArgumentTypeError(f"{text}: directory {str(parent)!r} does not exist")
     return text
 
 

@@ -155,11 +155,12 @@ def cmd_memory(args, path, threads, cache_k, cache_v) -> int:
     points = memory_points(ctxs, types, args.vs_llama_cpp, _flash_attn(args, [v for _, v in types]))
     with Progress(len(points), "measuring memory", unit=" points", stream=sys.stderr) as bar:
         rows = memory_curve(path, points, args.fill, threads[0], bar, args.max_memory)
+    if not _print_rows(args, rows):                     # the measurements first: a plot that fails loses nothing
+        print(memory_table(rows))
+    sys.stdout.flush()
     if args.plot:
         from ggraph.bench.plot import plot_memory
         print(f"wrote {plot_memory(rows, args.plot, model=path, threads=threads[0])}", file=sys.stderr)
-    if not _print_rows(args, rows):
-        print(memory_table(rows))
     return 0
 
 
