@@ -47,8 +47,7 @@ import numpy as np
 from llvmlite import ir
 
 from ggraph.backends.llvm.kernels import vmath
-from ggraph.backends.llvm.kernels.builder import Kernel, f32, f64, i32, i64, ptr, splat_const, vec, vec_const
-from ggraph.backends.llvm.kernels.elementwise import horizontal
+from ggraph.backends.llvm.kernels.builder import Kernel, f32, f64, i32, i64, splat_const, vec
 from ggraph.backends.llvm.kernels.isa import Isa, vector_path
 from ggraph.backends.llvm.kernels.kv_rows import KVRow, check_cache_type
 from ggraph.backends.llvm.target import Target
@@ -181,9 +180,7 @@ def _kernel(module, name: str, args: tuple[str, ...]) -> Kernel:
 
 def _buffer(k: Kernel, n: int):
     """A private f32[n] scratch array (an entry-block alloca); returns its address."""
-    slot = k.var(vec(f32, n), ir.Constant(vec(f32, n), None)).slot
-    slot.type = ptr           # llvmlite types allocas as typed pointers; byte-offset access wants `ptr`
-    return slot
+    return k.scratch(f32, n)
 
 
 def _freq_table(module: ir.Module, name: str, rope: Rope) -> ir.GlobalVariable:

@@ -137,6 +137,13 @@ class Kernel:
         v.set(init if isinstance(init, ir.Value) else ir.Constant(typ, init))
         return v
 
+    def scratch(self, elem: ir.Type, n: int):
+        """A private array of n ``elem`` (an entry-block alloca, undefined at first); returns its
+        address as ``ptr``, for the byte-offset loads and stores above."""
+        slot = self.var(vec(elem, n), ir.Constant(vec(elem, n), None)).slot
+        slot.type = ptr           # llvmlite types allocas as typed pointers; byte-offset access wants `ptr`
+        return slot
+
     # -- vectors --------------------------------------------------------------------
     def splat(self, value: ir.Value, n: int) -> ir.Value:
         """<n x T> with every lane `value`."""

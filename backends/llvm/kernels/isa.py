@@ -174,8 +174,7 @@ class Isa:
         """``total`` (pieces of i16 pair sums, or None) plus pmaddubsw(a, b), piece by piece."""
         k = self.k
         width = self._maddubs_width(a.type.count)
-        feature = {64: "avx512bw", 32: "avx2", 16: "ssse3"}[width]
-        maddubs = _PMADDUBSW[(feature, width)][0]
+        maddubs = self._pmaddubsw(width)[0]
         pieces = [k.intrinsic(maddubs, vec(i16, width // 2), [x, y])
                   for x, y in zip(k.split(a, a.type.count // width), k.split(b, a.type.count // width))]
         return pieces if total is None else [k.b.add(t, p) for t, p in zip(total, pieces)]
@@ -184,9 +183,15 @@ class Isa:
         """acc (i32 lanes) plus the i16 pair sums of ``total`` added in pairs (pmaddwd by ones)."""
         k = self.k
         width = 2 * total[0].type.count
-        maddwd = _PMADDUBSW[({64: "avx512bw", 32: "avx2", 16: "ssse3"}[width], width)][1]
+        maddwd = self._pmaddubsw(width)[1]
         quads = [k.intrinsic(maddwd, vec(i32, width // 4), [t, splat_const(i16, width // 2, 1)]) for t in total]
         return k.b.add(acc, k.concat(*quads))
+
+    def _pmaddubsw(self, width: int) -> tuple[str, str]:
+        """The (pmaddubsw, pmaddwd) intrinsics for ``width``-byte vectors; the target must have them."""
+        feature = {64: "avx512bw", 32: "avx2", 16: "ssse3"}[width]
+        self.t.require(feature, f"a {width}-byte pmaddubsw")
+        return _PMADDUBSW[(feature, width)]
 
     def _pieces(self, acc, a, b, width: int, emit) -> ir.Value:
         k = self.k
@@ -215,14 +220,7 @@ class Isa:
         return self.k.intrinsic(_VPDPBUSD[a.type.count], acc.type, [acc, a, b])
 
     def _maddubs(self, acc: ir.Value, a: ir.Value, b: ir.Value) -> ir.Value:
-        k = self.k
-        n = a.type.count
-        feature = {64: "avx512bw", 32: "avx2", 16: "ssse3"}[n]
-        self.t.require(feature, f"a {n}-byte pmaddubsw")
-        maddubs, maddwd = _PMADDUBSW[(feature, n)]
-        pairs = k.intrinsic(maddubs, vec(i16, n // 2), [a, b])
-        quads = k.intrinsic(maddwd, vec(i32, n // 4), [pairs, splat_const(i16, n // 2, 1)])
-        return k.b.add(acc, quads)
+        return self.widen(acc, self.pair_sums(a, b))
 
     def _sdot(self, acc: ir.Value, a: ir.Value, b: ir.Value) -> ir.Value:
         self.t.require("dotprod", "sdot")

@@ -237,10 +237,9 @@ def _gemm_chunk(k: Kernel, isa: Isa, fmt: BlockFormat, lay: ActLayout, decs, blk
         # Weight words are broadcast from memory (vpbroadcastd m32), not permuted in registers (each
         # permute holds an index vector), and every tile row loads the activations itself: LLVM
         # would otherwise load them once and spill them for the next row (q5_0 gemm 1.33x, k-quants
-        # 1.12-1.15x on a znver3, T=512). Both take pointers it
-        # cannot see through (`_launder`), or it would forward the stores and merge the loads.
-        wbuf = k.var(vec(i32, 8 * R), ir.Constant(vec(i32, 8 * R), None)).slot
-        wbuf.type = ir.PointerType()          # llvmlite types allocas as typed pointers; byte offsets want `ptr`
+        # 1.12-1.15x on a znver3, T=512). Both take pointers it cannot see through (`_launder`),
+        # or it would forward the stores and merge the loads.
+        wbuf = k.scratch(i32, 8 * R)
         for r, ch in enumerate(chunks):
             k.store(ch, wbuf, 32 * r)
         words_at = _launder(k, wbuf)
