@@ -45,6 +45,28 @@ def test_profile_of_a_long_prompt_is_its_last_ubatch(model):
     assert matmul_flops(long) == matmul_flops(bench.profile_ggraph(model, pp=4, ubatch=8))
 
 
+def test_profile_at_depth_times_the_steps_after_the_cache(model, capsys):
+    def attention_bytes(prof, step):
+        return sum(r["bytes"] for r in prof[step]["op"] if r["name"] == "rope_attention")
+    deep = bench.profile_ggraph(model, pp=4, depth=20)
+    assert deep["prefill_step"] == {"T": 4, "P": 20}
+    shallow = bench.profile_ggraph(model, pp=4)
+    assert attention_bytes(deep, "decode") > attention_bytes(shallow, "decode")
+    assert main(["bench", model, "-p", "4", "-n", "2", "-d", "0,20", "--profile", "--repeats", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "prefill of 4 tokens at depth 20, by op:" in out and "decode at P=24" in out and "decode at P=4" in out
+
+
+def test_profile_counts_each_ops_fastest_run():
+    from types import SimpleNamespace
+    from ggraph.bench.measure import profile_rows
+    from ggraph.ir.prims import add_p
+    eqn = SimpleNamespace(prim=add_p, scope="blk.0.ffn", cost=lambda dims: (0, 1000))
+    call = SimpleNamespace(eqn=eqn)
+    rows = profile_rows([[(call, 2.0), (call, 1.0)], [(call, 0.5)], [(call, 9.0)]], {}, 1.0, {"f32": 1, "int8": 1})
+    assert [(r["name"], r["seconds"]) for r in rows["op"]] == [("add", 0.5)]   # per run summed, then the fastest run
+
+
 def test_profile_needs_llvm(model, capsys):
     assert main(["bench", model, "--backend", "numpy", "--profile", "--pp", "2", "--tg", "1", "--repeats", "1"]) == 1
     assert "use --backend llvm" in capsys.readouterr().err

@@ -84,8 +84,6 @@ def cmd_bench(args) -> int:
         raise ValueError(f"--repeats must be at least 1, got {args.repeats}")
     if args.profile and args.backend != "llvm":
         raise ValueError("--profile times the native program: use --backend llvm")
-    if args.profile and 0 not in depths:
-        raise ValueError("--profile times a prefill at depth 0: include 0 in --depth")
     pipelines = [NAMED_PASSES.get(p, p) for p in (args.compare.split(",") if args.compare else [args.passes])]
     for pipe in pipelines:
         pipeline_names(args, pipe)                       # every argument checked before the slow part
@@ -94,20 +92,19 @@ def cmd_bench(args) -> int:
     results = bench_speed(args, path, threads, depths, pps, tgs, pipelines, ctx, cache_k, cache_v, fas)
     if args.profile:
         from ggraph import bench
-        for (pp, t), pipe in {((pp, t), p) for pp in pps for t in threads for p in pipelines}:
-            prof = bench.profile_ggraph(path, pp, t, passes=passes_arg(pipe), disabled=args.no_pass)
+        for pp, t, d, pipe in sorted({(pp, t, d, p) for pp in pps for t in threads for d in depths for p in pipelines}):
+            prof = bench.profile_ggraph(path, pp, t, passes=passes_arg(pipe), disabled=args.no_pass, depth=d)
             for r in results:
-                if r["engine"] == "ggraph" and (r["pp"], r["threads"], r["passes"], r["depth"]) == (pp, t, pipe, 0):
+                if r["engine"] == "ggraph" and (r["pp"], r["threads"], r["passes"], r["depth"]) == (pp, t, pipe, d):
                     r["profile"], r["roofline"] = prof, prof["roofline"]
-    if args.plot:
+    if not _print_rows(args, results):
+        print(bench_table(results))
+        for r in results:
+            if "profile" in r:
+                print(profile_report(r))
+    if args.plot:                                      # after the rows: a failing plot loses no measurements
         from ggraph.bench.plot import plot_results
         print(f"wrote {plot_results(results, args.plot)}", file=sys.stderr)
-    if _print_rows(args, results):
-        return 0
-    print(bench_table(results))
-    for r in results:
-        if "profile" in r:
-            print(profile_report(r))
     return 0
 
 
@@ -192,15 +189,18 @@ def _flatten(row: dict, prefix: str = "") -> dict:
 def profile_report(r: dict) -> str:
     """Per-op and per-layer tables of one profiled configuration, against the roofline."""
     from ggraph.bench import profile_table
+    from ggraph.bench.measure import DECODE_PROFILE_STEPS
     roof = r["roofline"]
     head = (f"\nprofile: {r['passes']} pipeline, {roof['threads']} thread(s), {roof['target']}; roofline: "
             f"{roof['bandwidth_gb_s']:.1f} GB/s measured, {roof['peak_gflop_s']:.0f} GFLOP/s f32 and "
             f"{roof['peak_int8_gop_s']:.0f} Gop/s int8 peak ('of roofline' = the time the limit allows / the time taken)")
     parts = [head]
-    first = r["profile"].get("prefill_step", {"T": r["pp"], "P": 0})
-    whole = f"prefill of {r['pp']} tokens" + ("" if first["T"] == r["pp"] else
-                                               f", its last ubatch ({first['T']} tokens at P={first['P']})")
-    for step, label in (("prefill", whole), ("decode", "one decode step")):
+    depth = r.get("depth", 0)
+    first = r["profile"].get("prefill_step", {"T": r["pp"], "P": depth})
+    whole = f"prefill of {r['pp']} tokens" + (f" at depth {depth}" if depth else "") + \
+        ("" if first["T"] == r["pp"] else f", its last ubatch ({first['T']} tokens at P={first['P']})")
+    fastest = f"decode at P={depth + r['pp']}, each op's fastest of {DECODE_PROFILE_STEPS} steps"
+    for step, label in (("prefill", whole), ("decode", fastest)):
         parts.append(profile_table(f"{label}, by op:", r["profile"][step]["op"]))
         parts.append(profile_table(f"{label}, by layer:", r["profile"][step]["layer"]))
     return "\n".join(parts)

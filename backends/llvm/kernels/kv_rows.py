@@ -84,7 +84,7 @@ class KVRow:
     # -- writes ----------------------------------------------------------------------
     def store(self, src, dst) -> None:
         """dst (a row of this type) = the n f32 values at src, converted or quantised."""
-        k, b, isa, dt = self.k, self.b, self.isa, self.dt
+        k, isa, dt = self.k, self.isa, self.dt
         if dt is dtypes.f32:
             k.intrinsic("llvm.memcpy.p0.p0.i64", ir.VoidType(),
                         [dst, src, k.i64(4 * self.n), ir.Constant(ir.IntType(1), 0)])
@@ -100,7 +100,7 @@ class KVRow:
             (self._q8_0 if dt is dtypes.q8_0 else self._q4_0)(x, head)
 
     def _to_bf16(self, x: ir.Value) -> ir.Value:
-        b, k = self.b, self.k
+        b = self.b
         u = b.bitcast(x, i32)
         nan = b.icmp_unsigned(">", b.and_(u, ir.Constant(i32, 0x7FFFFFFF)), ir.Constant(i32, 0x7F800000))
         quiet = b.or_(b.and_(u, ir.Constant(i32, 0xFFFF0000)), ir.Constant(i32, 0x00400000))
