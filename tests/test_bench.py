@@ -32,8 +32,10 @@ def test_profile_covers_every_call(model):
         ops = {r["name"]: r for r in prof[step]["op"]}
         assert {"fused", "rope_attention"} <= set(ops) and any(k.startswith("qmatmul") for k in ops)
         assert sum(r["share"] for r in prof[step]["op"]) == pytest.approx(1.0)
-        assert all(r["seconds"] >= 0 and r["bytes"] > 0 for r in prof[step]["op"] if r["name"] != "iota")
+        assert all(r["seconds"] >= 0 and r["bytes"] > 0 for r in prof[step]["op"] if r["name"] not in ("iota", "barrier/idle"))
         assert {"blk.0", "blk.1", "output"} <= {r["name"] for r in prof[step]["layer"]}
+        idle = ops["barrier/idle"]                       # two threads wait for each other at every barrier
+        assert idle["calls"] >= sum(r["calls"] for r in prof[step]["op"] if r is not idle) and idle["seconds"] > 0
     assert prof["roofline"]["bandwidth_gb_s"] > 0.5 and prof["roofline"]["peak_gflop_s"] > 1
 
 
@@ -63,8 +65,11 @@ def test_profile_counts_each_ops_fastest_run():
     from ggraph.ir.prims import add_p
     eqn = SimpleNamespace(prim=add_p, scope="blk.0.ffn", cost=lambda dims: (0, 1000))
     call = SimpleNamespace(eqn=eqn)
-    rows = profile_rows([[(call, 2.0), (call, 1.0)], [(call, 0.5)], [(call, 9.0)]], {}, 1.0, {"f32": 1, "int8": 1})
-    assert [(r["name"], r["seconds"]) for r in rows["op"]] == [("add", 0.5)]   # per run summed, then the fastest run
+    runs = [([(call, 2.0), (call, 1.0)], 0.25), ([(call, 0.5)], 0.5), ([(call, 9.0)], 0.125)]
+    rows = profile_rows(runs, {}, 1.0, {"f32": 1, "int8": 1})
+    # per run summed, then the fastest run; the waiting is a row of its own, its fastest run too
+    assert [(r["name"], r["seconds"]) for r in rows["op"]] == [("add", 0.5), ("barrier/idle", 0.125)]
+    assert [r["share"] for r in rows["layer"]] == [0.8, 0.2]
 
 
 def test_profile_needs_llvm(model, capsys):

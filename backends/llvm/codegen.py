@@ -59,8 +59,9 @@ def lower(graph: Graph, target: Target, profile: bool = False, compiler: jit.Com
         if progress is not None:
             progress.advance()
     outputs = [o if isinstance(o, Literal) else lw.where[o] for o in graph.outvars]
-    if profile:                           # one i64 cycle stamp per call, plus the start
-        lw._add(Buffer("profile", "cycles", Bytes("fixed", (8 * (len(lw.calls) + 1),))))
+    if profile:                           # i64 cycle stamps: a row per call (plus the start) for the
+        lw._add(Buffer("profile", "cycles", Bytes("fixed", (8 * (len(lw.calls) + 1),))))   # barriers; the
+        # program binds a longer array, one more row per thread for when it finished each call
     spec = ProgramSpec(ir.Module(name=graph.name or "ggraph"), lw.buffers, lw.calls, outputs, lw.input_index,
                        lw.param_index, list(lw.units.values()), lw.checks, lw.bounds)
     emit_program(spec, target, profile)
@@ -70,8 +71,10 @@ def lower(graph: Graph, target: Target, profile: bool = False, compiler: jit.Com
 def emit_program(spec: ProgramSpec, target: Target, profile: bool = False) -> None:
     """``void ggraph_program(ptr table, i64 T, i64 P, i32 ith, i32 nth, ptr barrier)``.
 
-    With ``profile``, every call is followed by a barrier and thread 0 stamps the cycle
-    counter into the "profile" buffer, so each call's span includes its slowest thread.
+    With ``profile``, every call is followed by a barrier. Each thread stamps the cycle counter
+    into its own row of the "profile" buffer when it finishes a call, and thread 0 stamps row 0
+    when the barrier after it opens: the span of a call includes its slowest thread, and the
+    difference is the time threads spent waiting.
     """
     m = spec.module
     barrier = emit_barrier(m, x86=target.arch == "x86_64")
@@ -94,17 +97,18 @@ def emit_program(spec: ProgramSpec, target: Target, profile: bool = False) -> No
             return p if isinstance(off, ir.Constant) and off.constant == 0 else b.gep(p, [off], source_etype=ir.IntType(8))
         return dim_value(b, arg, dims)
 
-    stamp = _stamper(m, b, ith, base(len(spec.buffers) - 1)) if profile else None
+    stamp = _stamper(m, b, ith, base(len(spec.buffers) - 1), len(spec.calls) + 1) if profile else None
     if stamp:
-        stamp(0)
+        stamp(0, barrier=True)
     waits = [True] * len(spec.calls) if profile else barriers_needed(spec.calls)
     for i, (c, wait) in enumerate(zip(spec.calls, waits)):
         if wait and not (profile and i == 0):
             b.call(barrier, [bar, nth])
         b.call(_declare(m, c), [value(a) for a in c.args] + [ith, nth])
         if stamp:
+            stamp(i + 1, barrier=False)
             b.call(barrier, [bar, nth])
-            stamp(i + 1)
+            stamp(i + 1, barrier=True)
     b.ret_void()
 
 
@@ -116,13 +120,18 @@ def _declare(m: ir.Module, c: Call) -> ir.Function:
     return ir.Function(m, ir.FunctionType(ir.VoidType(), args), name=c.kernel)
 
 
-def _stamper(m: ir.Module, b: ir.IRBuilder, ith, stamps):
-    """A function that makes thread 0 store the cycle counter at stamps[i]."""
+def _stamper(m: ir.Module, b: ir.IRBuilder, ith, stamps, row: int):
+    """stamp(i, barrier): store the cycle counter at stamps[i] (thread 0, as a barrier opens) or at
+    stamps[(ith + 1) * row + i] (every thread, as it finishes call i)."""
     counter = m.globals.get("llvm.readcyclecounter") or ir.Function(m, ir.FunctionType(i64, []), name="llvm.readcyclecounter")
 
-    def stamp(i: int):
-        with b.if_then(b.icmp_signed("==", ith, ir.Constant(i32, 0))):
-            b.store(b.call(counter, []), b.gep(stamps, [ir.Constant(i64, i)], source_etype=i64))
+    def stamp(i: int, barrier: bool):
+        if barrier:
+            with b.if_then(b.icmp_signed("==", ith, ir.Constant(i32, 0))):
+                b.store(b.call(counter, []), b.gep(stamps, [ir.Constant(i64, i)], source_etype=i64))
+        else:
+            at = b.add(b.mul(b.add(b.sext(ith, i64), ir.Constant(i64, 1)), ir.Constant(i64, row)), ir.Constant(i64, i))
+            b.store(b.call(counter, []), b.gep(stamps, [at], source_etype=i64))
     return stamp
 
 

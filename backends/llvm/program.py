@@ -192,6 +192,7 @@ class LLVMProgram(Program):
         self.target = target or host_target()
         self.profile = profile
         self.last_profile: list[tuple] = []           # (call, seconds) of the last run, when profiling
+        self.last_idle = 0.0                          # seconds the threads of that run spent at barriers
         t0 = time.perf_counter()
         self.spec, self.lib = _load_or_build(graph, self.target, profile)
         self.compile_s = time.perf_counter() - t0
@@ -212,7 +213,7 @@ class LLVMProgram(Program):
                 self._dim_values[buf.name] = np.zeros(1, dtype=np.int32)
                 self._bind(i, self._dim_values[buf.name])
             elif buf.kind == "profile":
-                self._cycles = np.zeros(len(self.spec.calls) + 1, dtype=np.int64)
+                self._cycles = np.zeros((self.threads + 1, len(self.spec.calls) + 1), dtype=np.int64)
                 self._bind(i, self._cycles)
             elif buf.kind == "status":
                 self._bind(i, self._status)
@@ -283,14 +284,21 @@ class LLVMProgram(Program):
         t0 = time.perf_counter()
         self.team.run(lambda ith: self.fn(table, T, P, ith, n, bar))
         if self.profile:
-            wall = time.perf_counter() - t0
-            ticks = np.diff(self._cycles)
-            per_tick = wall / max(int(self._cycles[-1] - self._cycles[0]), 1)   # calibrate the counter
-            self.last_profile = [(c, float(t) * per_tick) for c, t in zip(self.spec.calls, ticks)]
+            self._read_profile(time.perf_counter() - t0)
         for slot, message in enumerate(self.spec.checks):
             if self._status[2 * slot]:
                 raise IndexError(message.format(id=int(self._status[2 * slot + 1])))
         return [self._output(o, v, dims) for o, v in zip(self.spec.outputs, g.outvars)]
+
+    def _read_profile(self, wall: float) -> None:
+        """Each call's time is its threads' mean time from the barrier before it to their finish; the
+        rest of its span, up to the barrier after it opens, is waiting (imbalance and the barrier)."""
+        opened, finished = self._cycles[0], self._cycles[1:, 1:]
+        per_tick = wall / max(int(opened[-1] - opened[0]), 1)                    # calibrate the counter
+        busy = np.maximum(finished - opened[None, :-1], 0).mean(axis=0)
+        spans = np.diff(opened)
+        self.last_profile = [(c, float(t) * per_tick) for c, t in zip(self.spec.calls, busy)]
+        self.last_idle = float(np.maximum(spans - busy, 0).sum()) * per_tick
 
     def _output(self, ref, var, dims):
         if isinstance(ref, Literal):

@@ -253,13 +253,17 @@ def _eqn_seconds(profile) -> dict[int, list]:
     return per_eqn
 
 
+IDLE = "barrier/idle"                # the profile row of the time threads spent waiting for each other
+
+
 def profile_rows(runs, dims: dict, bandwidth: float, peaks: dict) -> dict[str, list[dict]]:
-    """Time, bytes and flops per op kind and per layer, from the (call, seconds) profiles of one or
-    more runs of the same step: each equation counts its fastest run, so one preempted call on a
-    shared machine does not pass for a slow kernel."""
+    """Time, bytes and flops per op kind and per layer, from one or more runs of the same step,
+    each a ((call, seconds) profile, seconds idle at barriers) pair: each equation counts its
+    fastest run, so one preempted call on a shared machine does not pass for a slow kernel, and
+    the waiting has a row of its own in both tables (its fastest run too)."""
     per_eqn: dict[int, list] = {}
-    for run in runs:
-        for key, (eqn, seconds) in _eqn_seconds(run).items():
+    for profile, _ in runs:
+        for key, (eqn, seconds) in _eqn_seconds(profile).items():
             per_eqn[key] = [eqn, min(seconds, per_eqn[key][1])] if key in per_eqn else [eqn, seconds]
     groups = {"op": {}, "layer": {}}
     for eqn, seconds in per_eqn.values():
@@ -272,6 +276,10 @@ def profile_rows(runs, dims: dict, bandwidth: float, peaks: dict) -> dict[str, l
             row["seconds"] += seconds
             row["bytes"] += nbytes
             row["flops"] += flops
+    idle = min(i for _, i in runs)
+    for rows in groups.values():
+        rows[IDLE] = {"name": IDLE, "calls": len(runs[0][0]), "seconds": idle, "bytes": 0.0, "flops": 0.0}
+    per_eqn[IDLE] = [None, idle]
     total = sum(s for _, s in per_eqn.values()) or 1.0
     out = {}
     for by, rows in groups.items():
@@ -309,20 +317,23 @@ def profile_ggraph(path, pp: int = 64, threads: int = 1, passes="default", ctx: 
     s.step(ids[depth:])
     last = (pp - 1) // s.ubatch * s.ubatch                   # a long prompt runs in ubatches: the last one is timed
     step = {"T": pp - last, "P": depth + last}
-    prefill = profile_rows([prog.last_profile], step, bandwidth, peaks)
+    prefill = profile_rows([(prog.last_profile, prog.last_idle)], step, bandwidth, peaks)
     steps = []
     for _ in range(DECODE_PROFILE_STEPS):
         s.step([ids[0]])
-        steps.append(prog.last_profile)
+        steps.append((prog.last_profile, prog.last_idle))
     decode = profile_rows(steps, {"T": 1, "P": depth + pp}, bandwidth, peaks)
+    from ggraph.backends.llvm.codegen import barriers_needed
     return {"roofline": {"bandwidth_gb_s": bandwidth, "peak_gflop_s": peaks["f32"], "peak_int8_gop_s": peaks["int8"],
                          "target": prog.target.name, "threads": threads},
-            "prefill": prefill, "decode": decode, "prefill_step": step}
+            "prefill": prefill, "decode": decode, "prefill_step": step,
+            "calls": len(prog.spec.calls), "barriers": sum(barriers_needed(prog.spec.calls))}
 
 
 def profile_table(title: str, rows: list[dict]) -> str:
     lines = [title, f"  {'':<18} {'calls':>5} {'ms':>8} {'share':>6} {'GB/s':>7} {'GFLOP/s':>8} {'of roofline':>11}"]
     for r in rows:
-        lines.append(f"  {r['name']:<18} {r['calls']:>5} {r['seconds'] * 1e3:>8.3f} {r['share']:>6.1%} "
-                     f"{r['gb_s']:>7.1f} {r['gflop_s']:>8.1f} {r['roofline']:>10.0%}")
+        rates = (f"{'-':>7} {'-':>8} {'-':>11}" if r["name"] == IDLE else
+                 f"{r['gb_s']:>7.1f} {r['gflop_s']:>8.1f} {r['roofline']:>10.0%}")
+        lines.append(f"  {r['name']:<18} {r['calls']:>5} {r['seconds'] * 1e3:>8.3f} {r['share']:>6.1%} {rates}")
     return "\n".join(lines)

@@ -189,11 +189,14 @@ def _flatten(row: dict, prefix: str = "") -> dict:
 def profile_report(r: dict) -> str:
     """Per-op and per-layer tables of one profiled configuration, against the roofline."""
     from ggraph.bench import profile_table
-    from ggraph.bench.measure import DECODE_PROFILE_STEPS
+    from ggraph.bench.measure import DECODE_PROFILE_STEPS, IDLE
     roof = r["roofline"]
     head = (f"\nprofile: {r['passes']} pipeline, {roof['threads']} thread(s), {roof['target']}; roofline: "
             f"{roof['bandwidth_gb_s']:.1f} GB/s measured, {roof['peak_gflop_s']:.0f} GFLOP/s f32 and "
             f"{roof['peak_int8_gop_s']:.0f} Gop/s int8 peak ('of roofline' = the time the limit allows / the time taken)")
+    if "calls" in r["profile"]:
+        head += (f"\n{r['profile']['calls']} kernel calls and {r['profile']['barriers']} barriers a step (profiling puts "
+                 f"a barrier after every call; '{IDLE}' is the threads' mean time waiting at them)")
     parts = [head]
     depth = r.get("depth", 0)
     first = r["profile"].get("prefill_step", {"T": r["pp"], "P": depth})
