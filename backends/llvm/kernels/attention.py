@@ -57,6 +57,7 @@ BLOCK = 16                       # keys per online-softmax step in the vector ke
 ROW_COST = BLOCK                 # fixed cost of a query row (rope, a softmax block), in key units
 SPLIT_T = 4                      # key splitting (flash-decoding) serves steps of at most this many tokens
 SPLIT_MAX = 32                   # ... cut into at most this many key ranges, one per thread
+PREFETCH_KEYS = BLOCK            # the score loop prefetches the K and V rows this many keys ahead
 
 
 @dataclass(frozen=True)
@@ -578,6 +579,9 @@ def _scores(rows: _Rows, bufs: dict, qrow, n: int, j0, jj, hi, g, KB: int) -> No
     krows = []
     for kk in range(KB):
         j = k.add(j0, jj, kk)
+        ahead = k.add(k.mul(k.add(j, PREFETCH_KEYS), attn.Hkv), g)       # the next block's rows, on their way
+        rows.keys.prefetch(rows.keys.at(k.arg["k_cache"], ahead))
+        rows.values.prefetch(rows.values.at(k.arg["v_cache"], ahead))
         j = b.select(b.icmp_signed(">", j, last), last, j) if kk else j
         krows.append(rows.keys.at(k.arg["k_cache"], k.add(k.mul(j, attn.Hkv), g)))
     acc = [[k.var(vec(f32, lanes), _zeros(lanes)) for _ in range(n)] for _ in range(KB)]
