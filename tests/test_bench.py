@@ -75,3 +75,32 @@ def test_profile_counts_each_ops_fastest_run():
 def test_profile_needs_llvm(model, capsys):
     assert main(["bench", model, "--backend", "numpy", "--profile", "--pp", "2", "--tg", "1", "--repeats", "1"]) == 1
     assert "use --backend llvm" in capsys.readouterr().err
+
+
+def test_peaks_follow_the_feature_set():
+    from ggraph.backends.llvm.target import named_target
+    from ggraph.bench.measure import peak_gflops
+    avx2, vnni, avx512 = (peak_gflops(named_target(n), 2) for n in ("avx2", "avx512_vnni", "avx512"))
+    assert vnni["f32"] == avx512["f32"] == 2 * avx2["f32"]                 # twice the lanes
+    assert avx2["int8"] == 2 * avx2["f32"] and avx512["int8"] == 2 * avx512["f32"]   # pmaddubsw + pmaddwd
+    assert vnni["int8"] == 4 * vnni["f32"]                                 # vpdpbusd: a multiply-add per byte
+    assert peak_gflops(named_target("avx2"), 1)["int8"] * 2 == avx2["int8"]
+
+
+def test_roofline_bounds_every_engine_by_the_same_work(model, capsys):
+    from ggraph.bench.measure import roofline_limits
+    from ggraph.runtime.session import Session
+    s = Session(model, threads=1, ctx=256)
+    peaks = {"f32": 50.0, "int8": 100.0}
+    shallow, deep = (roofline_limits(s, 16, 4, d, 10.0, peaks) for d in (0, 200))
+    assert deep["tg_limit_tok_s"] < shallow["tg_limit_tok_s"]               # more cache to read at depth
+    assert deep["pp_limit_tok_s"] < shallow["pp_limit_tok_s"]
+    slower = roofline_limits(s, 16, 4, 0, 5.0, peaks)                       # half the bandwidth
+    assert slower["tg_limit_tok_s"] < shallow["tg_limit_tok_s"]
+    assert main(["bench", model, "-p", "4", "-n", "2", "--roofline", "--repeats", "1", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["pp_limit_tok_s"] > 0 and r["tg_limit_tok_s"] > 0 and r["bandwidth_gb_s"] > 0
+    assert r["limit_target"] and r["peak_int8_gop_s"] >= r["peak_gflop_s"]
+    assert main(["bench", model, "-p", "4", "-n", "2", "--roofline", "--repeats", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "roofline at 1 thread:" in out and "of limit" in out

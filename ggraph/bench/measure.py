@@ -229,11 +229,15 @@ def cpu_ghz() -> float:
 
 
 def peak_gflops(target, threads: int) -> dict[str, float]:
-    """Peak compute from the feature set: f32 FMA (2 ports) and int8 dot products per second."""
-    lanes = target.vector_bits // 32
-    f32_peak = threads * cpu_ghz() * 2 * lanes * 2                 # 2 FMA ports, 2 flops each
-    int8 = 4 if target.has("avx512vnni") or target.has("avxvnni") else 2
-    return {"f32": f32_peak, "int8": f32_peak * int8 / 2}
+    """Peak compute from the feature set, in G(FL)OP/s: f32 FMAs (2 ports, 2 flops each) and int8
+    multiply-adds (2 ops each) on 2 ports: one per byte lane per instruction with a dot-product
+    instruction (vpdpbusd, sdot), one per two instructions without (pmaddubsw then pmaddwd)."""
+    vector_bytes = target.vector_bits // 8
+    ghz = threads * cpu_ghz()
+    f32_peak = ghz * 2 * (vector_bytes // 4) * 2
+    dot = target.has("avx512vnni") or target.has("avxvnni") or target.has("dotprod")
+    macs = 2 * vector_bytes // (1 if dot else 2)                     # int8 multiply-adds a cycle
+    return {"f32": f32_peak, "int8": ghz * macs * 2}
 
 
 def op_kind(eqn) -> str:
@@ -288,11 +292,39 @@ def profile_rows(runs, dims: dict, bandwidth: float, peaks: dict) -> dict[str, l
             r["share"] = r["seconds"] / total
             r["gb_s"] = r["bytes"] / r["seconds"] / 1e9 if r["seconds"] else 0.0
             r["gflop_s"] = r["flops"] / r["seconds"] / 1e9 if r["seconds"] else 0.0
-            peak = peaks["int8"] if r["name"].startswith("qmatmul") and "f32" not in r["name"] else peaks["f32"]
-            bound = max(r["bytes"] / (bandwidth * 1e9), r["flops"] / (peak * 1e9))
-            r["roofline"] = bound / r["seconds"] if r["seconds"] else 0.0     # 1.0 = at the limit
+            r["roofline"] = _bound(r["name"], r["flops"], r["bytes"], bandwidth, peaks) / r["seconds"] \
+                if r["seconds"] else 0.0                                    # 1.0 = at the limit
         out[by] = listed
     return out
+
+
+def _bound(kind: str, flops: float, nbytes: float, bandwidth: float, peaks: dict) -> float:
+    """The least time an op of this kind can take: its bytes at the measured bandwidth, or its
+    flops at the peak (int8 for quantised matmuls), whichever is longer."""
+    peak = peaks["int8"] if kind.startswith("qmatmul") and "f32" not in kind else peaks["f32"]
+    return max(nbytes / (bandwidth * 1e9), flops / (peak * 1e9))
+
+
+def step_bound(program, dims: dict, bandwidth: float, peaks: dict) -> float:
+    """Seconds a step of ``program`` at ``dims`` (T, P) takes at the roofline: every op at its limit."""
+    total = 0.0
+    for eqn in program.graph.eqns:
+        flops, nbytes = eqn.cost(dims)
+        total += _bound(op_kind(eqn), flops, nbytes, bandwidth, peaks)
+    return total
+
+
+def roofline_limits(session, pp: int, tg: int, depth: int, bandwidth: float, peaks: dict) -> dict:
+    """The fastest prefill and decode (tok/s) this machine allows for a bench configuration: the
+    prefill's ubatch steps and the decode steps from ``depth`` (as timed), each op at its roofline.
+    The same work bounds any engine on the same file, llama.cpp included."""
+    from ggraph.runtime.session import UBATCH
+    ubatch = getattr(session, "ubatch", UBATCH)
+    prog = session.program(last_only=True)
+    pre = sum(step_bound(prog, {"T": min(ubatch, pp - at), "P": depth + at}, bandwidth, peaks)
+              for at in range(0, pp, ubatch))
+    dec = sum(step_bound(prog, {"T": 1, "P": depth + i}, bandwidth, peaks) for i in range(tg))
+    return {"pp_limit_tok_s": pp / pre if pre else 0.0, "tg_limit_tok_s": tg / dec if dec else 0.0}
 
 
 DECODE_PROFILE_STEPS = 5           # decode steps profiled; each op counts its fastest

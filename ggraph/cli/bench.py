@@ -99,6 +99,8 @@ def cmd_bench(args) -> int:
                     r["profile"], r["roofline"] = prof, prof["roofline"]
     if not _print_rows(args, results):
         print(bench_table(results))
+        if args.roofline:
+            print(roofline_table(results))
         for r in results:
             if "profile" in r:
                 print(profile_report(r))
@@ -111,7 +113,7 @@ def cmd_bench(args) -> int:
 def bench_speed(args, path, threads, depths, pps, tgs, pipelines, ctx, cache_k, cache_v, fas) -> list[dict]:
     """Every (threads, depth, pp, tg) configuration: ggraph per pipeline, then llama.cpp per flash attention
     setting, loaded once per thread count, their rounds alternating."""
-    from ggraph.bench.measure import GGraphRunner, LlamaCppRunner, bench_side_by_side
+    from ggraph.bench.measure import GGraphRunner, LlamaCppRunner, bench_side_by_side, roofline_limits
     from ggraph.progress import Progress
     results = []
     with Progress(len(threads) * len(depths) * len(pps) * len(tgs), "benchmarking", stream=sys.stderr) as bar:
@@ -123,10 +125,19 @@ def bench_speed(args, path, threads, depths, pps, tgs, pipelines, ctx, cache_k, 
                                                 args.no_pass, args.max_memory))
                 for fa in fas if args.vs_llama_cpp else ():
                     runners.append(LlamaCppRunner(path, t, ctx, cache_k, cache_v, fa))
+                roof = _machine_limits(runners[0], t) if args.roofline else None
                 for depth in depths:
                     for pp in pps:
                         for tg in tgs:
-                            results += [r.row() for r in bench_side_by_side(runners, pp, tg, depth, args.repeats)]
+                            rows = [r.row() for r in bench_side_by_side(runners, pp, tg, depth, args.repeats)]
+                            if roof:
+                                limits = roofline_limits(runners[0].session, pp, tg, depth,
+                                                         roof["bandwidth_gb_s"], roof["peaks"])
+                                for r in rows:
+                                    r.update(limits, bandwidth_gb_s=roof["bandwidth_gb_s"],
+                                             peak_int8_gop_s=roof["peaks"]["int8"],
+                                             peak_gflop_s=roof["peaks"]["f32"], limit_target=roof["target"])
+                            results += rows
                             bar.advance()
             finally:
                 for r in runners:
@@ -139,7 +150,8 @@ def cmd_memory(args, path, threads, cache_k, cache_v) -> int:
     from ggraph.bench.memory import memory_curve, memory_points, memory_table
     from ggraph.progress import Progress
     unused = [flag for flag, given in (("--pp", args.pp), ("--tg", args.tg), ("--depth", args.depth != "0"),
-                                       ("--compare", args.compare), ("--profile", args.profile)) if given]
+                                       ("--compare", args.compare), ("--profile", args.profile),
+                                       ("--roofline", args.roofline)) if given]
     if unused:
         raise ValueError(f"--memory measures memory, not speed: {', '.join(unused)} do not apply")
     if len(threads) > 1:
@@ -184,6 +196,35 @@ def _flatten(row: dict, prefix: str = "") -> dict:
         elif k not in ("profile", "roofline"):
             out[prefix + k] = v
     return out
+
+
+def _machine_limits(runner, threads: int) -> dict:
+    """This run's memory bandwidth (measured now) and the compute peaks of the feature set the
+    ggraph program was built for, at ``threads`` threads."""
+    from ggraph.backends.llvm.target import host_target
+    from ggraph.bench.measure import peak_gflops, stream_bandwidth
+    target = getattr(runner.session.program(last_only=True), "target", None) or host_target()
+    return {"bandwidth_gb_s": stream_bandwidth(threads), "peaks": peak_gflops(target, threads), "target": target.name}
+
+
+def roofline_table(results: list[dict]) -> str:
+    """Each result as a fraction of the fastest its machine allows (``--roofline``)."""
+    lines = []
+    for t in dict.fromkeys(r["threads"] for r in results):
+        first = next(r for r in results if r["threads"] == t)
+        lines.append(f"\nroofline at {t} thread{'s' * (t != 1)}: {first['bandwidth_gb_s']:.1f} GB/s measured in this "
+                     f"run, {first['peak_int8_gop_s']:.0f} Gop/s int8 and {first['peak_gflop_s']:.0f} GFLOP/s f32 peak "
+                     f"({first['limit_target']}); limit = every op of the step at its bound")
+        lines.append(f"{'engine':<10} {'passes':<8} {'fa':>3} {'depth':>6} {'pp':>5} {'limit tok/s':>11} "
+                     f"{'of limit':>8} {'tg':>4} {'limit tok/s':>11} {'of limit':>8}")
+        for r in (r for r in results if r["threads"] == t):
+            pp = (f"{r['pp_limit_tok_s']:>11.1f} {r['pp_tok_s'] / r['pp_limit_tok_s']:>8.0%}" if r["pp"]
+                  else f"{'-':>11} {'-':>8}")
+            tg = (f"{r['tg_limit_tok_s']:>11.1f} {r['tg_tok_s'] / r['tg_limit_tok_s']:>8.0%}" if r["tg"]
+                  else f"{'-':>11} {'-':>8}")
+            lines.append(f"{r['engine']:<10} {r.get('passes') or '-':<8} {r.get('flash_attn') or '-':>3} "
+                         f"{r['depth']:>6} {r['pp']:>5} {pp} {r['tg']:>4} {tg}")
+    return "\n".join(lines)
 
 
 def profile_report(r: dict) -> str:
@@ -283,6 +324,9 @@ def add_parser(sub, parents) -> None:
                    help="with --memory: prompt tokens to prefill (default: the whole context minus 4 decode steps)")
     p.add_argument("--json", action="store_true", help="print JSON (one object for one configuration)")
     p.add_argument("--csv", action="store_true", help="print CSV rows")
+    p.add_argument("--roofline", action="store_true",
+                   help="measure this run's memory bandwidth and show every result (ggraph and llama.cpp) as a "
+                        "fraction of the fastest the machine allows for that work")
     p.add_argument("--profile", action="store_true",
                    help="time every op inside the native program, per op kind and per layer, against the roofline")
     from ggraph.bench.plot import plot_path
