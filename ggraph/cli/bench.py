@@ -276,6 +276,8 @@ EPILOG = """\
 examples: ggraph bench --demo --pp 64 --tg 32 -t 2 --json
           ggraph bench --demo -p 64,512 -n 64 -t 1,2 --compare fused,unfused --vs-llama-cpp
           ggraph bench --demo -p 512 -n 32 -d 0,4096,16384 -ctk q8_0 -ctv q8_0 --vs-llama-cpp
+          ggraph bench --demo -p 512 -n 32 -t 2 --vs-llama-cpp --roofline
+          ggraph bench --demo -p 64 -n 8 -d 4096 -t 2 --profile
           ggraph bench --memory --demo --ctx 512,4096,32768 --cache-types f16,q8_0 --vs-llama-cpp --plot mem.png
 
 At a depth (-d N), N tokens are prefilled untimed, then a prefill of pp tokens is timed at P=N
