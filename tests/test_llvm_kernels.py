@@ -28,6 +28,7 @@ EMB_SCALE = 25.298221                     # sqrt(640), as gemma scales embedding
 SMALL = ((dtypes.q4_0, 32, 5), (dtypes.q6_k, 256, 3), (dtypes.q8_0, 64, 21))   # fewer rows than threads' chunks
 P = ctypes.c_void_p
 ABI = [P, P, P, ctypes.c_int64, ctypes.c_int32, ctypes.c_int32]
+QABI = [P, P, P, P, ctypes.c_int64, ctypes.c_int32, ctypes.c_int32]     # qmatmul: w, xq, y, counter
 ACT_ABI = [P, P, ctypes.c_int64, ctypes.c_int32, ctypes.c_int32]
 ROWS_ABI = [P, P, P, P, ctypes.c_int64, ctypes.c_int32, ctypes.c_int32]    # get_rows: table, ids, out, status
 # fp16 fields per block, overwritten with sane values in random blocks
@@ -48,7 +49,7 @@ def _build(target_name: str) -> jit.Library:
     for dt in kernels.QUANT_TYPES:
         kernels.qmatmul(m, dt, k_of(dt), N, t)
         kernels.get_rows(m, dt, k_of(dt), V, t)
-    for dt, K, n in SMALL:
+    for dt, K, n in (*SMALL, (dtypes.q8_0, 64, 256)):
         kernels.qmatmul(m, dt, K, n, t)
     kernels.act_quant(m, "q8_0", 32, t)
     kernels.act_quant(m, "q8_0", 64, t)
@@ -172,7 +173,8 @@ def check_qmatmul(target, dt, K: int, n: int, w: np.ndarray, tokens=TOKENS, rng=
     rng = rng or np.random.default_rng(1)
     fmt = kernels.act_format(dt)
     W = dequant(w, dt, n, K).astype(np.float64)                       # (n, K)
-    f = fn(target, f"qmatmul_{dt.name}_k{K}_n{n}", lib=lib)
+    f = fn(target, f"qmatmul_{dt.name}_k{K}_n{n}", abi=QABI, lib=lib)
+    counter = np.zeros(16, np.int32)
     for T in tokens:
         x = rng.standard_normal((T, K)).astype(np.float32) if x_of is None else x_of(T)
         buf = quantize_acts(target, x, fmt, lib)
@@ -183,7 +185,8 @@ def check_qmatmul(target, dt, K: int, n: int, w: np.ndarray, tokens=TOKENS, rng=
         norms = np.linalg.norm(x, axis=1)[:, None] * np.linalg.norm(W, axis=1)[None, :]
         for nth, threads in ((1, False), (2, False), (3, False), (2, True)):
             y = np.full((T, n), np.nan, np.float32)
-            run(f, (w.ctypes.data, buf.ctypes.data, y.ctypes.data), T, nth, threads)
+            counter[:] = 0
+            run(f, (w.ctypes.data, buf.ctypes.data, y.ctypes.data, counter.ctypes.data), T, nth, threads)
             assert not np.isnan(y).any(), f"T={T} nth={nth}: rows left unwritten"
             err = np.abs(y - exact) / norms
             assert err.max() < 1e-5, f"T={T} nth={nth}: normalised error {err.max():.2e} vs exact"
@@ -194,6 +197,24 @@ def check_qmatmul(target, dt, K: int, n: int, w: np.ndarray, tokens=TOKENS, rng=
 def test_qmatmul(target, dt):
     rng = np.random.default_rng(1)
     check_qmatmul(target, dt, k_of(dt), N, random_blocks(dt, N, k_of(dt), rng), rng=rng)
+
+
+@pytest.mark.parametrize("T", [1, 20])
+def test_qmatmul_threads_take_the_rows_of_a_thread_that_is_late(target, T):
+    """Rows come in chunks taken in turn: thread 0 alone (thread 1 of 2 has not started) does every
+    chunk but thread 1's first, and thread 1, when it comes, does just that one."""
+    dt, K, n = dtypes.q8_0, 64, 256                                     # 16 chunks of 16 rows at nth=2
+    rng = np.random.default_rng(3)
+    w = random_blocks(dt, n, K, rng)
+    f = fn(target, f"qmatmul_{dt.name}_k{K}_n{n}", abi=QABI)
+    buf = quantize_acts(target, rng.standard_normal((T, K)).astype(np.float32), kernels.act_format(dt))
+    y, counter = np.full((T, n), np.nan, np.float32), np.zeros(16, np.int32)
+    args = (w.ctypes.data, buf.ctypes.data, y.ctypes.data, counter.ctypes.data)
+    f(*args, T, 0, 2)
+    late = np.isnan(y).all(axis=0)
+    assert late[16:32].all() and not late[:16].any() and not late[32:].any()
+    f(*args, T, 1, 2)
+    assert not np.isnan(y).any() and counter[0] == 16       # 14 chunks taken, and each thread found none once
 
 
 @pytest.mark.parametrize("dt", kernels.QUANT_TYPES, ids=lambda d: d.name)

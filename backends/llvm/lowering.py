@@ -54,7 +54,7 @@ class Bytes:
 @dataclasses.dataclass
 class Buffer:
     """A memory region: a graph input, a weight, an activation, scratch, or a constant."""
-    kind: str                              # "input" | "param" | "act" | "scratch" | "const" | "dim" | ...
+    kind: str                              # "input" | "param" | "act" | "scratch" | "const" | "dim" | "counters" | ...
     name: str
     size: Bytes                            # bytes, given the dims
     data: np.ndarray | None = None         # constants: their bytes
@@ -80,6 +80,9 @@ class Call:
     @property
     def reads(self) -> frozenset:
         return frozenset(a.buf for a in self.args if isinstance(a, Ref)) - self.writes
+
+
+COUNTER_BYTES = 64                 # one work counter per cache line: threads bump them at once
 
 
 class LoweringError(NotImplementedError):
@@ -114,6 +117,7 @@ class Lowering:
         self._plan_buffers: dict[int, int] = {}
         self.checks: list[str] = []                           # what each status slot reports
         self._status: int | None = None
+        self._counters: int | None = None                     # the "counters" buffer, once a kernel asks
         self.bounds: list[tuple] = []                         # (rows, capacity, what): rows <= capacity per run
 
     def _add(self, buf: Buffer) -> int:
@@ -157,6 +161,17 @@ class Lowering:
         self.checks.append(message)
         self.buffers[self._status].size = Bytes("fixed", (16 * len(self.checks),))
         return Ref(self._status, 16 * (len(self.checks) - 1))
+
+    def counter(self) -> Ref:
+        """A work counter of the call's own: an i32 on a cache line of its own, zero at the start of
+        every run, for a kernel whose threads take chunks of work in turn (``Kernel.row_chunks``).
+        No call writes it as far as barriers go: only the call it was made for touches it."""
+        if self._counters is None:
+            self._counters = self._add(Buffer("counters", "counters", Bytes("fixed", (0,))))
+        buf = self.buffers[self._counters]
+        n = buf.size({}) // COUNTER_BYTES
+        buf.size = Bytes("fixed", (COUNTER_BYTES * (n + 1),))
+        return Ref(self._counters, COUNTER_BYTES * n)
 
     def bound(self, rows, capacity: int, what: str) -> None:
         """Require ``rows`` (a dim expression, e.g. P+T) <= ``capacity`` on every run, before the call:

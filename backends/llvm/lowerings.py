@@ -67,7 +67,7 @@ def _qmatmul(lw, e):
         xq = lw.scratch(Bytes("act", (fmt, R, Kdim)), f"xq_{fmt}")
         lw.call(lw.kernel(K.act_quant, fmt, Kdim, lw.target), lw.ref(x), xq, R, writes=(xq,))
         lw.memo(("act_quant", x, fmt), xq)
-    lw.call(lw.kernel(K.qmatmul, dt, Kdim, N, lw.target), lw.ref(w), xq, out, R, writes=(out,))
+    lw.call(lw.kernel(K.qmatmul, dt, Kdim, N, lw.target), lw.ref(w), xq, out, lw.counter(), R, writes=(out,))
 
 
 def lower_eqn(lw: Lowering, e: Eqn) -> None:

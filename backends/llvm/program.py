@@ -206,6 +206,7 @@ class LLVMProgram(Program):
         self._slots: dict[int, int] = {}               # arena buffer -> bytes its place in the arena holds
         self._dim_values = {}                          # dim inputs (P) as i32 scalars in memory
         self._status = np.zeros(2 * len(self.spec.checks), dtype=np.int64)
+        self._counters = np.zeros(0, dtype=np.int32)  # the work counters of kernels that take chunks in turn
         for i, buf in enumerate(self.spec.buffers):
             if buf.kind == "const":
                 self._bind(i, buf.data)
@@ -217,6 +218,9 @@ class LLVMProgram(Program):
                 self._bind(i, self._cycles)
             elif buf.kind == "status":
                 self._bind(i, self._status)
+            elif buf.kind == "counters":
+                self._counters = np.zeros(buf.size({}) // 4, dtype=np.int32)
+                self._bind(i, self._counters)
         if weights is not None:
             self.bind_weights(weights)
 
@@ -279,6 +283,7 @@ class LLVMProgram(Program):
         for name, cell in self._dim_values.items():
             cell[0] = dims[name]
         self._status[:] = 0
+        self._counters[:] = 0
         T, P = int(dims.get("T", 1)), int(dims.get("P", 0))
         table, bar, n = self.table.ctypes.data, self.team.barrier_ptr, self.threads
         t0 = time.perf_counter()

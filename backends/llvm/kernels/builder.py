@@ -191,6 +191,38 @@ class Kernel:
         end = b.sdiv(b.mul(units, b.add(ith, ir.Constant(i64, 1))), nth)
         return start, end
 
+    @contextmanager
+    def row_chunks(self, n: int, counter: ir.Value, per_thread: int = 8):
+        """Chunks of ``n`` output rows (whole ROW_CHUNKs, about ``per_thread`` per thread) taken in
+        turn: thread ith does chunk ith first, then the next one nobody has taken (``counter``, an
+        i32 that is zero when the call starts, counts them), so a thread that runs faster, or is
+        not preempted, does more of them. Yields each chunk's [start, end)."""
+        b = self.b
+        nth = b.sext(self.arg["nth"], i64)
+        units = (n + ROW_CHUNK - 1) // ROW_CHUNK
+        per = b.sdiv(ir.Constant(i64, units), b.mul(nth, ir.Constant(i64, per_thread)))
+        size = b.mul(b.select(b.icmp_signed("<", per, ir.Constant(i64, 1)), ir.Constant(i64, 1), per),
+                     ir.Constant(i64, ROW_CHUNK))
+        chunks = b.sdiv(b.add(ir.Constant(i64, n - 1), size), size)
+        first = b.sext(self.arg["ith"], i64)
+        pre = b.block
+        head = self.fn.append_basic_block("chunk.head")
+        body = self.fn.append_basic_block("chunk.body")
+        done = self.fn.append_basic_block("chunk.done")
+        b.branch(head)
+        b.position_at_end(head)
+        c = b.phi(i64, name="chunk")
+        c.add_incoming(first, pre)
+        b.cbranch(b.icmp_signed("<", c, chunks), body, done)
+        b.position_at_end(body)
+        start = b.mul(c, size)
+        end = b.add(start, size)
+        yield start, b.select(b.icmp_signed("<", end, ir.Constant(i64, n)), end, ir.Constant(i64, n))
+        taken = b.atomic_rmw("add", counter, ir.Constant(i32, 1), "monotonic")
+        c.add_incoming(b.add(nth, b.sext(taken, i64)), b.block)
+        b.branch(head)
+        b.position_at_end(done)
+
     def row_share(self, n: int) -> tuple[ir.Value, ir.Value]:
         """This thread's [start, end) of `n` output rows, in chunks of ROW_CHUNK rows."""
         start, end = self.thread_share((n + ROW_CHUNK - 1) // ROW_CHUNK)

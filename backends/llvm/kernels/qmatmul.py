@@ -1,9 +1,10 @@
 """Quantised matmul y[t, n] = sum_k W[n, k] x[t, k], on the GGUF blocks in place.
 
-    qmatmul_<wtype>_k<K>_n<N>_<target>(w: ptr, xq: ptr, y: ptr f32 [T, N], T, ith, nth)
+    qmatmul_<wtype>_k<K>_n<N>_<target>(w: ptr, xq: ptr, y: ptr f32 [T, N], counter: ptr i32, T, ith, nth)
 
-x arrives quantised by act_quant (the layout is described there). Threads split N in
-chunks of 16 rows. Per sub-block the integer dot is exact; it is then scaled by the
+x arrives quantised by act_quant (the layout is described there). Threads take chunks of
+rows (multiples of 16, about 8 per thread) in turn, counting them in ``counter``, which must
+be zero when the call starts: a thread that gets more of the machine does more rows. Per sub-block the integer dot is exact; it is then scaled by the
 weight and activation scales in f32. Three drivers share the block decoders:
 
 - gemv (T == 1): one row at a time, 32 weights per step (64 for 256-weight blocks on
@@ -75,18 +76,17 @@ def qmatmul(module: ir.Module, dtype, K: int, N: int, target: Target) -> str:
     name = f"qmatmul_{fmt.dtype.name}_k{K}_n{N}_{target.name}"
     if Kernel.exists(module, name):
         return name
-    k = Kernel(module, name, ("w", "xq", "y"))
+    k = Kernel(module, name, ("w", "xq", "y", "counter"))
     isa = Isa(k, target)
     lay = ActLayout(fmt.act, K)
-    rows = k.row_share(N)
     T = k.arg["T"]
     with k.b.if_else(k.b.icmp_signed("==", T, k.i64(1))) as (single, many):
-        with single:
+        with single, k.row_chunks(N, k.arg["counter"]) as rows:
             if vector_path(target):
                 _gemv(k, isa, fmt, lay, N, rows)
             else:
                 _scalar(k, isa, fmt, lay, N, rows, 1)
-        with many:
+        with many, k.row_chunks(N, k.arg["counter"]) as rows:
             if vector_path(target):
                 _gemm(k, isa, fmt, lay, N, rows, *tile(target))
             else:
