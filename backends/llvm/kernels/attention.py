@@ -587,10 +587,11 @@ def _scores(rows: _Rows, bufs: dict, qrow, n: int, j0, jj, hi, g, KB: int) -> No
     acc = [[k.var(vec(f32, lanes), _zeros(lanes)) for _ in range(n)] for _ in range(KB)]
 
     def dot(off, widths):
+        pieces = [rows.keys.loads(krow, off, widths) for krow in krows]        # a block's pieces share its scale
         o = 0
-        for w in widths:
+        for c, w in enumerate(widths):
             at = k.mul(k.add(off, o), 4)
-            kvs = [rows.keys.load(krow, k.add(off, o), w) for krow in krows]
+            kvs = [kp[c] for kp in pieces]
             for i in range(n):
                 qv = k.load(_typ(w), qrow(i), at)
                 for kk in range(KB):
@@ -603,12 +604,24 @@ def _scores(rows: _Rows, bufs: dict, qrow, n: int, j0, jj, hi, g, KB: int) -> No
                             b.insert_element(_zeros(lanes), prod, ir.Constant(i32, 0))
                         a.set(b.fadd(a.get(), wide))
             o += w
-    _chunked(k, attn.D, lanes, 1 if KB * n >= 4 else 2, dot, "d")
+    _chunked(k, attn.D, lanes, _unroll(rows.keys, lanes, 1 if KB * n >= 4 else 2), dot, "d")
     sums = [a.get() if i < n else _zeros(lanes) for kk in range(KB) for i, a in
             enumerate(acc[kk] + [None] * (NP - n))]
     per = min(len(sums), lanes)                                         # vectors reduced together
     for c in range(0, len(sums), per):
         k.store(_lane_sums(k, sums[c:c + per]), bufs["s"], k.mul(k.add(k.mul(jj, NP), c), 4))
+
+
+def _unroll(row: KVRow, lanes: int, want: int, most: bool = False) -> int:
+    """Vectors per step of a loop over a row's values: ``want``, adjusted for a block type so that
+    each step's pieces lie in one block (they share its scale): a whole block per step, or with
+    ``most`` (a register budget) at most ``want`` vectors that divide one."""
+    if row.dt.block_size == 1 or lanes >= 32:
+        return want
+    per_block = 32 // lanes
+    if not most:
+        return per_block * max(1, want // per_block)
+    return max(u for u in range(1, per_block + 1) if per_block % u == 0 and u <= max(want, 1))
 
 
 def _lane_sums(k: Kernel, vs: list) -> ir.Value:
@@ -642,7 +655,7 @@ def _values(rows: _Rows, bufs: dict, arow, n: int, j0, nk, g, corr: list) -> Non
     """acc_i = acc_i * corr_i + sum_jj p[jj][i] v_(j0+jj), a group of Dv chunks in registers at a time."""
     k, isa, attn, lanes = rows.k, rows.isa, rows.attn, rows.lanes
     NP = _pow2(n)
-    per = max(1, (16 if lanes >= 16 else 8) // n)                        # accumulators held in registers
+    per = _unroll(rows.values, lanes, max(1, (16 if lanes >= 16 else 8) // n), most=True)   # accumulators in registers
 
     def group(off, widths):
         ats = [k.mul(k.add(off, sum(widths[:c])), 4) for c in range(len(widths))]
@@ -650,7 +663,7 @@ def _values(rows: _Rows, bufs: dict, arow, n: int, j0, nk, g, corr: list) -> Non
                  for w, at in zip(widths, ats)] for i in range(n)]
         with k.loop(0, nk, name="val") as jj:
             vrow = rows.values.at(k.arg["v_cache"], k.add(k.mul(k.add(j0, jj), attn.Hkv), g))
-            vs = [rows.values.load(vrow, k.add(off, sum(widths[:c])), w) for c, w in enumerate(widths)]
+            vs = rows.values.loads(vrow, off, widths)
             for i in range(n):
                 pij = k.load(f32, bufs["s"], k.mul(k.add(k.mul(jj, NP), i), 4))
                 for a, v, w in zip(accs[i], vs, widths):

@@ -65,27 +65,38 @@ class KVRow:
     # -- reads -----------------------------------------------------------------------
     def load(self, row, e, w: int) -> ir.Value:
         """Values e..e+w-1 of ``row`` as f32 (a scalar when w == 1)."""
+        return self.loads(row, e, [w])[0]
+
+    def loads(self, row, e, widths: list[int]) -> list[ir.Value]:
+        """Consecutive pieces of ``row`` from value e, of the given widths, as f32 (a scalar where
+        a width is 1). In a block type the pieces must lie in one block (e a multiple of their
+        total, which divides 32), and share its scale: one load and conversion for all of them."""
         k, b, isa, dt = self.k, self.b, self.isa, self.dt
         e = k.i64(e)
+        starts = [sum(widths[:c]) for c in range(len(widths))]
         if dt is dtypes.f32:
-            return k.load(_typ(f32, w), row, k.mul(e, 4))
-        if dt is dtypes.f16:
-            return isa.f16_to_f32(k.load(_typ(i16, w), row, k.mul(e, 2)))
-        if dt is dtypes.bf16:
-            return isa.bf16_to_f32(k.load(_typ(i16, w), row, k.mul(e, 2)))
+            return [k.load(_typ(f32, w), row, k.mul(k.add(e, o), 4)) for w, o in zip(widths, starts)]
+        if dt in (dtypes.f16, dtypes.bf16):
+            widen = isa.f16_to_f32 if dt is dtypes.f16 else isa.bf16_to_f32
+            return [widen(k.load(_typ(i16, w), row, k.mul(k.add(e, o), 2))) for w, o in zip(widths, starts)]
+        if 32 % sum(widths):
+            raise ValueError(f"kv rows: pieces of {sum(widths)} values cannot share a {dt.name} block's scale")
         block = b.lshr(e, k.i64(5))
-        j = b.and_(e, k.i64(31))
+        j0 = b.and_(e, k.i64(31))
         head = k.addr(row, k.mul(block, dt.type_size))
         d = isa.f16_to_f32(k.load(i16, head))
-        d = d if w == 1 else k.splat(d, w)
-        if dt is dtypes.q8_0:
-            q = b.sext(k.load(_typ(i8, w), head, k.add(j, 2)), _typ(i32, w))
-        else:                                                    # q4_0: nibbles, minus 8
-            byte = b.zext(k.load(_typ(i8, w), head, k.add(b.and_(j, k.i64(15)), 2)), _typ(i32, w))
-            shift = b.trunc(b.mul(b.lshr(j, k.i64(4)), k.i64(4)), i32)
-            shift = shift if w == 1 else k.splat(shift, w)
-            q = b.sub(b.and_(b.lshr(byte, shift), _c(i32, w, 15)), _c(i32, w, 8))
-        return b.fmul(d, b.sitofp(q, _typ(f32, w)))
+        out = []
+        for w, o in zip(widths, starts):
+            j = k.add(j0, o)
+            if dt is dtypes.q8_0:
+                q = b.sext(k.load(_typ(i8, w), head, k.add(j, 2)), _typ(i32, w))
+            else:                                                # q4_0: nibbles, minus 8
+                byte = b.zext(k.load(_typ(i8, w), head, k.add(b.and_(j, k.i64(15)), 2)), _typ(i32, w))
+                shift = b.trunc(b.mul(b.lshr(j, k.i64(4)), k.i64(4)), i32)
+                shift = shift if w == 1 else k.splat(shift, w)
+                q = b.sub(b.and_(b.lshr(byte, shift), _c(i32, w, 15)), _c(i32, w, 8))
+            out.append(b.fmul(d if w == 1 else k.splat(d, w), b.sitofp(q, _typ(f32, w))))
+        return out
 
     # -- writes ----------------------------------------------------------------------
     def store(self, src, dst) -> None:
