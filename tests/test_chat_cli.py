@@ -120,17 +120,20 @@ def test_a_conversation_with_commands_and_a_context_that_fills(terminal, model):
 
 
 def test_ctrl_c_stops_a_reply_and_ctrl_d_leaves(terminal, model):
-    t = terminal("chat", model, "--backend", "numpy", "--ctx", "1024", "-n", "300", "--temp", "0", "--stats")
+    # a random model talks until -n stops it: 4000 tokens take the numpy backend many seconds even on a
+    # fast machine, so the reply cannot end before the Ctrl-C lands (300 once did, in 1.6 s)
+    t = terminal("chat", model, "--backend", "numpy", "--ctx", "4096", "-n", "4000", "--temp", "0", "--stats")
     at = t.expect("> ", t.expect("/help lists the commands."))
-    t.type("Tell me everything.\r")                 # a random model talks until -n stops it
+    t.type("Tell me everything.\r")
     at = t.expect("Tell me everything.", at)
-    while len(t.out) < at + 40:                     # some of the reply has streamed
-        assert t._read(TIMEOUT), t.text
-    t.type("\x03")
-    at = t.expect("note: reply stopped", at)
-    at = t.expect("> ", at)
-    t.type("one more\r")
-    at = t.expect("> ", t.expect("one more", at))
+    for message in ("one more", None):              # stop two replies, then leave from the prompt
+        while len(t.out) < at + 40:                 # some of the reply has streamed
+            assert t._read(TIMEOUT), t.text
+        t.type("\x03")
+        at = t.expect("> ", t.expect("note: reply stopped", at))
+        if message:
+            t.type(message + "\r")
+            at = t.expect(message, at)
     time.sleep(0.5)     # a person reads the prompt first: CPython's readline misses a SIGINT that lands between
     t.type("\x03")      # printing the prompt and waiting for keys, until the next key. Ctrl-C at the prompt leaves
     assert t.wait() == 0 and "Traceback" not in t.text

@@ -362,7 +362,6 @@ def test_repr_and_extras(tmp_path):
 
 
 def test_dequantize_matches_gguf_py(tmp_path):
-    pytest.importorskip("ggraph.quants")
     path = tmp_path / "m.gguf"
     _, tensors = small_model(path)
     raw = tensors["blk.0.attn_q.weight"][0]
