@@ -27,8 +27,7 @@ K_OF_BLOCK = {32: 96, 256: 512}
 EMB_SCALE = 25.298221                     # sqrt(640), as gemma scales embeddings
 SMALL = ((dtypes.q4_0, 32, 5), (dtypes.q6_k, 256, 3), (dtypes.q8_0, 64, 21))   # fewer rows than threads' chunks
 P = ctypes.c_void_p
-ABI = [P, P, P, ctypes.c_int64, ctypes.c_int32, ctypes.c_int32]
-QABI = [P, P, P, P, ctypes.c_int64, ctypes.c_int32, ctypes.c_int32]     # qmatmul: w, xq, y, counter
+MATMUL_ABI = [P, P, P, P, ctypes.c_int64, ctypes.c_int32, ctypes.c_int32]   # q/fmatmul: w, x(q), y, counter
 ACT_ABI = [P, P, ctypes.c_int64, ctypes.c_int32, ctypes.c_int32]
 ROWS_ABI = [P, P, P, P, ctypes.c_int64, ctypes.c_int32, ctypes.c_int32]    # get_rows: table, ids, out, status
 # fp16 fields per block, overwritten with sane values in random blocks
@@ -70,7 +69,7 @@ def target(request):
     return runnable_target(request.param, _LIBS, _build)
 
 
-def fn(target: str, name: str, abi=ABI, lib=None):
+def fn(target: str, name: str, abi, lib=None):
     """The ctypes callable of kernel `name` for `target`, from the target's library (or `lib`)."""
     return (lib or _LIBS[target]).function(f"{name}_{target}", None, abi)
 
@@ -173,7 +172,7 @@ def check_qmatmul(target, dt, K: int, n: int, w: np.ndarray, tokens=TOKENS, rng=
     rng = rng or np.random.default_rng(1)
     fmt = kernels.act_format(dt)
     W = dequant(w, dt, n, K).astype(np.float64)                       # (n, K)
-    f = fn(target, f"qmatmul_{dt.name}_k{K}_n{n}", abi=QABI, lib=lib)
+    f = fn(target, f"qmatmul_{dt.name}_k{K}_n{n}", abi=MATMUL_ABI, lib=lib)
     counter = np.zeros(16, np.int32)
     for T in tokens:
         x = rng.standard_normal((T, K)).astype(np.float32) if x_of is None else x_of(T)
@@ -206,7 +205,7 @@ def test_qmatmul_threads_take_the_rows_of_a_thread_that_is_late(target, T):
     dt, K, n = dtypes.q8_0, 64, 256                                     # 16 chunks of 16 rows at nth=2
     rng = np.random.default_rng(3)
     w = random_blocks(dt, n, K, rng)
-    f = fn(target, f"qmatmul_{dt.name}_k{K}_n{n}", abi=QABI)
+    f = fn(target, f"qmatmul_{dt.name}_k{K}_n{n}", abi=MATMUL_ABI)
     buf = quantize_acts(target, rng.standard_normal((T, K)).astype(np.float32), kernels.act_format(dt))
     y, counter = np.full((T, n), np.nan, np.float32), np.zeros(16, np.int32)
     args = (w.ctypes.data, buf.ctypes.data, y.ctypes.data, counter.ctypes.data)
@@ -245,14 +244,16 @@ def test_fmatmul(target, dt):
     w = {"f32": w32, "f16": w32.astype(np.float16), "bf16": bf16_bits(w32)}[dt.name]
     W = w.astype(np.float64) if dt.name != "bf16" else \
         (w.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
-    f = fn(target, f"fmatmul_{dt.name}_k{FK}_n{N}")
+    f = fn(target, f"fmatmul_{dt.name}_k{FK}_n{N}", abi=MATMUL_ABI)
+    counter = np.zeros(16, np.int32)
     for T in TOKENS:
         x = rng.standard_normal((T, FK)).astype(np.float32)
         ref = x.astype(np.float64) @ W.T
         norms = np.linalg.norm(x, axis=1)[:, None] * np.linalg.norm(W, axis=1)[None, :]
         for nth, threads in ((1, False), (3, False), (2, True)):
             y = np.full((T, N), np.nan, np.float32)
-            run(f, (w.ctypes.data, x.ctypes.data, y.ctypes.data), T, nth, threads)
+            counter[:] = 0
+            run(f, (w.ctypes.data, x.ctypes.data, y.ctypes.data, counter.ctypes.data), T, nth, threads)
             assert (np.abs(y - ref) / norms).max() < 1e-6, f"T={T} nth={nth}"
 
 

@@ -202,8 +202,9 @@ def test_second_compile_is_a_cache_hit(tmp_path, monkeypatch):
     x = (ctypes.c_float * 8)(*range(8))
     y = (ctypes.c_float * 16)()
     P = ctypes.c_void_p
-    f = second.function(name, None, [P, P, P, ctypes.c_int64, ctypes.c_int32, ctypes.c_int32])
-    f(ctypes.addressof(w), ctypes.addressof(x), ctypes.addressof(y), 1, 0, 1)
+    counter = (ctypes.c_int32 * 16)()
+    f = second.function(name, None, [P, P, P, P, ctypes.c_int64, ctypes.c_int32, ctypes.c_int32])
+    f(ctypes.addressof(w), ctypes.addressof(x), ctypes.addressof(y), ctypes.addressof(counter), 1, 0, 1)
     assert list(y) == [28.0] * 16
     with pytest.raises(KeyError, match="not in this library"):
         second.address("nope")

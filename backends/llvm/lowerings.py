@@ -59,7 +59,8 @@ def _qmatmul(lw, e):
     out = lw.output(e.outputs[0])
     dt = w.aval.dtype
     if K.float_weight(dt):
-        lw.call(lw.kernel(K.fmatmul, dt, Kdim, N, lw.target), lw.ref(w), lw.ref(x), out, R, writes=(out,))
+        lw.call(lw.kernel(K.fmatmul, dt, Kdim, N, lw.target), lw.ref(w), lw.ref(x), out, lw.counter(), R,
+                writes=(out,))
         return
     fmt = K.act_format(dt)
     xq = lw.memo(("act_quant", x, fmt))

@@ -3,8 +3,8 @@
 its name; asking twice for the same kernel returns the existing one.
 
     act_quant(module, fmt, K, target)            f32 [T, K] -> private q8 layout
-    qmatmul(module, wtype, K, N, target)          GGUF blocks x quantised activations
-    fmatmul(module, wtype, K, N, target)          f32 / f16 / bf16 weights x f32
+    qmatmul(module, wtype, K, N, target)          GGUF blocks x quantised activations (rows taken in
+    fmatmul(module, wtype, K, N, target)          f32 / f16 / bf16 weights x f32   turns: a work counter)
     get_rows(module, dtype, K, V, target, scale)  embedding gather + dequantisation
     dequant_rows(module, dtype, K, target)        contiguous rows of any weight type -> f32
     kv_store(module, dtype, n, target)            f32 rows -> f16 / bf16 / q8_0 / q4_0 cache rows

@@ -1,8 +1,10 @@
 """Matmul with float weights (f32, f16, bf16) and f32 activations: no act_quant.
 
-    fmatmul_<wtype>_k<K>_n<N>_<target>(w: ptr [N, K], x: ptr f32 [T, K], y: ptr f32 [T, N], T, ith, nth)
+    fmatmul_<wtype>_k<K>_n<N>_<target>(w: ptr [N, K], x: ptr f32 [T, K], y: ptr f32 [T, N], counter: ptr i32,
+                                       T, ith, nth)
 
-Threads split N in chunks of 16 rows. Lanes run along K: gemv keeps one accumulator
+Threads take chunks of rows in turn, counted in ``counter`` (zero when the call starts), as
+qmatmul's do. Lanes run along K: gemv keeps one accumulator
 per row; gemm keeps an R x C tile of accumulators (rows x tokens) so each loaded weight
 vector serves C tokens and each x vector serves R rows. K tails run scalar.
 """
@@ -47,21 +49,20 @@ def fmatmul(module: ir.Module, dtype, K: int, N: int, target: Target) -> str:
     name = f"fmatmul_{dt.name}_k{K}_n{N}_{target.name}"
     if Kernel.exists(module, name):
         return name
-    k = Kernel(module, name, ("w", "x", "y"))
+    k = Kernel(module, name, ("w", "x", "y", "counter"))
     isa = Isa(k, target)
-    rows = k.row_share(N)
     lanes = target.vector_bits // 32 if vector_path(target) else 1
     R, C = _TILES.get(target.name, _DEFAULT_TILE) if lanes > 1 else (1, 1)
     T = k.arg["T"]
     b = k.b
-    start, end = rows
-    full_n = k.add(start, b.mul(b.sdiv(b.sub(end, start), k.i64(R)), k.i64(R)))
     full_t = b.mul(b.sdiv(T, k.i64(C)), k.i64(C))
-    for nlo, nhi, r in ((start, full_n, R), (full_n, end, 1)):
-        with k.loop(nlo, nhi, step=r, name=f"n{r}") as n0:
-            for tlo, thi, c in ((0, full_t, C), (full_t, T, 1)):
-                with k.loop(tlo, thi, step=c, name=f"t{r}x{c}") as t0:
-                    _tile(k, isa, dt, K, N, n0, r, t0, c, lanes)
+    with k.row_chunks(N, k.arg["counter"]) as (start, end):
+        full_n = k.add(start, b.mul(b.sdiv(b.sub(end, start), k.i64(R)), k.i64(R)))
+        for nlo, nhi, r in ((start, full_n, R), (full_n, end, 1)):
+            with k.loop(nlo, nhi, step=r, name=f"n{r}") as n0:
+                for tlo, thi, c in ((0, full_t, C), (full_t, T, 1)):
+                    with k.loop(tlo, thi, step=c, name=f"t{r}x{c}") as t0:
+                        _tile(k, isa, dt, K, N, n0, r, t0, c, lanes)
     return k.finish()
 
 
