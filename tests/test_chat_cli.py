@@ -4,6 +4,7 @@ import fcntl
 import os
 import pty
 import select
+import signal
 import subprocess
 import sys
 import termios
@@ -26,6 +27,10 @@ class Terminal:
 
         def controlling_tty():                       # so that Ctrl-C typed here is SIGINT there
             fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+            # as a terminal's shell starts it: a test run started in the background (`pytest &` in a
+            # script) ignores SIGINT, the child would inherit that, and Python would then never
+            # raise KeyboardInterrupt for the Ctrl-C typed here
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
 
         self.proc = subprocess.Popen([sys.executable, "-m", "ggraph.cli", *map(str, args)], stdin=slave,
                                      stdout=slave, stderr=slave, start_new_session=True,
