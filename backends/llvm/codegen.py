@@ -59,9 +59,9 @@ def lower(graph: Graph, target: Target, profile: bool = False, compiler: jit.Com
         if progress is not None:
             progress.advance()
     outputs = [o if isinstance(o, Literal) else lw.where[o] for o in graph.outvars]
-    if profile:                           # i64 cycle stamps: a row per call (plus the start) for the
-        lw._add(Buffer("profile", "cycles", Bytes("fixed", (8 * (len(lw.calls) + 1),))))   # barriers; the
-        # program binds a longer array, one more row per thread for when it finished each call
+    if profile:                           # i64 cycle stamps, a row of one per call plus the start: row 0
+        # as each barrier opens, and (the program binds one more row per thread) as each thread finishes
+        lw._add(Buffer("profile", "cycles", Bytes("fixed", (8 * (len(lw.calls) + 1),))))
     spec = ProgramSpec(ir.Module(name=graph.name or "ggraph"), lw.buffers, lw.calls, outputs, lw.input_index,
                        lw.param_index, list(lw.units.values()), lw.checks, lw.bounds)
     emit_program(spec, target, profile)

@@ -9,7 +9,6 @@ any other composite lowers as its body (``lower_body``).
 """
 from __future__ import annotations
 
-
 from ggraph.ir import prims as P
 from ggraph.ir.dims import Sym, product
 from ggraph.ir.dtypes import DimAval

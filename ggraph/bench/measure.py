@@ -283,8 +283,7 @@ def profile_rows(runs, dims: dict, bandwidth: float, peaks: dict) -> dict[str, l
     idle = min(i for _, i in runs)
     for rows in groups.values():
         rows[IDLE] = {"name": IDLE, "calls": len(runs[0][0]), "seconds": idle, "bytes": 0.0, "flops": 0.0}
-    per_eqn[IDLE] = [None, idle]
-    total = sum(s for _, s in per_eqn.values()) or 1.0
+    total = sum(s for _, s in per_eqn.values()) + idle or 1.0
     out = {}
     for by, rows in groups.items():
         listed = sorted(rows.values(), key=lambda r: -r["seconds"])
@@ -335,6 +334,7 @@ def profile_ggraph(path, pp: int = 64, threads: int = 1, passes="default", ctx: 
     """Per-op and per-layer time for one prefill of ``pp`` tokens after ``depth`` tokens already in
     the cache (its last ubatch, when it takes several: "prefill_step" says which) and the fastest
     of a few decode steps after it, op by op."""
+    from ggraph.backends.llvm.codegen import barriers_needed
     from ggraph.runtime.session import UBATCH, Session
     s = Session(path, backend="llvm", threads=threads, passes=passes, ctx=ctx or max(depth + pp + 8, 64),
                 profile=True, disabled=disabled, ubatch=ubatch or UBATCH)
@@ -355,7 +355,6 @@ def profile_ggraph(path, pp: int = 64, threads: int = 1, passes="default", ctx: 
         s.step([ids[0]])
         steps.append((prog.last_profile, prog.last_idle))
     decode = profile_rows(steps, {"T": 1, "P": depth + pp}, bandwidth, peaks)
-    from ggraph.backends.llvm.codegen import barriers_needed
     return {"roofline": {"bandwidth_gb_s": bandwidth, "peak_gflop_s": peaks["f32"], "peak_int8_gop_s": peaks["int8"],
                          "target": prog.target.name, "threads": threads},
             "prefill": prefill, "decode": decode, "prefill_step": step,

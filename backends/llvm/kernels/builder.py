@@ -104,6 +104,12 @@ class Kernel:
         """An unaligned store at base + offset bytes."""
         self.b.store(value, self.addr(base, offset), align=1)
 
+    def prefetch(self, addr: ir.Value) -> None:
+        """Ask for the cache line at ``addr`` (for reading, into every level); a prefetch never
+        faults, so it may point past the end of a buffer."""
+        self.intrinsic("llvm.prefetch.p0", ir.VoidType(), [addr, ir.Constant(i32, 0), ir.Constant(i32, 3),
+                                                            ir.Constant(i32, 1)])
+
     # -- control flow ---------------------------------------------------------------
     @contextmanager
     def loop(self, start, stop, step: int = 1, name: str = "i"):
@@ -222,14 +228,6 @@ class Kernel:
         c.add_incoming(b.add(nth, b.sext(taken, i64)), b.block)
         b.branch(head)
         b.position_at_end(done)
-
-    def row_share(self, n: int) -> tuple[ir.Value, ir.Value]:
-        """This thread's [start, end) of `n` output rows, in chunks of ROW_CHUNK rows."""
-        start, end = self.thread_share((n + ROW_CHUNK - 1) // ROW_CHUNK)
-        start = self.b.mul(start, ir.Constant(i64, ROW_CHUNK))
-        end = self.b.mul(end, ir.Constant(i64, ROW_CHUNK))
-        end = self.b.select(self.b.icmp_signed("<", end, ir.Constant(i64, n)), end, ir.Constant(i64, n))
-        return start, end
 
 
 class Var:

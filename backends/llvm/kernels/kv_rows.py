@@ -57,10 +57,9 @@ class KVRow:
         return self.k.addr(base, self.k.mul(index, self.bytes))
 
     def prefetch(self, row) -> None:
-        """Ask for every cache line of ``row`` (a prefetch never faults, even past the cache's end)."""
+        """Ask for every cache line of ``row`` (its last byte too: rows need not start on a line)."""
         for off in sorted({*range(0, self.bytes, 64), self.bytes - 1}):
-            self.k.intrinsic("llvm.prefetch.p0", ir.VoidType(), [self.k.addr(row, off), ir.Constant(i32, 0),
-                                                                 ir.Constant(i32, 3), ir.Constant(i32, 1)])
+            self.k.prefetch(self.k.addr(row, off))
 
     # -- reads -----------------------------------------------------------------------
     def load(self, row, e, w: int) -> ir.Value:

@@ -4,8 +4,9 @@
 
 x arrives quantised by act_quant (the layout is described there). Threads take chunks of
 rows (multiples of 16, about 8 per thread) in turn, counting them in ``counter``, which must
-be zero when the call starts: a thread that gets more of the machine does more rows. Per sub-block the integer dot is exact; it is then scaled by the
-weight and activation scales in f32. Three drivers share the block decoders:
+be zero when the call starts: a thread that gets more of the machine does more rows. Per
+sub-block the integer dot is exact; it is then scaled by the weight and activation scales
+in f32. Three drivers share the block decoders:
 
 - gemv (T == 1): one row at a time, 32 weights per step (64 for 256-weight blocks on
   512-bit targets), f32 lanes along K, the next rows prefetched.
@@ -178,9 +179,7 @@ def _prefetch_row(k: Kernel, fmt: BlockFormat, lay: ActLayout, n) -> None:
     row_bytes = fmt.dtype.row_bytes(lay.K)
     base = k.add(k.mul(n, row_bytes), PREFETCH_BYTES)
     for off in range(0, row_bytes, 64):
-        k.intrinsic("llvm.prefetch.p0", ir.VoidType(), [k.addr(k.arg["w"], k.add(base, off)),
-                                                        ir.Constant(i32, 0), ir.Constant(i32, 3),
-                                                        ir.Constant(i32, 1)])
+        k.prefetch(k.addr(k.arg["w"], k.add(base, off)))
 
 
 # -- gemm: T > 1 ----------------------------------------------------------------------------
