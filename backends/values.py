@@ -41,7 +41,8 @@ def bind_symbols(graph: Graph, values: dict[Var, object]) -> dict[str, int]:
             if isinstance(d, Sym) and len(d.terms) == 1 and d.terms[0][1] == 1 and d.const == 0:
                 env.setdefault(d.terms[0][0], n)
     for v in graph.invars:
-        want = v.aval.concrete(env)
+        shape = v.aval.shape
+        want = shape if all(type(d) is int for d in shape) else v.aval.concrete(env)
         got = _logical_shape(values[v])
         if want != got:
             raise ValueError(f"input {v.hint or v}: expected shape {v.aval} = {want}, got {got}")

@@ -25,7 +25,7 @@ from ggraph.backends.llvm.kernels.attention import Attention, Rope, attention_ke
 from ggraph.gguf.quants import quantize
 from ggraph.ir import dtypes
 from ggraph.backends.llvm.target import named_target, runnable_targets
-from ggraph.backends.llvm.team import Team
+from ggraph.backends.llvm.team import CallTeam
 
 GEMMA_ROPE = Rope(dims=256, base=1e6)
 LAYERS = 18                      # cache copies rotated over in decode
@@ -42,7 +42,7 @@ def timed(call, reps: int, nth: int) -> float:
     def worker(ith):
         for r in range(reps):
             call(r, ith, nth)
-    team = Team(nth)
+    team = CallTeam(nth)
     try:
         return team.best_time(worker) / reps
     finally:

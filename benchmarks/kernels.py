@@ -1,6 +1,7 @@
 """Speed of the qmatmul kernels on the Gemma 3 270M shapes: GB/s for GEMV, GFLOP/s for GEMM.
 
     python benchmarks/kernels.py [--targets avx512_vnni,avx2] [--threads 1,2] [--types q8_0,q4_k]
+    python benchmarks/kernels.py --shapes q4_1:576:1536,q4_1:1536:576     # any TYPE:K:N instead
 
 GEMV (T=1) streams weights that are not in cache (copies are rotated so that each call
 reads a fresh one; the 178 MB output matrix is read as one), the decode situation.
@@ -19,7 +20,7 @@ from llvmlite import ir
 from ggraph.ir import dtypes
 from ggraph.backends.llvm import jit, kernels
 from ggraph.backends.llvm.target import named_target, runnable_targets
-from ggraph.backends.llvm.team import Team
+from ggraph.backends.llvm.team import CallTeam
 
 #  wtype   K      N       what it is in gemma 3 270m
 SHAPES = [
@@ -55,7 +56,7 @@ def timed(fn, args_for, reps: int, nth: int) -> float:
     def worker(ith):
         for r in range(reps):
             fn(*args_for(r, base + 64 * r), ith, nth)
-    team = Team(nth)
+    team = CallTeam(nth)
     try:
         best = float("inf")
         for _ in range(5):
@@ -102,7 +103,14 @@ def main() -> None:
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--types", default="", help="only these weight types")
     ap.add_argument("--hot", action="store_true", help="GEMV on one cached copy: the compute ceiling")
+    ap.add_argument("--shapes", default="", help="comma list of TYPE:K:N to run instead of Gemma 3's shapes")
     args = ap.parse_args()
+    shapes = SHAPES
+    if args.shapes:
+        try:
+            shapes = [(w, int(k), int(n), "--shapes") for w, k, n in (x.split(":") for x in args.shapes.split(","))]
+        except ValueError:
+            ap.error(f"--shapes takes TYPE:K:N,... (e.g. q4_1:576:1536), got {args.shapes!r}")
     targets = [named_target(t) for t in args.targets.split(",")] if args.targets else \
         [t for t in runnable_targets() if t.name != "generic"]
     threads = [int(t) for t in args.threads.split(",")]
@@ -111,7 +119,7 @@ def main() -> None:
         " ".join(f"{'gemm ' + str(n) + 't':>10}" for n in threads)
     print(f"{'type':6} {'K':>5} {'N':>7} {'target':12} {cols}   (GEMV: GB/s of weights, T=1; "
           f"GEMM: GFLOP/s, T=64)")
-    for wtype, K, N, what in SHAPES:
+    for wtype, K, N, what in shapes:
         if args.types and wtype not in args.types.split(","):
             continue
         for target in targets:

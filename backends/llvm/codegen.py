@@ -27,7 +27,7 @@ from ggraph.backends.llvm import jit
 from ggraph.backends.llvm.lowerings import lower_eqn
 from ggraph.backends.llvm.lowering import SYMBOLS, Buffer, Bytes, Call, Lowering, LoweringError, Ref
 from ggraph.backends.llvm.target import Target
-from ggraph.backends.llvm.team import emit_barrier
+from ggraph.backends.llvm.team import emit_barrier, emit_team
 
 i32, i64, ptr = ir.IntType(32), ir.IntType(64), ir.PointerType()
 PROGRAM_SPEED_LEVEL = 0            # the program is a list of calls: nothing to optimise, and O0 compiles in a blink
@@ -69,7 +69,8 @@ def lower(graph: Graph, target: Target, profile: bool = False, compiler: jit.Com
 
 
 def emit_program(spec: ProgramSpec, target: Target, profile: bool = False) -> None:
-    """``void ggraph_program(ptr table, i64 T, i64 P, i32 ith, i32 nth, ptr barrier)``.
+    """``void ggraph_program(ptr table, i64 T, i64 P, i32 ith, i32 nth, ptr barrier)``, and the team's
+    ``ggraph_serve`` and ``ggraph_run`` that call it on every thread.
 
     With ``profile``, every call is followed by a barrier. Each thread stamps the cycle counter
     into its own row of the "profile" buffer when it finishes a call, and thread 0 stamps row 0
@@ -110,6 +111,7 @@ def emit_program(spec: ProgramSpec, target: Target, profile: bool = False) -> No
             b.call(barrier, [bar, nth])
             stamp(i + 1, barrier=True)
     b.ret_void()
+    emit_team(m, fn, target.triple)
 
 
 def _declare(m: ir.Module, c: Call) -> ir.Function:

@@ -50,6 +50,19 @@ class Bytes:
             return act_bytes(fmt, eval_dim(R, dims), K)
         raise ValueError(f"unknown size kind {self.kind!r}")
 
+    def symbols(self) -> frozenset:
+        """The runtime dims the size depends on (a program re-sizes only these buffers as P grows)."""
+        if self.kind == "fixed":
+            return frozenset()
+        if self.kind == "aval":
+            return frozenset(n for d in self.args[0].shape if isinstance(d, Sym) for n in d.names)
+        if self.kind == "plan":
+            return frozenset(s for poly in self.args[0] for mono in poly for s in mono)
+        if self.kind == "act":
+            R = self.args[1]
+            return frozenset(R.names) if isinstance(R, Sym) else frozenset()
+        raise ValueError(f"unknown size kind {self.kind!r}")
+
 
 @dataclasses.dataclass
 class Buffer:

@@ -29,7 +29,7 @@ from ggraph.backends.llvm import cache, jit
 from ggraph.backends.llvm.codegen import Call, ProgramSpec, barriers_needed, lower
 from ggraph.backends.llvm.lowering import Ref
 from ggraph.backends.llvm.target import host_target
-from ggraph.backends.llvm.team import PROGRAM_ARGS, Team, check_threads
+from ggraph.backends.llvm.team import RUN, SERVE, Team, check_threads
 from ggraph.backends.values import Program, bind_symbols
 from ggraph import memory
 from ggraph.ir.dims import eval_dim
@@ -51,7 +51,7 @@ def _load_or_build(graph, target, profile: bool):
         if loaded is not None:
             try:
                 state, units = loaded
-                lib = jit.link([u.object for u in units] + [state["object"]], [state["name"]], True)
+                lib = jit.link([u.object for u in units] + [state["object"]], _exports(state), True)
             except Exception as e:                         # verified, yet it does not link: rebuild it all
                 cache.discard(path, f"it does not link: {e}")
                 for u in loaded[1]:
@@ -60,10 +60,14 @@ def _load_or_build(graph, target, profile: bool):
         if loaded is None:
             state, units = _build(graph, target, profile)
             cache.write(path, cache.PROGRAM, cache.dump_state(state))
-            lib = jit.link([u.object for u in units] + [state["object"]], [state["name"]], False)
+            lib = jit.link([u.object for u in units] + [state["object"]], _exports(state), False)
         _LOADED[key] = state, units, lib
     state, units, lib = _LOADED[key]
     return _spec_from_state(state, graph, units), lib
+
+
+def _exports(state: dict) -> list[str]:
+    return [state["name"], SERVE, RUN]
 
 
 def _build(graph, target, profile: bool) -> tuple[dict, list]:
@@ -196,14 +200,19 @@ class LLVMProgram(Program):
         t0 = time.perf_counter()
         self.spec, self.lib = _load_or_build(graph, self.target, profile)
         self.compile_s = time.perf_counter() - t0
-        self.fn = self.lib.function(self.spec.name, None, PROGRAM_ARGS)
         self.threads = check_threads(threads) or os.cpu_count() or 1
-        self.team = Team(self.threads)
+        self.team = Team(self.lib, self.threads)
         self.table = np.zeros(len(self.spec.buffers), dtype=np.uint64)
         self._keep: dict[int, object] = {}            # arrays whose addresses are in the table
         self._arena = np.zeros(0, dtype=np.uint8)
         self._spans = lifetimes(self.spec)             # arena buffer -> (first, last) epoch it is used in
         self._slots: dict[int, int] = {}               # arena buffer -> bytes its place in the arena holds
+        # a decode step differs from the last in P only: sizes that depend on T alone are kept per T
+        self._grows = [i for i in self._spans if self.spec.buffers[i].size.symbols() - {"T"}]
+        self._per_T: dict[int, dict[int, int]] = {}
+        self._weights_bound = False                    # every weight checked bound (bind() may rebind)
+        self._fits_T = None                            # a T whose T-only sizes fit the slots as laid out
+        self._outputs = [_output_plan(o, v, self.spec) for o, v in zip(self.spec.outputs, graph.outvars)]
         self._dim_values = {}                          # dim inputs (P) as i32 scalars in memory
         self._status = np.zeros(2 * len(self.spec.checks), dtype=np.int64)
         self._counters = np.zeros(0, dtype=np.int32)  # the work counters of kernels that take chunks in turn
@@ -226,6 +235,8 @@ class LLVMProgram(Program):
 
     # -- memory ----------------------------------------------------------------------
     def _bind(self, i: int, array) -> None:
+        if self._keep.get(i) is array:              # the same array as the last step's (a KV cache)
+            return
         data = array.data if isinstance(array, Blocks) else array
         if not data.flags.c_contiguous:
             raise ValueError(f"buffer {self.spec.buffers[i].name}: the llvm backend needs contiguous arrays")
@@ -245,15 +256,31 @@ class LLVMProgram(Program):
         return pack(self._sizes(dims), self._spans)[1]
 
     def _sizes(self, dims: dict) -> dict[int, int]:
-        return {i: _aligned(max(self.spec.buffers[i].size(dims), 1)) for i in self._spans}
+        return {**self._sizes_of_T(dims), **{i: self._size(i, dims) for i in self._grows}}
+
+    def _sizes_of_T(self, dims: dict) -> dict[int, int]:
+        """The sizes of the buffers that depend on T alone (or on nothing), kept per T."""
+        T = dims.get("T")
+        if T not in self._per_T:
+            if len(self._per_T) > 64:
+                self._per_T.clear()
+            grows = set(self._grows)
+            self._per_T[T] = {i: self._size(i, dims) for i in self._spans if i not in grows}
+        return self._per_T[T]
+
+    def _size(self, i: int, dims: dict) -> int:
+        return _aligned(max(self.spec.buffers[i].size(dims), 1))
 
     def _layout(self, dims: dict) -> None:
         """Place activation and scratch buffers in the arena for these dims. The layout is kept while
         every buffer fits its slot; a buffer that outgrows it is re-packed with a quarter to spare,
         so that a size growing step by step re-packs only now and then."""
-        sizes = self._sizes(dims)
-        if all(n <= self._slots.get(i, 0) for i, n in sizes.items()):
+        T, grows = dims.get("T"), {i: self._size(i, dims) for i in self._grows}
+        fits = lambda sizes: all(n <= self._slots.get(i, 0) for i, n in sizes.items())  # noqa: E731
+        if fits(grows) and (self._fits_T == T or fits(self._sizes_of_T(dims))):
+            self._fits_T = T
             return
+        sizes = {**self._sizes_of_T(dims), **grows}
         slots = {i: _slot(self._slots.get(i, 0), n) for i, n in sizes.items()}
         offsets, total = pack(slots, self._spans)
         if total + ALIGN > self._arena.nbytes:
@@ -263,14 +290,16 @@ class LLVMProgram(Program):
         base += -base % ALIGN
         for i, off in offsets.items():
             self.table[i] = base + off
-        self._slots = slots
+        self._slots, self._fits_T = slots, T
 
     # -- calling -----------------------------------------------------------------------
     def run(self, values: dict[Var, object]) -> list:
         g = self.graph
-        for v in g.params:
-            if self.table[self.spec.param_index[v]] == 0:
-                raise KeyError(f"no value for weight {v.aval.source!r}")
+        if not self._weights_bound:
+            for v in g.params:
+                if self.table[self.spec.param_index[v]] == 0:
+                    raise KeyError(f"no value for weight {v.aval.source!r}")
+            self._weights_bound = True
         dims = bind_symbols(g, values)
         for rows, capacity, what in self.spec.bounds:
             n = eval_dim(rows, dims)
@@ -285,15 +314,14 @@ class LLVMProgram(Program):
         self._status[:] = 0
         self._counters[:] = 0
         T, P = int(dims.get("T", 1)), int(dims.get("P", 0))
-        table, bar, n = self.table.ctypes.data, self.team.barrier_ptr, self.threads
         t0 = time.perf_counter()
-        self.team.run(lambda ith: self.fn(table, T, P, ith, n, bar))
+        self.team.run(self.table.ctypes.data, T, P)
         if self.profile:
             self._read_profile(time.perf_counter() - t0)
         for slot, message in enumerate(self.spec.checks):
             if self._status[2 * slot]:
                 raise IndexError(message.format(id=int(self._status[2 * slot + 1])))
-        return [self._output(o, v, dims) for o, v in zip(self.spec.outputs, g.outvars)]
+        return [self._output(plan, dims) for plan in self._outputs]
 
     def _read_profile(self, wall: float) -> None:
         """Each call's time is its threads' mean time from the barrier before it to their finish; the
@@ -305,15 +333,24 @@ class LLVMProgram(Program):
         self.last_profile = [(c, float(t) * per_tick) for c, t in zip(self.spec.calls, busy)]
         self.last_idle = float(np.maximum(spans - busy, 0).sum()) * per_tick
 
-    def _output(self, ref, var, dims):
+    def _output(self, plan, dims):
+        ref, var, static, in_place = plan
         if isinstance(ref, Literal):
             return ref.value
-        shape = var.aval.concrete(dims)
-        buf = self.spec.buffers[ref.buf]
-        if buf.kind == "input" and ref.offset == 0 and isinstance(self._keep[ref.buf], (np.ndarray, Blocks)) \
-                and self._keep[ref.buf].shape == shape:
-            return self._keep[ref.buf]                      # an in-place update of an input (a KV cache)
-        nbytes = var.aval.nbytes(dims)
+        shape = static or var.aval.concrete(dims)
+        if in_place:                                        # an in-place update of an input (a KV cache)
+            kept = self._keep[ref.buf]
+            if isinstance(kept, (np.ndarray, Blocks)) and kept.shape == shape:
+                return kept
+        nbytes = var.aval.dtype.nbytes(shape)
         off = int(self.table[ref.buf]) + (ref.offset if isinstance(ref.offset, int) else ref.offset.eval(dims))
         raw = np.ctypeslib.as_array((np.ctypeslib.ctypes.c_uint8 * nbytes).from_address(off))
         return raw.view(var.aval.dtype.np_dtype).reshape(shape).copy()
+
+
+def _output_plan(ref, var, spec) -> tuple:
+    """(ref, var, its shape when static, whether it is an input updated in place) for one output."""
+    if isinstance(ref, Literal):
+        return ref, var, None, False
+    static = None if var.aval.symbols else var.aval.concrete({})
+    return ref, var, static, spec.buffers[ref.buf].kind == "input" and ref.offset == 0
