@@ -72,6 +72,16 @@ def test_profile_counts_each_ops_fastest_run():
     assert [r["share"] for r in rows["layer"]] == [0.8, 0.2]
 
 
+def test_profile_reports_operations_per_core_cycle():
+    from types import SimpleNamespace
+    from ggraph.bench.measure import profile_rows, profile_table
+    from ggraph.ir.prims import add_p
+    eqn = SimpleNamespace(prim=add_p, scope="blk.0", cost=lambda dims: (6e9, 1000))
+    rows = profile_rows([([(SimpleNamespace(eqn=eqn), 0.5)], 0.0)], {}, 1.0, {"f32": 1, "int8": 1}, core_hz=4e9)
+    assert rows["op"][0]["ops_cycle"] == 3.0                     # 6e9 ops in 0.5 s on cores ticking 4e9 a second
+    assert "op/cyc" in profile_table("t", rows["op"]).splitlines()[1]
+
+
 def test_profile_needs_llvm(model, capsys):
     assert main(["bench", model, "--backend", "numpy", "--profile", "--pp", "2", "--tg", "1", "--repeats", "1"]) == 1
     assert "use --backend llvm" in capsys.readouterr().err

@@ -260,11 +260,12 @@ def _eqn_seconds(profile) -> dict[int, list]:
 IDLE = "barrier/idle"                # the profile row of the time threads spent waiting for each other
 
 
-def profile_rows(runs, dims: dict, bandwidth: float, peaks: dict) -> dict[str, list[dict]]:
+def profile_rows(runs, dims: dict, bandwidth: float, peaks: dict, core_hz: float = 0.0) -> dict[str, list[dict]]:
     """Time, bytes and flops per op kind and per layer, from one or more runs of the same step,
     each a ((call, seconds) profile, seconds idle at barriers) pair: each equation counts its
     fastest run, so one preempted call on a shared machine does not pass for a slow kernel, and
-    the waiting has a row of its own in both tables (its fastest run too)."""
+    the waiting has a row of its own in both tables (its fastest run too). ``core_hz`` (the
+    team's cores times their clock) turns rates into operations per core cycle."""
     per_eqn: dict[int, list] = {}
     for profile, _ in runs:
         for key, (eqn, seconds) in _eqn_seconds(profile).items():
@@ -291,6 +292,7 @@ def profile_rows(runs, dims: dict, bandwidth: float, peaks: dict) -> dict[str, l
             r["share"] = r["seconds"] / total
             r["gb_s"] = r["bytes"] / r["seconds"] / 1e9 if r["seconds"] else 0.0
             r["gflop_s"] = r["flops"] / r["seconds"] / 1e9 if r["seconds"] else 0.0
+            r["ops_cycle"] = r["flops"] / r["seconds"] / core_hz if r["seconds"] and core_hz else 0.0
             r["roofline"] = _bound(r["name"], r["flops"], r["bytes"], bandwidth, peaks) / r["seconds"] \
                 if r["seconds"] else 0.0                                    # 1.0 = at the limit
         out[by] = listed
@@ -341,6 +343,7 @@ def profile_ggraph(path, pp: int = 64, threads: int = 1, passes="default", ctx: 
     prog = s.program(last_only=True)
     bandwidth = stream_bandwidth(threads)
     peaks = peak_gflops(prog.target, threads)
+    core_hz = threads * cpu_ghz() * 1e9
     ids = prompt_tokens(depth + pp, s.config.n_vocab)
     s.step(ids[depth:])                                      # warm: page in the weights
     s.reset()
@@ -349,22 +352,24 @@ def profile_ggraph(path, pp: int = 64, threads: int = 1, passes="default", ctx: 
     s.step(ids[depth:])
     last = (pp - 1) // s.ubatch * s.ubatch                   # a long prompt runs in ubatches: the last one is timed
     step = {"T": pp - last, "P": depth + last}
-    prefill = profile_rows([(prog.last_profile, prog.last_idle)], step, bandwidth, peaks)
+    prefill = profile_rows([(prog.last_profile, prog.last_idle)], step, bandwidth, peaks, core_hz)
     steps = []
     for _ in range(DECODE_PROFILE_STEPS):
         s.step([ids[0]])
         steps.append((prog.last_profile, prog.last_idle))
-    decode = profile_rows(steps, {"T": 1, "P": depth + pp}, bandwidth, peaks)
+    decode = profile_rows(steps, {"T": 1, "P": depth + pp}, bandwidth, peaks, core_hz)
     return {"roofline": {"bandwidth_gb_s": bandwidth, "peak_gflop_s": peaks["f32"], "peak_int8_gop_s": peaks["int8"],
-                         "target": prog.target.name, "threads": threads},
+                         "target": prog.target.name, "threads": threads, "ghz": core_hz / threads / 1e9,
+                         "peak_int8_ops_cycle": peaks["int8"] * 1e9 / core_hz, "peak_f32_ops_cycle": peaks["f32"] * 1e9 / core_hz},
             "prefill": prefill, "decode": decode, "prefill_step": step,
             "calls": len(prog.spec.calls), "barriers": sum(barriers_needed(prog.spec.calls))}
 
 
 def profile_table(title: str, rows: list[dict]) -> str:
-    lines = [title, f"  {'':<18} {'calls':>5} {'ms':>8} {'share':>6} {'GB/s':>7} {'GFLOP/s':>8} {'of roofline':>11}"]
+    lines = [title, f"  {'':<18} {'calls':>5} {'ms':>8} {'share':>6} {'GB/s':>7} {'GFLOP/s':>8} {'op/cyc':>6} "
+                    f"{'of roofline':>11}"]
     for r in rows:
-        rates = (f"{'-':>7} {'-':>8} {'-':>11}" if r["name"] == IDLE else
-                 f"{r['gb_s']:>7.1f} {r['gflop_s']:>8.1f} {r['roofline']:>10.0%}")
+        rates = (f"{'-':>7} {'-':>8} {'-':>6} {'-':>11}" if r["name"] == IDLE else
+                 f"{r['gb_s']:>7.1f} {r['gflop_s']:>8.1f} {r.get('ops_cycle', 0.0):>6.1f} {r['roofline']:>10.0%}")
         lines.append(f"  {r['name']:<18} {r['calls']:>5} {r['seconds'] * 1e3:>8.3f} {r['share']:>6.1%} {rates}")
     return "\n".join(lines)

@@ -235,6 +235,9 @@ def profile_report(r: dict) -> str:
     head = (f"\nprofile: {r['passes']} pipeline, {roof['threads']} thread(s), {roof['target']}; roofline: "
             f"{roof['bandwidth_gb_s']:.1f} GB/s measured, {roof['peak_gflop_s']:.0f} GFLOP/s f32 and "
             f"{roof['peak_int8_gop_s']:.0f} Gop/s int8 peak ('of roofline' = the time the limit allows / the time taken)")
+    if "ghz" in roof:
+        head += (f"\n'op/cyc': operations (a multiply-add is 2) per core per cycle at {roof['ghz']:.2f} GHz; the "
+                 f"peaks are {roof['peak_f32_ops_cycle']:.0f} f32 and {roof['peak_int8_ops_cycle']:.0f} int8")
     if "calls" in r["profile"]:
         head += (f"\n{r['profile']['calls']} kernel calls and {r['profile']['barriers']} barriers a step (profiling puts "
                  f"a barrier after every call; '{IDLE}' is the threads' mean time waiting at them)")
