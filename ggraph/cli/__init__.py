@@ -1,7 +1,7 @@
 """The ``ggraph`` command line: one module per verb, each with ``add_parser`` and its command.
 
     inspect   a GGUF file's metadata and tensors         run     generate text
-    chat      a conversation in the terminal
+    chat      a conversation in the terminal             serve   an OpenAI-compatible HTTP API
     dump      the graph after the passes, explained      diff    two pipelines compared
     bench     prefill/decode speed, llama.cpp beside     target  the CPU and its kernels
 
@@ -13,10 +13,10 @@ import argparse
 import os
 import sys
 
-from ggraph.cli import bench, chat, diff, dump, inspect, run, target
+from ggraph.cli import bench, chat, diff, dump, inspect, run, serve, target
 from ggraph.cli.common import plugin_parent
 
-VERBS = (inspect, run, chat, dump, diff, bench, target)
+VERBS = (inspect, run, chat, serve, dump, diff, bench, target)
 
 
 def build_parser() -> argparse.ArgumentParser:

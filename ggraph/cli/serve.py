@@ -1,0 +1,61 @@
+"""``ggraph serve``: an OpenAI-compatible HTTP API for a model."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from ggraph.cli.common import add_model_arg, model_path, open_session, pipeline_names
+
+NEEDS = "ggraph serve needs starlette and uvicorn: pip install 'ggraph[serve]'"
+
+
+def cmd_serve(args) -> int:
+    """Serve a GGUF model over HTTP with OpenAI's API: /v1/chat/completions, /v1/completions (both
+    streaming or not), /v1/models, /health and /metrics (Prometheus). --parallel N slots each hold a
+    context of --ctx tokens; requests beyond them wait in a queue (then get 503)."""
+    try:
+        import uvicorn
+        from ggraph.serve.app import create_app
+    except ImportError:
+        print(f"ggraph serve: error: {NEEDS}", file=sys.stderr)
+        return 1
+    from ggraph.serve.engine import Engine
+    pipeline_names(args)
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port must be in 0..65535, got {args.port}")
+    if args.parallel < 1:
+        raise ValueError(f"--parallel must be at least 1 slot, got {args.parallel}")
+    if args.queue < 0:
+        raise ValueError(f"--queue must be >= 0 waiting requests, got {args.queue}")
+    path = model_path(args)
+    engine = Engine(lambda: open_session(args), parallel=args.parallel, queue=args.queue)
+    model_id = args.alias or Path(path).stem
+    app = create_app(engine, model_id, api_key=args.api_key)
+    where = f"http://{args.host}:{args.port}"
+    print(f"ggraph serve: {model_id} on {where}/v1 ({args.parallel} slot(s) of {engine.ctx} tokens"
+          f"{', API key required' if args.api_key else ''}); Ctrl-C stops", file=sys.stderr, flush=True)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+    finally:
+        engine.close()
+    return 0
+
+
+def add_parser(sub, parents) -> None:
+    p = sub.add_parser("serve", help="serve a model over HTTP with OpenAI's API", description=cmd_serve.__doc__,
+                       parents=parents,
+                       epilog="example: ggraph serve --demo --port 8080 --parallel 2\n"
+                              "         curl http://127.0.0.1:8080/v1/completions -H 'Content-Type: application/json' "
+                              "-d '{\"prompt\": \"The capital of France is\", \"max_tokens\": 16, \"temperature\": 0}'")
+    add_model_arg(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8080, help="port (default 8080)")
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* and /metrics")
+    p.add_argument("--alias", default=None, help="the model name clients use (default: the file name's stem)")
+    p.add_argument("--parallel", "-np", type=int, default=1, help="slots: requests served at once (default 1)")
+    p.add_argument("--queue", type=int, default=16, help="requests that may wait for a slot before 503 (default 16)")
+    p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"],
+                   help="uvicorn's log level (default warning; info logs every request)")
+    from ggraph.cli.common import add_compile_args
+    add_compile_args(p)
+    p.set_defaults(fn=cmd_serve)

@@ -1,0 +1,1 @@
+"""``ggraph serve``: an OpenAI-compatible HTTP server (``app``) over a slot scheduler (``engine``)."""
