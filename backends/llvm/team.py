@@ -120,6 +120,14 @@ def emit_team(module: ir.Module, program: ir.Function, triple: str) -> None:
         if arch == "x86_64":
             b.call(_pause(module), [])
 
+    def spin_turn(b, spins, rest, wait):
+        """One turn of a spin loop: pause, count it, and every SPINS_BEFORE_YIELD turns go to ``rest``."""
+        relax(b)
+        n = b.add(b.load(spins), ir.Constant(_i32, 1))
+        b.store(n, spins)
+        due = b.icmp_signed("==", b.and_(n, ir.Constant(_i32, SPINS_BEFORE_YIELD - 1)), ir.Constant(_i32, 0))
+        b.cbranch(due, rest, wait)
+
     def call_program(b, ctl, ith):
         args = [b.load(word(b, ctl, TABLE), typ=ir.PointerType()), b.load(word(b, ctl, T_ARG), typ=_i64),
                 b.load(word(b, ctl, P_ARG), typ=_i64), ith, b.load(word(b, ctl, NTH), typ=_i32),
@@ -143,11 +151,7 @@ def emit_team(module: ir.Module, program: ir.Function, triple: str) -> None:
     b.cbranch(b.icmp_signed("!=", now, b.load(last)), go, turn)
 
     b.position_at_end(turn)
-    relax(b)
-    n = b.add(b.load(spins), ir.Constant(_i32, 1))
-    b.store(n, spins)
-    due = b.icmp_signed("==", b.and_(n, ir.Constant(_i32, SPINS_BEFORE_YIELD - 1)), ir.Constant(_i32, 0))
-    b.cbranch(due, rest, wait)
+    spin_turn(b, spins, rest, wait)
 
     b.position_at_end(rest)                   # now and then: give the core away, or sleep when idle long
     b.call(_sched_yield(module), [])
@@ -207,11 +211,7 @@ def emit_team(module: ir.Module, program: ir.Function, triple: str) -> None:
     finished = b.load_atomic(done, "acquire", 4, typ=_i32)
     b.cbranch(b.icmp_signed("==", finished, others), done_block, turn)
     b.position_at_end(turn)
-    relax(b)
-    n = b.add(b.load(spins), ir.Constant(_i32, 1))
-    b.store(n, spins)
-    due = b.icmp_signed("==", b.and_(n, ir.Constant(_i32, SPINS_BEFORE_YIELD - 1)), ir.Constant(_i32, 0))
-    b.cbranch(due, rest, wait)
+    spin_turn(b, spins, rest, wait)
     b.position_at_end(rest)
     b.call(_sched_yield(module), [])
     b.branch(wait)
