@@ -12,7 +12,7 @@ import zoo
 from ggraph.runtime.session import ContextFullError, Session
 
 ARCHS = ["llama", "qwen2", "phi3", "gemma2", "gemma3"]
-MIXES = ["f32", "f16", "q8_0", "q4_k_m"]
+MIXES = ["f32", "f16", "q4_1", "q8_0", "q4_k_m"]
 PROMPT_LEN = 40          # longer than the zoo's sliding window of 8
 
 

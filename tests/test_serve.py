@@ -164,6 +164,27 @@ def test_concurrent_greedy_requests_match_their_solo_text(server):
     assert all(text == solo[p] for p, text in got)
 
 
+def test_structured_output(server):
+    pytest.importorskip("llguidance")
+    jsonschema = pytest.importorskip("jsonschema")
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 6},
+                                               "n": {"type": "integer", "minimum": 1, "maximum": 9}},
+              "required": ["city", "n"], "additionalProperties": False}
+    r = server.client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "A city"}], max_tokens=100, temperature=1.0, seed=3,
+        response_format={"type": "json_schema", "json_schema": {"name": "city", "schema": schema, "strict": True}})
+    jsonschema.validate(json.loads(r.choices[0].message.content), schema)
+    assert r.choices[0].finish_reason == "stop"
+    text, _ = complete(server, "Answer:", 8, extra_body={"grammar": 'root ::= "yes" | "no"'})
+    assert text in ("yes", "no")
+    for body, field in (({"prompt": "x", "grammar": 'root ::= ("'}, "grammar"),
+                        ({"prompt": "x", "response_format": {"type": "xml"}}, "response_format"),
+                        ({"prompt": "x", "response_format": {"type": "json_schema"}}, "response_format.json_schema"),
+                        ({"prompt": "x", "grammar": "root ::= \"a\"", "json_schema": {}}, "json_schema")):
+        r = server.post("/v1/completions", body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, (body, r.text)
+
+
 def test_a_full_queue_gets_503():
     s = Server(zoo.cached_model("llama", "f32"), "--parallel", "1", "--queue", "0", "--ctx", "512")
     try:

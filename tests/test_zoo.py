@@ -63,7 +63,7 @@ def test_tensor_names_and_types(arch, mix):
     vectors = {n: t for n, (t, _) in types.items() if len(zoo.tensor_shapes(zoo.config(arch))[n]) == 1}
     matrices = {n: t for n, (t, _) in types.items() if n not in vectors}
     assert set(vectors.values()) == {dtypes.f32}, "norms, biases and rope factors stay f32"
-    expected = {"f32": {dtypes.f32}, "f16": {dtypes.f16}, "q8_0": {dtypes.q8_0},
+    expected = {"f32": {dtypes.f32}, "f16": {dtypes.f16}, "q8_0": {dtypes.q8_0}, "q4_1": {dtypes.q4_1, dtypes.q8_0},
                 # 64/128-wide rows have no whole 256-block: q4_k -> q5_0 and q6_k -> q8_0 fallbacks
                 "q4_k_m": {dtypes.q5_0, dtypes.q8_0}}[mix]
     assert set(matrices.values()) <= expected

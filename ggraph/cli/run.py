@@ -11,7 +11,10 @@ def cmd_run(args) -> int:
     """Generate text from a GGUF model, streaming it as it comes."""
     pipeline_names(args)                                  # every argument checked before anything slow or printed
     options = dict(sampling_options(args), max_tokens=args.n_predict, stream=True)
+    constraint = _read_constraint(args)
     session = open_session(args)                          # compiled before any text prints
+    if constraint is not None:
+        options["grammar"] = constraint(session.tokenizer)
     if args.chat:
         pieces = session.chat([{"role": "user", "content": args.prompt}], **options)
     else:
@@ -40,6 +43,25 @@ def cmd_run(args) -> int:
     return 0
 
 
+def _read_constraint(args):
+    """The --grammar / --json-schema file, read and parsed now; returns tokenizer -> Grammar, or None."""
+    import json
+    from pathlib import Path
+    from ggraph.runtime.grammar import Grammar, GrammarError
+    if args.grammar and args.json_schema:
+        raise ValueError("give --grammar or --json-schema, not both")
+    if args.grammar:
+        text = Path(args.grammar).read_text(encoding="utf-8")
+        return lambda tok: Grammar.gbnf(tok, text)
+    if args.json_schema:
+        try:
+            schema = json.loads(Path(args.json_schema).read_text(encoding="utf-8"))
+        except json.JSONDecodeError as e:
+            raise GrammarError(f"{args.json_schema}: not valid JSON: {e}") from e
+        return lambda tok: Grammar.json_schema(tok, schema)
+    return None
+
+
 def add_parser(sub, parents) -> None:
     p = sub.add_parser("run", help="generate text from a model", description=cmd_run.__doc__, parents=parents,
                        epilog="example: ggraph run --demo -p 'The capital of France is' -n 32 --temp 0")
@@ -50,5 +72,9 @@ def add_parser(sub, parents) -> None:
                    help="wrap the prompt as a user message in the model's chat template (an instruction-tuned "
                         "model's; the demo model is a base model); 'ggraph chat' holds a conversation")
     p.add_argument("--no-echo", action="store_true", help="do not print the prompt before the generated text")
+    p.add_argument("--grammar", metavar="FILE", help="constrain the output to a GBNF grammar (llama.cpp's format, "
+                                                     "start rule 'root'); needs llguidance")
+    p.add_argument("--json-schema", metavar="FILE", help="constrain the output to one JSON value valid under this "
+                                                         "JSON schema; needs llguidance")
     add_compile_args(p)
     p.set_defaults(fn=cmd_run)

@@ -146,8 +146,12 @@ class Session:
     def generate(self, prompt: str | Sequence[int], max_tokens: int = 128, temperature: float = 0.8,
                  top_k: int = 40, top_p: float = 0.95, min_p: float = 0.05, repeat_penalty: float = 1.0,
                  seed: int | None = None, stop: Sequence[str] = (), stream: bool = False,
-                 reuse_cache: bool = False):
+                 reuse_cache: bool = False, grammar=None):
         """Generate text after ``prompt`` (text, or token ids); greedy when temperature is 0.
+
+        ``grammar`` (a ``ggraph.runtime.grammar.Grammar``: a JSON schema, any JSON object or a GBNF
+        grammar) masks every step's logits to the tokens that keep the output inside it; generation
+        then ends when the grammar is complete ("eog").
 
         ``max_tokens=-1`` generates until the end of text or a full context. Generation also ends at a
         full context; ``stats["stop"]`` says why it ended: "eog", "stop", "length" or "context".
@@ -163,7 +167,10 @@ class Session:
         if len(ids) > self.ctx:
             raise ContextFullError(f"context full: the prompt is {len(ids)} tokens > ctx={self.ctx}; "
                                    "start a new Session with a larger ctx")
-        pieces = self._generate(ids, int(max_tokens), sampler, seed, tuple(stop), reuse_cache)
+        if grammar is not None and grammar.tokenizer is not self.tokenizer:
+            raise ValueError("the grammar was compiled for another tokenizer than this session's")
+        matcher = grammar.matcher() if grammar is not None else None
+        pieces = self._generate(ids, int(max_tokens), sampler, seed, tuple(stop), reuse_cache, matcher)
         return pieces if stream else "".join(pieces)
 
     def _keep_prefix(self, ids: list) -> int:
@@ -176,7 +183,7 @@ class Session:
         self.truncate(n)
         return n
 
-    def _generate(self, ids, max_tokens, sampler, seed, stop, reuse_cache) -> Iterator[str]:
+    def _generate(self, ids, max_tokens, sampler, seed, stop, reuse_cache, matcher=None) -> Iterator[str]:
         rng = np.random.default_rng(seed)
         history = list(ids)
         detok = Detokenizer(self.tokenizer, skip_special=True)
@@ -191,7 +198,11 @@ class Session:
                       "generated_tokens": 0, "generate_s": 0.0, "stop": "length"}
         text, emitted, n = "", 0, 0
         while max_tokens < 0 or n < max_tokens:
+            if matcher is not None:
+                logits = matcher.mask(logits)
             tok = sampler(logits, history, rng)
+            if matcher is not None:
+                matcher.accept(tok)
             if self.tokenizer.is_eog(tok):
                 self.stats["stop"] = "eog"
                 break

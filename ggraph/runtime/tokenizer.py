@@ -819,8 +819,10 @@ class Tokenizer:
 
     # -- encoding
 
-    def encode(self, text: str, add_special: bool = True, parse_special: bool = True) -> list:
-        """Token ids of ``text``, as llama_tokenize(add_special, parse_special) gives them."""
+    def encode(self, text: str, add_special: bool = True, parse_special: bool = True, *,
+               space_prefix: bool = True) -> list:
+        """Token ids of ``text``, as llama_tokenize(add_special, parse_special) gives them;
+        ``space_prefix=False`` leaves out SentencePiece's leading space (text that continues other text)."""
         if not isinstance(text, str):
             raise TypeError(f"encode: expected str, got {type(text).__name__}")
         try:
@@ -835,7 +837,7 @@ class Tokenizer:
                 ids.append(frag)
                 prev_special = True
             elif self.model == "llama":
-                if self.add_space_prefix and prev_special:
+                if self.add_space_prefix and prev_special and space_prefix:
                     frag = " " + frag
                 ids += self._spm(frag.replace(" ", _SPACE))
                 prev_special = False

@@ -21,6 +21,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from ggraph.runtime.grammar import Grammar, GrammarError
 from ggraph.serve.engine import Engine, Overloaded
 
 DEFAULT_MAX_TOKENS = 16                  # /v1/completions' default, as OpenAI's
@@ -95,6 +96,13 @@ def create_app(engine: Engine, model_id: str, api_key: str | None = None) -> Sta
 
     async def run(request: Request, body: dict, ids: list[int], default_max: int | None, chat: bool) -> Response:
         options = _options(body, default_max)
+        constraint = _constraint(body)
+        if constraint is not None:
+            build, param = constraint
+            try:                                          # the first one builds llguidance's vocabulary: ~1 s
+                options["grammar"] = await asyncio.to_thread(build, engine.tokenizer)
+            except GrammarError as e:
+                raise APIError(400, str(e), param)
         if len(ids) > engine.ctx:
             raise APIError(400, f"the prompt is {len(ids)} tokens, more than the context of {engine.ctx} tokens "
                                 f"(start the server with a larger --ctx)", "messages" if chat else "prompt",
@@ -261,6 +269,37 @@ def _options(body: dict, default_max: int | None) -> dict:
         raise APIError(400, f"'seed' must be a whole number >= 0, got {seed!r}", "seed")
     opts["seed"] = seed
     return opts
+
+
+def _constraint(body: dict):
+    """(tokenizer -> Grammar, the field it came from) for response_format, json_schema or grammar; or None."""
+    fmt = body.get("response_format")
+    given = [f for f in ("grammar", "json_schema") if body.get(f) is not None]
+    if fmt is not None:
+        if not isinstance(fmt, dict) or fmt.get("type") not in ("text", "json_object", "json_schema"):
+            raise APIError(400, "'response_format' must be {\"type\": \"text\" | \"json_object\" | \"json_schema\"}",
+                           "response_format")
+        if fmt["type"] != "text":
+            given.append("response_format")
+    if len(given) > 1:
+        raise APIError(400, f"give one of response_format, json_schema and grammar, not {' and '.join(given)}", given[1])
+    if not given:
+        return None
+    if given[0] == "grammar":
+        text = body["grammar"]
+        if not isinstance(text, str):
+            raise APIError(400, "'grammar' must be a GBNF grammar as a string", "grammar")
+        return (lambda tok: Grammar.gbnf(tok, text)), "grammar"
+    if given[0] == "json_schema":
+        schema = body["json_schema"]
+        return (lambda tok: Grammar.json_schema(tok, schema)), "json_schema"
+    if fmt["type"] == "json_object":
+        return Grammar.json_object, "response_format"
+    spec = fmt.get("json_schema")
+    if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+        raise APIError(400, "'response_format.json_schema' must be {\"name\": ..., \"schema\": {...}}",
+                       "response_format.json_schema")
+    return (lambda tok: Grammar.json_schema(tok, spec["schema"])), "response_format.json_schema"
 
 
 def _token_ids(ids: list[int], n_vocab: int) -> list[int]:

@@ -64,6 +64,8 @@ class Engine:
         if isinstance(parallel, bool) or not isinstance(parallel, int) or parallel < 1:
             raise ValueError(f"parallel must be a whole number of slots >= 1, got {parallel!r}")
         self.slots = [make_session() for _ in range(parallel)]
+        for s in self.slots[1:]:
+            s.tokenizer = self.slots[0].tokenizer         # one file, one tokenizer: grammars compile once for all
         for s in self.slots:
             s.program(last_only=True)                  # compiled (once: the slots share it) before serving
         self.ctx = self.slots[0].ctx
