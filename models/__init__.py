@@ -48,21 +48,32 @@ class Model:
                                  f"this model's is {shape[2]}")
         return Aval(kshape, kt), Aval(vshape, vt)
 
-    def graph(self, ctx: int = 4096, last_only: bool = False, cache_types=(f32, f32)) -> Graph:
+    def graph(self, ctx: int = 4096, last_only: bool = False, cache_types=(f32, f32), output: str = "logits") -> Graph:
         """The step graph: (tokens i32[T], P, k_caches, v_caches, weights) -> (logits, k_caches, v_caches).
-        The caches hold ``cache_types`` (K, V): f32, f16, bf16, q8_0 or q4_0."""
+        The caches hold ``cache_types`` (K, V): f32, f16, bf16, q8_0 or q4_0. ``output="hidden"`` gives
+        the final hidden state (T, D) instead of logits (for embeddings)."""
+        import inspect
         from ggraph.ir.trace import trace
         from ggraph.models.transformer import forward as shared
+        if output not in ("logits", "hidden"):
+            raise ValueError(f"output must be 'logits' or 'hidden', got {output!r}")
         cfg = self.config
         forward = architecture(cfg.arch).forward or shared
+        extra = {}
+        if output == "hidden":
+            if "output" not in inspect.signature(forward).parameters:
+                raise ValueError(f"architecture {cfg.arch!r}: its forward takes no output='hidden', which "
+                                 "embeddings need (see ggraph.models.transformer.forward)")
+            extra["output"] = "hidden"
         k_aval, v_aval = self.kv_avals(ctx, cache_types)
         factors = self._rope_factors_name(ctx)
 
         def step(tokens, P, k, v, w):
             return forward(cfg, w, tokens, P, k, v, last_only=last_only,
-                           rope_factors=w[factors] if factors else None)
+                           rope_factors=w[factors] if factors else None, **extra)
+        kind = "hidden" if output == "hidden" else "last" if last_only else "all"
         return trace(step, i32["T"], dim("P"), [k_aval] * cfg.n_layer, [v_aval] * cfg.n_layer,
-                     self.weights, name=f"{cfg.arch}_{'last' if last_only else 'all'}")
+                     self.weights, name=f"{cfg.arch}_{kind}")
 
     def _rope_factors_name(self, ctx: int) -> str | None:
         """The tensor of rope frequency factors: llama 3.1+'s rope_freqs, or phi3's long (past the original

@@ -13,8 +13,11 @@ from ggraph.models.rope import layer_rope
 from ggraph.ir.trace import scope
 
 
-def forward(cfg: ModelConfig, w: dict, tokens, P, k_caches, v_caches, *, last_only=False, rope_factors=None):
-    """Logits for ``tokens`` (T,) after P cached tokens; returns (logits, k_caches, v_caches)."""
+def forward(cfg: ModelConfig, w: dict, tokens, P, k_caches, v_caches, *, last_only=False, rope_factors=None,
+            output="logits"):
+    """Logits for ``tokens`` (T,) after P cached tokens; returns (logits, k_caches, v_caches). With
+    ``output="hidden"`` the first result is the final hidden state (T, D) after the output norm, as
+    llama.cpp's embeddings read it, and no logits are computed."""
     T = tokens.shape[0]
     with scope("embd"):
         x = ops.take(w["token_embd.weight"], tokens)                              # (T, D)
@@ -36,6 +39,8 @@ def forward(cfg: ModelConfig, w: dict, tokens, P, k_caches, v_caches, *, last_on
         if last_only:
             x = ops.slice(x, 0, Sym("T") - 1, Sym("T"))                            # (1, D)
         x = ops.rms_norm(x, w["output_norm.weight"], eps=cfg.norm_eps)
+        if output == "hidden":
+            return x, k_out, v_out
         out_w = w["token_embd.weight"] if cfg.tied_output else w["output.weight"]  # (V, D)
         logits = ops.linear(x, out_w)                                              # (T, V)
         if cfg.final_softcap:

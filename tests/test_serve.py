@@ -185,6 +185,22 @@ def test_structured_output(server):
         assert r.status_code == 400 and r.json()["error"]["param"] == field, (body, r.text)
 
 
+def test_embeddings_are_the_sessions(server):
+    import numpy as np
+    from ggraph.runtime.session import Session
+    r = server.client.embeddings.create(model=MODEL, input=["Hello world", "Other text"])   # base64 by default
+    got = np.array([d.embedding for d in r.data], dtype=np.float32)
+    want = Session(zoo.cached_model("llama", "f32"), ctx=256, threads=1).embed(["Hello world", "Other text"])
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
+    assert r.usage.prompt_tokens > 2 and [d.index for d in r.data] == [0, 1]
+    floats = server.post("/v1/embeddings", {"input": "Hello world", "encoding_format": "float"}).json()
+    np.testing.assert_allclose(floats["data"][0]["embedding"], want[0], atol=1e-6)
+    for body, field in (({"input": []}, "input"), ({"input": [""]}, "input"), ({"input": "x", "dimensions": 3}, "dimensions"),
+                        ({"input": "x", "encoding_format": "int8"}, "encoding_format"), ({"input": "w " * 400}, "input")):
+        r = server.post("/v1/embeddings", body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, (body, r.text)
+
+
 def test_a_full_queue_gets_503():
     s = Server(zoo.cached_model("llama", "f32"), "--parallel", "1", "--queue", "0", "--ctx", "512")
     try:
@@ -209,6 +225,8 @@ def test_the_demo_model_serves_chat(demo_model):
     try:
         r = s.client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0)
         assert "Paris" in r.choices[0].text or "capital" in r.choices[0].text
+        e = s.client.embeddings.create(model=MODEL, input="The capital of France")
+        assert len(e.data[0].embedding) == 640
         c = s.client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hello"}], max_tokens=4)
         assert c.usage.completion_tokens <= 4
     finally:

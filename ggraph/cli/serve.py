@@ -11,7 +11,7 @@ NEEDS = "ggraph serve needs starlette and uvicorn: pip install 'ggraph[serve]'"
 
 def cmd_serve(args) -> int:
     """Serve a GGUF model over HTTP with OpenAI's API: /v1/chat/completions, /v1/completions (both
-    streaming or not), /v1/models, /health and /metrics (Prometheus). --parallel N slots each hold a
+    streaming or not), /v1/embeddings, /v1/models, /health and /metrics (Prometheus). --parallel N slots each hold a
     context of --ctx tokens; requests beyond them wait in a queue (then get 503)."""
     try:
         import uvicorn
@@ -30,7 +30,7 @@ def cmd_serve(args) -> int:
     path = model_path(args)
     engine = Engine(lambda: open_session(args), parallel=args.parallel, queue=args.queue)
     model_id = args.alias or Path(path).stem
-    app = create_app(engine, model_id, api_key=args.api_key)
+    app = create_app(engine, model_id, api_key=args.api_key, pooling=args.pooling)
     where = f"http://{args.host}:{args.port}"
     print(f"ggraph serve: {model_id} on {where}/v1 ({args.parallel} slot(s) of {engine.ctx} tokens"
           f"{', API key required' if args.api_key else ''}); Ctrl-C stops", file=sys.stderr, flush=True)
@@ -54,6 +54,8 @@ def add_parser(sub, parents) -> None:
     p.add_argument("--alias", default=None, help="the model name clients use (default: the file name's stem)")
     p.add_argument("--parallel", "-np", type=int, default=1, help="slots: requests served at once (default 1)")
     p.add_argument("--queue", type=int, default=16, help="requests that may wait for a slot before 503 (default 16)")
+    p.add_argument("--pooling", default="mean", choices=["mean", "last", "cls"],
+                   help="how /v1/embeddings pools a text's final hidden states (default mean)")
     p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn's log level (default warning; info logs every request)")
     from ggraph.cli.common import add_compile_args

@@ -15,6 +15,7 @@ from ggraph.backends.llvm.team import check_threads
 from ggraph.runtime.tokenizer import Detokenizer, Tokenizer
 
 
+POOLINGS = ("mean", "last", "cls")
 UBATCH = 512                  # tokens per native step of a long prompt, as llama.cpp's default n_ubatch
 CACHE_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0")
 
@@ -93,16 +94,18 @@ class Session:
         return self._n_past
 
     # -- steps ---------------------------------------------------------------------------
-    def program(self, last_only: bool):
-        """The compiled step (all-position logits, or the last position's only), built once."""
-        if last_only not in self._programs:
+    def program(self, last_only: bool, output: str = "logits"):
+        """The compiled step (all-position logits, the last position's only, or with ``output="hidden"``
+        every position's final hidden state), built once."""
+        key = "hidden" if output == "hidden" else last_only
+        if key not in self._programs:
             from ggraph.compiler import compile_graph
             options = {"threads": self.threads, "profile": self.profile, "max_memory": self.max_memory} \
                 if self.backend != "numpy" else {}
-            graph = self.model.graph(self.ctx, last_only=last_only, cache_types=self.cache_types)
-            self._programs[last_only] = compile_graph(graph, backend=self.backend, passes=self.passes,
-                                                      disabled=self.disabled, weights=self.model.file, **options)
-        return self._programs[last_only]
+            graph = self.model.graph(self.ctx, last_only=last_only, cache_types=self.cache_types, output=output)
+            self._programs[key] = compile_graph(graph, backend=self.backend, passes=self.passes,
+                                                disabled=self.disabled, weights=self.model.file, **options)
+        return self._programs[key]
 
     def reset(self) -> None:
         """Forget the context (the cache rows are simply overwritten later)."""
@@ -136,6 +139,37 @@ class Session:
             if last or not last_only:
                 out.append(logits)
         return out[0] if len(out) == 1 else np.concatenate(out)
+
+    def embed(self, texts, pooling: str = "mean", normalize: bool = True) -> np.ndarray:
+        """Embeddings (n, n_embd) of ``texts`` (strings or lists of token ids): the final hidden state
+        after the output norm, pooled over each text's tokens ("mean"; "last" token; "cls", the first),
+        L2-normalised unless ``normalize=False``. Each text runs in a fresh context (the cache is reset)."""
+        if pooling not in POOLINGS:
+            raise ValueError(f"pooling must be one of {', '.join(POOLINGS)}, got {pooling!r}")
+        if isinstance(texts, str) or (isinstance(texts, (list, tuple)) and texts and isinstance(texts[0], (int, np.integer))):
+            texts = [texts]
+        prog = self.program(last_only=False, output="hidden")
+        out = np.zeros((len(texts), self.config.n_embd), dtype=np.float32)
+        for i, text in enumerate(texts):
+            ids = self.tokenizer.encode(text) if isinstance(text, str) else token_ids(text, self.config.n_vocab).tolist()
+            if not ids:
+                raise ValueError(f"text {i} encodes to no tokens")
+            if len(ids) > self.ctx:
+                raise ContextFullError(f"text {i} is {len(ids)} tokens > ctx={self.ctx}")
+            self.reset()
+            hidden = []
+            for at in range(0, len(ids), self.ubatch):
+                part = np.asarray(ids[at:at + self.ubatch], dtype=np.int32)
+                h, *_ = prog.run_inputs([part, np.int32(self._n_past), *self.k_cache, *self.v_cache])
+                self._n_past += part.size
+                hidden.append(np.asarray(h, dtype=np.float32))
+            h = np.concatenate(hidden)
+            v = h.mean(axis=0) if pooling == "mean" else h[-1] if pooling == "last" else h[0]
+            if normalize:
+                v = v / max(float(np.linalg.norm(v)), 1e-12)
+            out[i] = v
+        self.reset()
+        return out
 
     def logits(self, tokens: Sequence[int]) -> np.ndarray:
         """Logits at every position of ``tokens``, from a fresh context, as one prefill."""

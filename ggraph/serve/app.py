@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP API over an Engine, as a Starlette (ASGI) app.
 
-    POST /v1/chat/completions   POST /v1/completions   GET /v1/models
-    GET /health                 GET /metrics (Prometheus text)
+    POST /v1/chat/completions   POST /v1/completions   POST /v1/embeddings
+    GET /v1/models              GET /health            GET /metrics (Prometheus text)
 
 Requests and responses follow OpenAI's shapes, streaming included (server-sent events ending
 with ``data: [DONE]``); errors too: ``{"error": {"message", "type", "param", "code"}}`` with
@@ -11,11 +11,13 @@ for an unknown model or route, 503 when every slot is busy and the queue is full
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import math
 import time
 import uuid
 
+import numpy as np
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
@@ -43,8 +45,9 @@ def error_response(status: int, message: str, param=None, kind="invalid_request_
     return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}}, status_code=status)
 
 
-def create_app(engine: Engine, model_id: str, api_key: str | None = None) -> Starlette:
-    """The ASGI app serving ``engine`` under the name ``model_id``; ``api_key`` guards /v1/*."""
+def create_app(engine: Engine, model_id: str, api_key: str | None = None, pooling: str = "mean") -> Starlette:
+    """The ASGI app serving ``engine`` under the name ``model_id``; ``api_key`` guards /v1/*;
+    ``pooling`` is how /v1/embeddings pools a text's hidden states (mean, last or cls)."""
     created = int(time.time())
 
     def check(request: Request) -> None:
@@ -140,6 +143,52 @@ def create_app(engine: Engine, model_id: str, api_key: str | None = None) -> Sta
         return JSONResponse({"id": rid, "object": "chat.completion" if chat else "text_completion", "created": stamp,
                              "model": model_id, "choices": [choice], "usage": usage})
 
+    async def embeddings(request: Request) -> Response:
+        body = await body_of(request)
+        texts = body.get("input")
+        if isinstance(texts, str) or (isinstance(texts, list) and texts and all(isinstance(t, int) for t in texts)):
+            texts = [texts]
+        if not isinstance(texts, list) or not texts or len(texts) > 256:
+            raise APIError(400, "'input' must be a string, a list of up to 256 strings, or token ids", "input")
+        ids = []
+        for i, t in enumerate(texts):
+            if isinstance(t, str) and t:
+                ids.append(engine.tokenizer.encode(t))
+            elif isinstance(t, list) and t and all(isinstance(x, int) and not isinstance(x, bool) for x in t):
+                ids.append(_token_ids(t, engine.tokenizer.n_vocab))
+            else:
+                raise APIError(400, f"input[{i}] must be a non-empty string or list of token ids", "input")
+            if len(ids[-1]) > engine.ctx:
+                raise APIError(400, f"input[{i}] is {len(ids[-1])} tokens, more than the context of {engine.ctx} tokens",
+                               "input", code="context_length_exceeded")
+        fmt = body.get("encoding_format") or "float"
+        if fmt not in ("float", "base64"):
+            raise APIError(400, f"'encoding_format' must be 'float' or 'base64', got {fmt!r}", "encoding_format")
+        width = engine.slots[0].config.n_embd
+        if body.get("dimensions") not in (None, width):
+            raise APIError(400, f"'dimensions' must be this model's {width} (no truncation)", "dimensions")
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        emit = lambda kind, value: loop.call_soon_threadsafe(queue.put_nowait, (kind, value))  # noqa: E731
+        try:
+            job = engine.submit(ids, {"pooling": pooling}, emit, kind="embed")
+        except Overloaded as e:
+            raise APIError(503, str(e), kind="server_error", code="overloaded")
+        try:
+            kind, value = await queue.get()
+        finally:
+            job.cancel()
+        if kind == "error":
+            raise APIError(500, value, kind="server_error")
+        data = []
+        for i, v in enumerate(value["embeddings"]):
+            vec = base64.b64encode(np.asarray(v, dtype="<f4").tobytes()).decode() if fmt == "base64" else \
+                [float(x) for x in v]
+            data.append({"object": "embedding", "index": i, "embedding": vec})
+        n = value["prompt_tokens"]
+        return JSONResponse({"object": "list", "data": data, "model": model_id,
+                             "usage": {"prompt_tokens": n, "total_tokens": n}})
+
     async def health(request: Request) -> Response:
         st = engine.status()
         return JSONResponse({"status": "ok", "slots_idle": st["slots"] - st["active"], "slots_processing": st["active"],
@@ -160,6 +209,7 @@ def create_app(engine: Engine, model_id: str, api_key: str | None = None) -> Sta
 
     routes = [Route("/v1/chat/completions", chat_completions, methods=["POST"]),
               Route("/v1/completions", completions, methods=["POST"]),
+              Route("/v1/embeddings", embeddings, methods=["POST"]),
               Route("/v1/models", models, methods=["GET"]),
               Route("/health", health, methods=["GET"]),
               Route("/metrics", metrics, methods=["GET"])]

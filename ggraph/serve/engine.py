@@ -7,8 +7,8 @@ copy of the weights in the shared mmap and one compiled program), and one schedu
 
 The scheduler admits waiting jobs into free slots between steps and then gives every active
 slot one turn: the first turn prefills the prompt and samples a token, each later one decodes a
-token. A job leaves its slot when it finishes, fails or is cancelled, and the next waiting job
-takes the slot at once. Every slot's step is its own native program call: the slots take turns,
+token (an embedding job embeds one of its texts a turn). A job leaves its slot when it
+finishes, fails or is cancelled, and the next waiting job takes the slot at once. Every slot's step is its own native program call: the slots take turns,
 they are not yet batched into one step.
 """
 from __future__ import annotations
@@ -34,6 +34,7 @@ class Job:
     ids: list[int]
     options: dict
     emit: Callable[[str, object], None]       # ("piece", text) ... then ("done", info) or ("error", message)
+    kind: str = "generate"                    # or "embed": ids is then a list of texts' ids, options {pooling}
     submitted: float = dataclasses.field(default_factory=time.perf_counter)
     _cancelled: threading.Event = dataclasses.field(default_factory=threading.Event)
 
@@ -73,7 +74,7 @@ class Engine:
         self.metrics = Metrics()
         self._ids = itertools.count(1)
         self._waiting: collections.deque[Job] = collections.deque()
-        self._active: dict[int, tuple[Job, object]] = {}          # slot index -> (job, its generator)
+        self._active: dict[int, tuple] = {}           # slot index -> (job, its generator, embeddings so far)
         self._wake = threading.Condition()
         self._closed = False
         self._thread = threading.Thread(target=self._loop, name="ggraph-scheduler", daemon=True)
@@ -84,20 +85,24 @@ class Engine:
         return self.slots[0].tokenizer
 
     # -- requests ------------------------------------------------------------------------
-    def submit(self, ids: list[int], options: dict, emit) -> Job:
-        """Queue a job; Overloaded when the queue is full. The prompt must fit a slot's context."""
-        if not ids:
-            raise ValueError("the prompt encodes to no tokens")
-        if len(ids) > self.ctx:
-            raise ValueError(f"the prompt is {len(ids)} tokens, more than the context of {self.ctx} tokens a slot has")
+    def submit(self, ids: list, options: dict, emit, kind: str = "generate") -> Job:
+        """Queue a job; Overloaded when the queue is full. Every prompt (an embed job has a list of them)
+        must fit a slot's context."""
+        for one in ids if kind == "embed" else [ids]:
+            if not one:
+                raise ValueError("the prompt encodes to no tokens")
+            if len(one) > self.ctx:
+                raise ValueError(f"the prompt is {len(one)} tokens, more than the context of {self.ctx} tokens a slot has")
         with self._wake:
             if self._closed:
                 raise Overloaded("the server is shutting down")
+            if kind not in ("generate", "embed"):
+                raise ValueError(f"unknown job kind {kind!r}")
             free = len(self.slots) - len(self._active)
             if len(self._waiting) >= self.queue_limit + free:
                 raise Overloaded(f"all {len(self.slots)} slots are busy and {len(self._waiting)} requests wait; "
                                  "try again shortly")
-            job = Job(next(self._ids), list(ids), dict(options), emit)
+            job = Job(next(self._ids), list(ids), dict(options), emit, kind)
             self._waiting.append(job)
             self.metrics.requests += 1
             self._wake.notify()
@@ -123,7 +128,7 @@ class Engine:
                 while not self._closed and not self._waiting and not self._active:
                     self._wake.wait()
                 if self._closed:
-                    for job, gen in self._active.values():
+                    for job, gen, _ in self._active.values():
                         gen.close()
                         job.emit("error", "the server is shutting down")
                     for job in self._waiting:
@@ -131,8 +136,8 @@ class Engine:
                     return
                 self._admit()
                 turns = list(self._active.items())
-            for slot, (job, gen) in turns:
-                self._turn(slot, job, gen)
+            for slot, (job, gen, done) in turns:
+                self._turn(slot, job, gen, done)
 
     def _admit(self) -> None:
         free = [i for i in range(len(self.slots)) if i not in self._active]
@@ -142,11 +147,16 @@ class Engine:
                 self.metrics.cancelled += 1
                 continue
             slot = free.pop(0)
-            gen = self.slots[slot].generate(job.ids, stream=True, **job.options)
-            self._active[slot] = (job, gen)
+            session = self.slots[slot]
+            if job.kind == "embed":                        # one text a turn
+                gen = (session.embed([ids], **job.options)[0] for ids in job.ids)
+            else:
+                gen = session.generate(job.ids, stream=True, **job.options)
+            self._active[slot] = (job, gen, [])
 
-    def _turn(self, slot: int, job: Job, gen) -> None:
-        """One token (the first turn: the prompt and one token) of the job in ``slot``."""
+    def _turn(self, slot: int, job: Job, gen, done: list) -> None:
+        """One token (the first turn: the prompt and one token) of the job in ``slot``; for an embed
+        job, one text's vector (kept in ``done`` until the last)."""
         session = self.slots[slot]
         if job.cancelled:
             gen.close()
@@ -156,6 +166,12 @@ class Engine:
         try:
             piece = next(gen)
         except StopIteration:
+            if job.kind == "embed":
+                self._leave(slot)
+                self.metrics.finished += 1
+                self.metrics.prompt_tokens += sum(map(len, job.ids))
+                job.emit("done", {"embeddings": done, "prompt_tokens": sum(map(len, job.ids))})
+                return
             st = session.stats
             self._leave(slot)
             m = self.metrics
@@ -171,7 +187,10 @@ class Engine:
             self.metrics.failed += 1
             job.emit("error", f"{type(e).__name__}: {e}")
         else:
-            job.emit("piece", piece)
+            if job.kind == "embed":
+                done.append(piece)
+            else:
+                job.emit("piece", piece)
 
     def _leave(self, slot: int) -> None:
         with self._wake:
