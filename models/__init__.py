@@ -75,6 +75,25 @@ class Model:
         return trace(step, i32["T"], dim("P"), [k_aval] * cfg.n_layer, [v_aval] * cfg.n_layer,
                      self.weights, name=f"{cfg.arch}_{kind}")
 
+    def batch_graph(self, slots: int, ctx: int, cache_types=(f32, f32)) -> Graph:
+        """The step of a batch of sequences: (tokens, seq, positions i32[T], pick i32[R], slotted
+        k/v caches of slots*ctx rows, weights) -> (logits (R, V), caches); token t is at
+        positions[t] of sequence seq[t], and ``pick`` names the rows to take logits from (each
+        sampling sequence's last token)."""
+        from ggraph.ir.trace import trace
+        from ggraph.models.transformer import forward_batch
+        cfg = self.config
+        if architecture(cfg.arch).forward is not None:
+            raise ValueError(f"architecture {cfg.arch!r} has a forward of its own: batched steps need the shared decoder")
+        k_aval, v_aval = self.kv_avals(slots * ctx, cache_types)
+        factors = self._rope_factors_name(ctx)
+
+        def step(tokens, seq, positions, pick, k, v, w):
+            return forward_batch(cfg, w, tokens, seq, positions, pick, k, v, slot_rows=ctx,
+                                 rope_factors=w[factors] if factors else None)
+        return trace(step, i32["T"], i32["T"], i32["T"], i32["R"], [k_aval] * cfg.n_layer, [v_aval] * cfg.n_layer,
+                     self.weights, name=f"{cfg.arch}_batch{slots}")
+
     def _rope_factors_name(self, ctx: int) -> str | None:
         """The tensor of rope frequency factors: llama 3.1+'s rope_freqs, or phi3's long (past the original
         context) or short factors, as llama.cpp's get_rope_factors picks them."""

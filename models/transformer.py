@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from ggraph import ops
 from ggraph.ir.dims import Sym
+from ggraph.ir.fused import rope_attention_slots
 from ggraph.models.config import ModelConfig
 from ggraph.models.rope import layer_rope
 from ggraph.ir.trace import scope
@@ -48,6 +49,37 @@ def forward(cfg: ModelConfig, w: dict, tokens, P, k_caches, v_caches, *, last_on
     return logits, k_out, v_out
 
 
+def forward_batch(cfg: ModelConfig, w: dict, tokens, seq, positions, pick, k_caches, v_caches, *, slot_rows: int,
+                  rope_factors=None):
+    """One step of a batch of sequences over slotted caches (``slot_rows`` rows each): token t is
+    at ``positions[t]`` of sequence ``seq[t]``; returns the logits of the rows ``pick`` (i32[R]: the
+    last token of each sequence that samples), and the caches."""
+    with scope("embd"):
+        x = ops.take(w["token_embd.weight"], tokens)                              # (T, D)
+        if cfg.embed_scale:
+            x = x * cfg.embed_scale
+    k_out, v_out = [], []
+    for i in range(cfg.n_layer):
+        blk = Layer(w, i)
+        with scope(f"blk.{i}"):
+            with scope("attn"):
+                slots = dict(seq=seq, positions=positions, slot_rows=slot_rows)
+                a, kc, vc = attention(cfg, blk, i, x, positions, None, k_caches[i], v_caches[i], rope_factors, slots)
+            x = x + a
+            with scope("ffn"):
+                x = x + ffn(cfg, blk, x)
+        k_out.append(kc)
+        v_out.append(vc)
+    with scope("output"):
+        x = ops.take(x, pick)                                                      # (R, D)
+        x = ops.rms_norm(x, w["output_norm.weight"], eps=cfg.norm_eps)
+        out_w = w["token_embd.weight"] if cfg.tied_output else w["output.weight"]  # (V, D)
+        logits = ops.linear(x, out_w)                                              # (R, V)
+        if cfg.final_softcap:
+            logits = ops.tanh(logits * (1.0 / cfg.final_softcap)) * cfg.final_softcap
+    return logits, k_out, v_out
+
+
 class Layer:
     """Layer i's weights by their short GGUF names: ``blk["attn_q.weight"]``."""
 
@@ -61,7 +93,7 @@ class Layer:
         return self.w.get(self.prefix + name)
 
 
-def attention(cfg: ModelConfig, blk: Layer, i: int, x, pos, P, k_cache, v_cache, rope_factors):
+def attention(cfg: ModelConfig, blk: Layer, i: int, x, pos, P, k_cache, v_cache, rope_factors, slots=None):
     T = x.shape[0]
     H, Hkv, Dh, Dv = cfg.n_head, cfg.n_head_kv, cfg.head_dim, cfg.head_dim_v
     h = ops.rms_norm(x, blk["attn_norm.weight"], eps=cfg.norm_eps)                # (T, D)
@@ -82,10 +114,16 @@ def attention(cfg: ModelConfig, blk: Layer, i: int, x, pos, P, k_cache, v_cache,
         factors = ops.to_tracer(lr.factors) if factors is None else factors * ops.to_tracer(lr.factors)
     rope = dict(base=lr.base, scale=lr.scale, dims=cfg.rope_dims, style=cfg.rope_style, freq_factors=factors,
                 mscale=lr.mscale)                                                  # q and k share these
-    q, k = ops.rope(q, pos, **rope), ops.rope(k, pos, **rope)
     window = cfg.sliding_window if cfg.is_swa(i) else None
-    o, k_cache, v_cache = ops.attention(q, k, v, k_cache, v_cache, P, scale=cfg.scale, window=window,
-                                        softcap=cfg.attn_softcap)                  # (T, H, Dv)
+    if slots is not None:                                                          # a batch of sequences
+        o, k_cache, v_cache = rope_attention_slots(
+            q, k, v, k_cache, v_cache, slots["seq"], slots["positions"], rope["freq_factors"],
+            slot_rows=slots["slot_rows"], dims=rope["dims"] or Dh, base=rope["base"], rope_scale=rope["scale"],
+            style=rope["style"], mscale=rope["mscale"], scale=cfg.scale, window=window, softcap=cfg.attn_softcap)
+    else:
+        q, k = ops.rope(q, pos, **rope), ops.rope(k, pos, **rope)
+        o, k_cache, v_cache = ops.attention(q, k, v, k_cache, v_cache, P, scale=cfg.scale, window=window,
+                                            softcap=cfg.attn_softcap)              # (T, H, Dv)
     o = ops.linear(o.reshape(T, H * Dv), blk["attn_output.weight"])               # (T, D)
     if cfg.post_norms:
         o = ops.rms_norm(o, blk["post_attention_norm.weight"], eps=cfg.norm_eps)

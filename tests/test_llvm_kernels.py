@@ -21,7 +21,7 @@ from ggraph.backends.llvm.kernels.act_quant import ActLayout, tokens_per_group  
 from ggraph.backends.llvm.target import X86_NAMES, named_target, runnable_targets  # noqa: E402
 
 TARGETS = X86_NAMES                       # generic, avx2, avx512, avx512_vnni
-TOKENS = (1, 3, 17, 40, 64)               # 40 = one full 2-group tile plus a tail group
+TOKENS = (1, 3, 8, 9, 17, 40, 64)         # 2..8: one row per token; 40 = one full 2-group tile plus a tail group
 N, V, FK = 37, 50, 100                    # odd rows; table rows; float-weight K (a K tail)
 K_OF_BLOCK = {32: 96, 256: 512}
 EMB_SCALE = 25.298221                     # sqrt(640), as gemma scales embeddings
@@ -47,7 +47,10 @@ def _build(target_name: str) -> jit.Library:
         kernels.act_quant(m, fmt, K, t)
     for dt in kernels.QUANT_TYPES:
         kernels.qmatmul(m, dt, k_of(dt), N, t)
+        kernels.qmatmul(m, dt, k_of(dt), N, t, rows_only=True)
         kernels.get_rows(m, dt, k_of(dt), V, t)
+    for fmt, K in (("q8_0", 96), ("q8_k", 512)):
+        kernels.act_quant(m, fmt, K, t, rows_only=True)
     for dt, K, n in (*SMALL, (dtypes.q8_0, 64, 256)):
         kernels.qmatmul(m, dt, K, n, t)
     kernels.act_quant(m, "q8_0", 32, t)
@@ -190,6 +193,35 @@ def check_qmatmul(target, dt, K: int, n: int, w: np.ndarray, tokens=TOKENS, rng=
             err = np.abs(y - exact) / norms
             assert err.max() < 1e-5, f"T={T} nth={nth}: normalised error {err.max():.2e} vs exact"
             assert (np.abs(y - loose) / norms).max() < 2e-2, f"T={T} nth={nth}: far from f32 product"
+
+
+@pytest.mark.parametrize("dt", kernels.QUANT_TYPES, ids=lambda d: d.name)
+def test_qmatmul_rows_only_computes_every_token_as_alone(target, dt):
+    """The batch kernels: at any T, token t's outputs are the bits a one-token call gives for it."""
+    rng = np.random.default_rng(2)
+    K = k_of(dt)
+    w = random_blocks(dt, N, K, rng)
+    fmt = kernels.act_format(dt)
+    rows = fn(target, f"qmatmul_{dt.name}_k{K}_n{N}_rows", abi=MATMUL_ABI)
+    one = fn(target, f"qmatmul_{dt.name}_k{K}_n{N}", abi=MATMUL_ABI)
+    act = fn(target, f"act_quant_{fmt}_k{K}_rows", ACT_ABI)
+    W = dequant(w, dt, N, K).astype(np.float64)
+    counter = np.zeros(16, np.int32)
+    for T in (2, 8, 9, 17, 40):
+        x = rng.standard_normal((T, K)).astype(np.float32)
+        buf = np.zeros(kernels.act_bytes(fmt, T, K, rows_only=True), np.uint8)
+        run(act, (x.ctypes.data, buf.ctypes.data), T, 2)
+        y = np.full((T, N), np.nan, np.float32)
+        run(rows, (w.ctypes.data, buf.ctypes.data, y.ctypes.data, counter.ctypes.data), T, 2, threads=True)
+        counter[:] = 0
+        for t in range(T):
+            alone = np.zeros((1, N), np.float32)
+            xq = quantize_acts(target, x[t:t + 1], fmt)
+            run(one, (w.ctypes.data, xq.ctypes.data, alone.ctypes.data, counter.ctypes.data), 1, 1)
+            counter[:] = 0
+            np.testing.assert_array_equal(y[t], alone[0], err_msg=f"T={T} token {t}")
+        norms = np.linalg.norm(x, axis=1)[:, None] * np.linalg.norm(W, axis=1)[None, :]
+        assert (np.abs(y - x.astype(np.float64) @ W.T) / norms).max() < 2e-2, f"T={T}: far from f32 product"
 
 
 @pytest.mark.parametrize("dt", kernels.QUANT_TYPES, ids=lambda d: d.name)

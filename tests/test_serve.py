@@ -157,11 +157,23 @@ def test_a_client_that_leaves_mid_stream_frees_its_slot(server):
 
 
 def test_concurrent_greedy_requests_match_their_solo_text(server):
-    prompts = [f"Story number {i}:" for i in range(8)]
+    """A bounded load test: 16 clients x 8 requests each, on two slots and a queue; every response
+    is complete and equals the same request's text alone."""
+    prompts = [f"Story number {i}:" for i in range(16)]
     solo = {p: complete(server, p, 10)[0] for p in prompts}
-    with concurrent.futures.ThreadPoolExecutor(8) as pool:
-        got = list(pool.map(lambda p: (p, complete(server, p, 10)[0]), prompts * 2))
-    assert all(text == solo[p] for p, text in got)
+
+    def client(p):
+        c = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=5, timeout=120)
+        out = []
+        for _ in range(8):
+            r = c.completions.create(model=MODEL, prompt=p, max_tokens=10, temperature=0)
+            out.append((r.choices[0].text, r.usage.completion_tokens, r.choices[0].finish_reason))
+        return p, out
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        results = list(pool.map(client, prompts))
+    for p, out in results:
+        assert all(o == (solo[p], 10, "length") for o in out), (p, out)
+    assert server.metric("requests_processing") == 0 and server.metric("requests_deferred") == 0
 
 
 def test_structured_output(server):

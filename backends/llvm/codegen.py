@@ -48,11 +48,11 @@ class ProgramSpec:
 
 
 def lower(graph: Graph, target: Target, profile: bool = False, compiler: jit.Compiler | None = None,
-          progress=None) -> ProgramSpec:
+          progress=None, rows_only: bool = False) -> ProgramSpec:
     """Lower every eqn, then emit the program function that calls the kernels in order; new kernels go
     to ``compiler`` as they are built (without one they keep their IR, uncompiled). ``progress``
     (a ``ggraph.progress.Progress``) advances once per eqn."""
-    lw = Lowering(graph, target, compiler)
+    lw = Lowering(graph, target, compiler, rows_only)
     for e in graph.eqns:
         lw.current = None
         lower_eqn(lw, e)
@@ -69,7 +69,7 @@ def lower(graph: Graph, target: Target, profile: bool = False, compiler: jit.Com
 
 
 def emit_program(spec: ProgramSpec, target: Target, profile: bool = False) -> None:
-    """``void ggraph_program(ptr table, i64 T, i64 P, i32 ith, i32 nth, ptr barrier)``, and the team's
+    """``void ggraph_program(ptr table, i64 T, i64 P, i64 R, i32 ith, i32 nth, ptr barrier)``, and the team's
     ``ggraph_serve`` and ``ggraph_run`` that call it on every thread.
 
     With ``profile``, every call is followed by a barrier. Each thread stamps the cycle counter
@@ -79,10 +79,10 @@ def emit_program(spec: ProgramSpec, target: Target, profile: bool = False) -> No
     """
     m = spec.module
     barrier = emit_barrier(m, x86=target.arch == "x86_64")
-    fn = ir.Function(m, ir.FunctionType(ir.VoidType(), [ptr, i64, i64, i32, i32, ptr]), name=spec.name)
-    table, T, P, ith, nth, bar = fn.args
+    fn = ir.Function(m, ir.FunctionType(ir.VoidType(), [ptr, i64, i64, i64, i32, i32, ptr]), name=spec.name)
+    table, T, P, R, ith, nth, bar = fn.args
     b = ir.IRBuilder(fn.append_basic_block("entry"))
-    dims = {"T": T, "P": P}
+    dims = {"T": T, "P": P, "R": R}
     bases: dict[int, ir.Value] = {}
 
     def base(i: int) -> ir.Value:

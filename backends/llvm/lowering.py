@@ -24,7 +24,7 @@ from ggraph.ir.primitive import Primitive
 from ggraph.backends.llvm import jit
 from ggraph.backends.llvm.target import Target
 
-SYMBOLS = ("T", "P")               # the runtime dims a program takes
+SYMBOLS = ("T", "P", "R")          # the runtime dims a program takes: tokens, past length, rows picked
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,8 +46,8 @@ class Bytes:
             return size_bytes(self.args[0], dims)
         if self.kind == "act":
             from ggraph.backends.llvm.kernels import act_bytes
-            fmt, R, K = self.args
-            return act_bytes(fmt, eval_dim(R, dims), K)
+            fmt, R, K, *rows_only = self.args
+            return act_bytes(fmt, eval_dim(R, dims), K, *rows_only)
         raise ValueError(f"unknown size kind {self.kind!r}")
 
     def symbols(self) -> frozenset:
@@ -105,8 +105,9 @@ class LoweringError(NotImplementedError):
 class Lowering:
     """State while lowering one graph: buffers, where each value lives, the calls and kernel units."""
 
-    def __init__(self, graph: Graph, target: Target, compiler: jit.Compiler | None = None):
+    def __init__(self, graph: Graph, target: Target, compiler: jit.Compiler | None = None, rows_only: bool = False):
         self.graph, self.target, self.compiler = graph, target, compiler
+        self.rows_only = rows_only          # quantised matmuls compute every token as if alone (a batch)
         self.buffers: list[Buffer] = []
         self.where: dict[Var, Ref] = {}
         self.calls: list[Call] = []

@@ -45,8 +45,12 @@ def _take(lw, e):
     out = lw.output(e.outputs[0])
     status = lw.status(f"take at {e.scope or 'top'}: id {{id}} is out of range for a table of {V} rows "
                        f"({table.aval})")
-    name = lw.kernel(K.get_rows, table.aval.dtype, D, V, lw.target)
-    lw.call(name, lw.ref(table), lw.ref(ids), out, status, rows(e.outputs[0].aval), writes=(out, status))
+    if isinstance(V, int):
+        name = lw.kernel(K.get_rows, table.aval.dtype, D, V, lw.target)
+        lw.call(name, lw.ref(table), lw.ref(ids), out, status, rows(e.outputs[0].aval), writes=(out, status))
+    else:                                                  # rows of this step's activations (T of them)
+        name = lw.kernel(K.get_rows, table.aval.dtype, D, None, lw.target)
+        lw.call(name, lw.ref(table), lw.ref(ids), out, status, V, rows(e.outputs[0].aval), writes=(out, status))
 
 
 @lowering(qmatmul_p)
@@ -64,10 +68,11 @@ def _qmatmul(lw, e):
     fmt = K.act_format(dt)
     xq = lw.memo(("act_quant", x, fmt))
     if xq is None:
-        xq = lw.scratch(Bytes("act", (fmt, R, Kdim)), f"xq_{fmt}")
-        lw.call(lw.kernel(K.act_quant, fmt, Kdim, lw.target), lw.ref(x), xq, R, writes=(xq,))
+        xq = lw.scratch(Bytes("act", (fmt, R, Kdim, lw.rows_only)), f"xq_{fmt}")
+        lw.call(lw.kernel(K.act_quant, fmt, Kdim, lw.target, lw.rows_only), lw.ref(x), xq, R, writes=(xq,))
         lw.memo(("act_quant", x, fmt), xq)
-    lw.call(lw.kernel(K.qmatmul, dt, Kdim, N, lw.target), lw.ref(w), xq, out, lw.counter(), R, writes=(out,))
+    lw.call(lw.kernel(K.qmatmul, dt, Kdim, N, lw.target, lw.rows_only), lw.ref(w), xq, out, lw.counter(), R,
+            writes=(out,))
 
 
 def lower_eqn(lw: Lowering, e: Eqn) -> None:
@@ -208,23 +213,28 @@ def _matmul(lw, e):
 @lowering(rope_attention_p)
 def _rope_attention(lw, e):
     """Three kernels: rope k and store k, v at rows P.. of the caches; attend (rope q inside); merge
-    the partial results when the keys were split across threads."""
+    the partial results when the keys were split across threads. Slotted caches (a batch of
+    sequences) take each token's slot instead of P; the caller keeps slots and positions in range."""
     attn, rope = A.from_rope_attention(e)
     q, k, v, kc, vc, pos, positions = e.inputs[:7]
-    if not isinstance(pos, Var) or not isinstance(pos.aval, DimAval) or pos.aval.symbol != "P":
-        raise LoweringError("llvm backend: rope_attention needs the past length as the dim input P")
     refs = {"q": lw.ref(q), "k": lw.ref(k), "v": lw.ref(v), "k_cache": lw.ref(kc), "v_cache": lw.ref(vc),
-            "positions": lw.ref(positions), "T": q.aval.shape[0], "P": Sym("P")}
+            "positions": lw.ref(positions), "T": q.aval.shape[0]}
+    if attn.slot_rows:
+        refs["seq"], refs["P"] = lw.ref(pos), 0
+    elif not isinstance(pos, Var) or not isinstance(pos.aval, DimAval) or pos.aval.symbol != "P":
+        raise LoweringError("llvm backend: rope_attention needs the past length as the dim input P")
+    else:
+        refs["P"] = Sym("P")
+        lw.bound(Sym("P") + q.aval.shape[0], kc.aval.shape[0],
+                 f"attention at {e.scope or 'top'}: the KV cache has {kc.aval.shape[0]} rows")
     if len(e.inputs) > 7:
         refs["freq_factors"] = lw.ref(e.inputs[7])
     refs["out"] = lw.output(e.outputs[0])
-    lw.bound(Sym("P") + q.aval.shape[0], kc.aval.shape[0],
-             f"attention at {e.scope or 'top'}: the KV cache has {kc.aval.shape[0]} rows")
     size = A.partial_bytes(attn)                        # split-key partials: one scratch for every layer
     refs["partial"] = lw.memo(("attention_partial", size)) or \
         lw.memo(("attention_partial", size), lw.scratch(Bytes("fixed", (size,)), "attention_partial"))
     store, attend, combine = lw.kernel(A.attention_unit, lw.target, attn, rope)
-    store_args, attend_args, combine_args = A.kernel_arg_names(rope)
+    store_args, attend_args, combine_args = A.kernel_arg_names(rope, attn)
     lw.call(store, *[refs[a] for a in store_args], writes=(refs["k_cache"], refs["v_cache"]))
     lw.call(attend, *[refs[a] for a in attend_args], writes=(refs["out"], refs["partial"]))
     lw.call(combine, *[refs[a] for a in combine_args], writes=(refs["out"],))

@@ -41,10 +41,10 @@ ALIGN = 64
 _LOADED: dict[str, tuple[dict, list, jit.Library]] = {}     # program key -> (state, units, code) loaded here
 
 
-def _load_or_build(graph, target, profile: bool):
+def _load_or_build(graph, target, profile: bool, rows_only: bool = False):
     """The lowered program for ``graph`` and its loaded code: already loaded in this process, from the
     program cache (no IR is built then), or lowered, compiled (new kernels only) and saved."""
-    key = program_key(graph, target, profile)
+    key = program_key(graph, target, profile, rows_only)
     if key not in _LOADED:
         path = jit.cache_dir() / f"{key}.program"
         loaded = _load(path)
@@ -58,7 +58,7 @@ def _load_or_build(graph, target, profile: bool):
                     cache.discard(u.path, "its program did not link")
                 loaded = None
         if loaded is None:
-            state, units = _build(graph, target, profile)
+            state, units = _build(graph, target, profile, rows_only)
             cache.write(path, cache.PROGRAM, cache.dump_state(state))
             lib = jit.link([u.object for u in units] + [state["object"]], _exports(state), False)
         _LOADED[key] = state, units, lib
@@ -70,12 +70,12 @@ def _exports(state: dict) -> list[str]:
     return [state["name"], SERVE, RUN]
 
 
-def _build(graph, target, profile: bool) -> tuple[dict, list]:
+def _build(graph, target, profile: bool, rows_only: bool = False) -> tuple[dict, list]:
     """Lower ``graph``, compile its new kernels (in workers, while lowering goes on) and its program."""
     t0 = time.perf_counter()
     with jit.Compiler(target) as compiler:
         with Progress(len(graph.eqns), "lowering", unit=" ops", stream=sys.stderr, delay=1.0) as bar:
-            spec = lower(graph, target, profile, compiler, bar)
+            spec = lower(graph, target, profile, compiler, bar, rows_only)
         compiler.finish(start=t0)
     fn = spec.module.globals[spec.name]
     fn.attributes.add("noinline")                  # a list of calls: nothing to optimise, and unoptimised
@@ -114,10 +114,10 @@ def _planner_source() -> bytes:
     return Path(plan_memory.__file__).read_bytes()
 
 
-def program_key(graph, target, profile: bool) -> str:
+def program_key(graph, target, profile: bool, rows_only: bool = False) -> str:
     """What decides a compiled program: the graph's signature, the target, the code, profiling."""
     h = hashlib.sha256(graph.signature().encode())
-    for part in (target.name, target.cpu, target.features, str(profile)):
+    for part in (target.name, target.cpu, target.features, str(profile), str(rows_only)):
         h.update(part.encode())
     h.update(jit.code_digest())
     h.update(_planner_source())
@@ -190,7 +190,9 @@ class LLVMProgram(Program):
     """A graph compiled to one native program for the host's (or a forced) feature set."""
 
     def __init__(self, graph, weights=None, threads: int | None = None, target=None, profile: bool = False,
-                 max_memory: int | None = None):
+                 max_memory: int | None = None, rows_only: bool = False):
+        """``rows_only``: quantised matmuls compute each token as if it were alone in the step, so that
+        a batch of sequences gets the same results whoever shares its steps (prefill is slower)."""
         self.graph = graph
         self.max_memory = max_memory
         self.target = target or host_target()
@@ -198,7 +200,7 @@ class LLVMProgram(Program):
         self.last_profile: list[tuple] = []           # (call, seconds) of the last run, when profiling
         self.last_idle = 0.0                          # seconds the threads of that run spent at barriers
         t0 = time.perf_counter()
-        self.spec, self.lib = _load_or_build(graph, self.target, profile)
+        self.spec, self.lib = _load_or_build(graph, self.target, profile, rows_only)
         self.compile_s = time.perf_counter() - t0
         self.threads = check_threads(threads) or os.cpu_count() or 1
         self.team = Team(self.lib, self.threads)
@@ -313,9 +315,9 @@ class LLVMProgram(Program):
             cell[0] = dims[name]
         self._status[:] = 0
         self._counters[:] = 0
-        T, P = int(dims.get("T", 1)), int(dims.get("P", 0))
+        T, P, R = int(dims.get("T", 1)), int(dims.get("P", 0)), int(dims.get("R", 0))
         t0 = time.perf_counter()
-        self.team.run(self.table.ctypes.data, T, P)
+        self.team.run(self.table.ctypes.data, T, P, R)
         if self.profile:
             self._read_profile(time.perf_counter() - t0)
         for slot, message in enumerate(self.spec.checks):

@@ -38,7 +38,7 @@ _i32, _i64 = ir.IntType(32), ir.IntType(64)
 # The control block: one cache line for the words thread 0 writes to post a step, one for the
 # count of threads done, one for the step's arguments, one for the barrier between calls.
 SEQ, SLEEPERS, DONE = 0, 4, 64                              # i32 each
-TABLE, T_ARG, P_ARG, NTH, QUIT = 128, 136, 144, 152, 156    # ptr, i64, i64, i32, i32
+TABLE, T_ARG, P_ARG, R_ARG, NTH, QUIT = 128, 136, 144, 152, 160, 164    # ptr, i64, i64, i64, i32, i32
 BARRIER_STATE = 192                                         # {i32 count, i32 generation}
 CTL_BYTES = 256
 FUTEX_WAIT_PRIVATE, FUTEX_WAKE_PRIVATE = 128, 129
@@ -106,7 +106,7 @@ def _sched_yield(module: ir.Module) -> ir.Function:
 
 def emit_team(module: ir.Module, program: ir.Function, triple: str) -> None:
     """``void ggraph_serve(ptr ctl, i32 ith)``, a worker's whole life, and ``void ggraph_run(ptr ctl)``,
-    one step on thread 0, around ``program(table, T, P, ith, nth, barrier)``; ``ctl`` is the
+    one step on thread 0, around ``program(table, T, P, R, ith, nth, barrier)``; ``ctl`` is the
     control block laid out above, zeroed at the start."""
     arch = triple.split("-")[0]
     futex = SYS_FUTEX.get(arch) if "linux" in triple else None
@@ -130,8 +130,8 @@ def emit_team(module: ir.Module, program: ir.Function, triple: str) -> None:
 
     def call_program(b, ctl, ith):
         args = [b.load(word(b, ctl, TABLE), typ=ir.PointerType()), b.load(word(b, ctl, T_ARG), typ=_i64),
-                b.load(word(b, ctl, P_ARG), typ=_i64), ith, b.load(word(b, ctl, NTH), typ=_i32),
-                word(b, ctl, BARRIER_STATE)]
+                b.load(word(b, ctl, P_ARG), typ=_i64), b.load(word(b, ctl, R_ARG), typ=_i64), ith,
+                b.load(word(b, ctl, NTH), typ=_i32), word(b, ctl, BARRIER_STATE)]
         b.call(program, args)
 
     # ggraph_serve: wait for the sequence word to move, run, count done, wait again
@@ -259,11 +259,12 @@ class Team:
             t.start()
         _TEAMS.add(self)
 
-    def run(self, table: int, T: int, P: int) -> None:
+    def run(self, table: int, T: int, P: int, R: int = 0) -> None:
         """One step of the program on every thread; returns when all of them have finished it."""
         if self._words[QUIT // 4]:
             raise RuntimeError("this thread team is closed")
-        self._longs[TABLE // 8], self._longs[T_ARG // 8], self._longs[P_ARG // 8] = table, T, P
+        longs = self._longs
+        longs[TABLE // 8], longs[T_ARG // 8], longs[P_ARG // 8], longs[R_ARG // 8] = table, T, P, R
         self._run(self.ctl.ctypes.data)
 
     def close(self) -> None:

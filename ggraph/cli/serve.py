@@ -4,15 +4,16 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from ggraph.cli.common import add_model_arg, model_path, open_session, pipeline_names
+from ggraph.cli.common import add_model_arg, model_path, passes_arg, pipeline_names
 
 NEEDS = "ggraph serve needs starlette and uvicorn: pip install 'ggraph[serve]'"
 
 
 def cmd_serve(args) -> int:
     """Serve a GGUF model over HTTP with OpenAI's API: /v1/chat/completions, /v1/completions (both
-    streaming or not), /v1/embeddings, /v1/models, /health and /metrics (Prometheus). --parallel N slots each hold a
-    context of --ctx tokens; requests beyond them wait in a queue (then get 503)."""
+    streaming or not), /v1/embeddings, /v1/models, /health and /metrics (Prometheus). --parallel N
+    slots each hold a context of --ctx tokens, and every step runs all of them at once (continuous
+    batching); requests beyond them wait in a queue (then get 503)."""
     try:
         import uvicorn
         from ggraph.serve.app import create_app
@@ -28,7 +29,9 @@ def cmd_serve(args) -> int:
     if args.queue < 0:
         raise ValueError(f"--queue must be >= 0 waiting requests, got {args.queue}")
     path = model_path(args)
-    engine = Engine(lambda: open_session(args), parallel=args.parallel, queue=args.queue)
+    engine = Engine(path, parallel=args.parallel, ctx=args.ctx, queue=args.queue, backend=args.backend,
+                    threads=args.threads, passes=passes_arg(args.passes), disabled=args.no_pass,
+                    max_memory=args.max_memory, cache_type_k=args.cache_type_k, cache_type_v=args.cache_type_v)
     model_id = args.alias or Path(path).stem
     app = create_app(engine, model_id, api_key=args.api_key, pooling=args.pooling)
     where = f"http://{args.host}:{args.port}"

@@ -6,7 +6,10 @@
 - ``rope_attention q k v k_cache v_cache pos positions [freq_factors]``: rope on q and k, the
   KV-cache write at row ``pos``, causal (and sliding-window) softmax of softcap(q·kᵀ·scale)
   with GQA, times v -> (out, k_cache, v_cache). The caches are donated, as in cache_update.
-  Its params are the rope's (``scale`` renamed ``rope_scale``) and the attention's.
+  Its params are the rope's (``scale`` renamed ``rope_scale``) and the attention's. With
+  ``slot_rows=C`` the caches hold a batch of sequences, C rows each, and ``pos`` is i32[T], each
+  token's sequence: token t is at position positions[t] of sequence pos[t] (a sequence's tokens
+  in a step at consecutive positions), as one step of that sequence alone would be.
 - ``fused{ops} xs``: one loop over rows running a flat ``body`` of elementwise ops and
   last-axis reductions, with one or more outputs. A kernel must finish reading row r of every
   input before it writes row r of any output: plan_memory relies on that for in-place outputs.
@@ -72,7 +75,8 @@ qmatmul_p = register("qmatmul", shape=_qmatmul_shape, impl=_qmatmul_impl, cost=m
 # ---------------------------------------------------------------------------------------
 
 def _rope_attention_shape(q, k, v, k_cache, v_cache, pos, positions, freq_factors=None, *,
-                          dims, base, rope_scale, style, scale, mscale=1.0, window=None, softcap=None):
+                          dims, base, rope_scale, style, scale, mscale=1.0, window=None, softcap=None,
+                          slot_rows=None):
     for name, a in (("q", q), ("k", k), ("v", v), ("k_cache", k_cache), ("v_cache", v_cache)):
         if a.ndim != 3 or (a.dtype is not f32 and (name[2:] != "cache" or a.dtype.name not in KV_CACHE_TYPES)):
             kinds = f"one of {', '.join(KV_CACHE_TYPES)}" if name[2:] == "cache" else "f32"
@@ -86,7 +90,13 @@ def _rope_attention_shape(q, k, v, k_cache, v_cache, pos, positions, freq_factor
         raise ShapeError(f"rope_attention: {H} query heads are not a multiple of {Hkv} kv heads")
     if k_cache.shape[1:] != k.shape[1:] or v_cache.shape[1:] != v.shape[1:]:
         raise ShapeError(f"rope_attention: caches {k_cache}, {v_cache} do not hold rows of k {k}, v {v}")
-    if pos.dtype is not i32 or pos.ndim != 0:
+    if slot_rows is not None:
+        if pos.dtype is not i32 or pos.shape != (T,):
+            raise ShapeError(f"rope_attention: with slot_rows, pos is each token's sequence slot, i32[{T}]; got {pos}")
+        C = k_cache.shape[0]
+        if not isinstance(slot_rows, int) or slot_rows < 1 or (isinstance(C, int) and C % slot_rows):
+            raise ShapeError(f"rope_attention: the caches' {C} rows are not whole slots of {slot_rows} rows")
+    elif pos.dtype is not i32 or pos.ndim != 0:
         raise ShapeError(f"rope_attention: pos must be a scalar i32, got {pos}")
     if positions.dtype is not i32 or positions.shape != (T,):
         raise ShapeError(f"rope_attention: positions must be i32[{T}], got {positions}")
@@ -100,11 +110,32 @@ def _rope_attention_shape(q, k, v, k_cache, v_cache, pos, positions, freq_factor
 
 
 def _rope_attention_impl(q, k, v, k_cache, v_cache, pos, positions, freq_factors=None, *,
-                         dims, base, rope_scale, style, scale, mscale=1.0, window=None, softcap=None):
+                         dims, base, rope_scale, style, scale, mscale=1.0, window=None, softcap=None,
+                         slot_rows=None):
     rope = dict(dims=dims, base=base, scale=rope_scale, style=style, mscale=mscale)
     qr = composites._np_rope(q, positions, freq_factors, **rope)                         # (T, H, D)
     kr = composites._np_rope(k, positions, freq_factors, **rope)                         # (T, Hkv, D)
-    return composites._np_attention(qr, kr, v, k_cache, v_cache, pos, scale=scale, window=window, softcap=softcap)
+    attend = dict(scale=scale, window=window, softcap=softcap)
+    if slot_rows is None:
+        return composites._np_attention(qr, kr, v, k_cache, v_cache, pos, **attend)
+    out = np.zeros((q.shape[0], q.shape[1], v.shape[2]), np.float32)
+    slots = k_cache.shape[0] // slot_rows
+    for s in np.unique(pos):                          # each sequence: its tokens, in order, as one step
+        idx = np.nonzero(pos == s)[0]
+        p = positions[idx]
+        if not 0 <= s < slots or np.any(p != p[0] + np.arange(len(idx))):
+            raise ValueError(f"rope_attention: slot {s} (of {slots}) must have consecutive positions, got {p.tolist()}")
+        kc, vc = (_slot_rows(c, s, slot_rows) for c in (k_cache, v_cache))
+        out[idx] = composites._np_attention(qr[idx], kr[idx], v[idx], kc, vc, int(p[0]), **attend)[0]
+    return out, k_cache, v_cache
+
+
+def _slot_rows(cache, s: int, n: int):
+    """Rows s*n..(s+1)*n of a cache, as a view that writes through (arrays, and Blocks by their bytes)."""
+    if isinstance(cache, Blocks):
+        per = cache.data.shape[0] // cache.shape[0]                 # byte rows per cache row (the heads)
+        return Blocks(cache.data[s * n * per:(s + 1) * n * per], cache.dtype, (n,) + tuple(cache.shape[1:]))
+    return cache[s * n:(s + 1) * n]
 
 
 def _rope_attention_cost(eqn, dims):
@@ -112,6 +143,8 @@ def _rope_attention_cost(eqn, dims):
     T, H, D = q.concrete(dims)
     Hkv, Dv = k.concrete(dims)[1], v.concrete(dims)[2]
     S = T + dims.get("P", 0)                                  # keys: the past rows and this step's
+    if eqn.params.get("slot_rows"):                           # a batch: each token sees about half its slot
+        S = max(eqn.params["slot_rows"] // 2, 1)
     rot = eqn.params["dims"] // 2
     flops = 6 * T * (H + Hkv) * rot                           # rotate pairs
     flops += 2 * H * T * S * (D + Dv) + 5 * H * T * S         # q·kᵀ, p·v and the softmax
@@ -120,6 +153,22 @@ def _rope_attention_cost(eqn, dims):
     row = Hkv * (kc.row_bytes(D) + vc.row_bytes(Dv))          # bytes of one k row plus one v row in the caches
     moved = sum(a.aval.nbytes(dims) for a in eqn.inputs[:3] + eqn.inputs[6:]) + eqn.outputs[0].aval.nbytes(dims)
     return flops, moved + S * row + T * row                   # cache rows read, new rows written
+
+
+def rope_attention_slots(q, k, v, k_cache, v_cache, seq, positions, freq_factors=None, *, slot_rows: int,
+                         dims: int, base: float, rope_scale: float = 1.0, style: str = "neox", mscale: float = 1.0,
+                         scale: float, window: int | None = None, softcap: float | None = None):
+    """Rope and attention for a batch of sequences over slotted caches (``slot_rows`` rows per
+    sequence): token t is at ``positions[t]`` of sequence ``seq[t]``. Born fused: a batch has no
+    unfused form (it would need a scatter into the caches); its numpy rule is the reference."""
+    from ggraph.ir.trace import bind
+    params = dict(dims=int(dims), base=float(base), rope_scale=float(rope_scale), style=style, scale=float(scale),
+                  window=int(window) if window else None, softcap=float(softcap) if softcap else None,
+                  slot_rows=int(slot_rows))
+    if mscale != 1.0:
+        params["mscale"] = float(mscale)
+    extra = () if freq_factors is None else (freq_factors,)
+    return bind(rope_attention_p, q, k, v, k_cache, v_cache, seq, positions, *extra, **params)
 
 
 rope_attention_p = register("rope_attention", shape=_rope_attention_shape, impl=_rope_attention_impl,

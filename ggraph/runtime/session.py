@@ -12,7 +12,7 @@ import numpy as np
 
 from ggraph.runtime.sampling import Sampler
 from ggraph.backends.llvm.team import check_threads
-from ggraph.runtime.tokenizer import Detokenizer, Tokenizer
+from ggraph.runtime.tokenizer import Tokenizer
 
 
 POOLINGS = ("mean", "last", "cls")
@@ -218,53 +218,26 @@ class Session:
         return n
 
     def _generate(self, ids, max_tokens, sampler, seed, stop, reuse_cache, matcher=None) -> Iterator[str]:
-        rng = np.random.default_rng(seed)
-        history = list(ids)
-        detok = Detokenizer(self.tokenizer, skip_special=True)
+        from ggraph.runtime.generation import Generation
+        gen = Generation(self.tokenizer, ids, max_tokens, sampler, seed, stop, matcher)
         kept = self._keep_prefix(ids) if reuse_cache else 0
         if not reuse_cache:
             self.reset()
         self.program(last_only=True)                       # compile (or load) before the clock starts
         t0 = time.perf_counter()
         logits = self.step(ids[kept:])[-1]
-        t1 = time.perf_counter()
-        self.stats = {"prompt_tokens": len(ids) - kept, "cached_tokens": kept, "prompt_s": t1 - t0,
+        self.stats = {"prompt_tokens": len(ids) - kept, "cached_tokens": kept, "prompt_s": time.perf_counter() - t0,
                       "generated_tokens": 0, "generate_s": 0.0, "stop": "length"}
-        text, emitted, n = "", 0, 0
-        while max_tokens < 0 or n < max_tokens:
-            if matcher is not None:
-                logits = matcher.mask(logits)
-            tok = sampler(logits, history, rng)
-            if matcher is not None:
-                matcher.accept(tok)
-            if self.tokenizer.is_eog(tok):
-                self.stats["stop"] = "eog"
-                break
-            history.append(tok)
-            n += 1
-            self.stats["generated_tokens"] = n
-            text += detok.push(tok)
-            cut = _first_stop(text, stop)
-            safe = cut if cut is not None else len(text) - _partial_stop(text, stop)
-            if safe > emitted:
-                yield text[emitted:safe]
-                emitted = safe
-            if cut is not None:
-                self.stats["stop"] = "stop"
-                break
-            if n == max_tokens:
-                break
-            if self._n_past == self.ctx:                   # the sampled token has no row to go in
-                self.stats["stop"] = "context"
-                break
+        while True:
+            piece, tok = gen.feed(logits, room=self._n_past < self.ctx)
+            self.stats["generated_tokens"], self.stats["stop"] = gen.generated, gen.stop or "length"
+            if piece:
+                yield piece
+            if tok is None:
+                return
             t = time.perf_counter()
             logits = self.step([tok])[-1]
             self.stats["generate_s"] += time.perf_counter() - t
-        tail = text + detok.flush()
-        cut = _first_stop(tail, stop)
-        end = cut if cut is not None else len(tail)
-        if end > emitted:
-            yield tail[emitted:end]
 
     def chat_ids(self, messages: list[dict], add_generation_prompt: bool = True, **template_vars) -> list[int]:
         """The token ids of ``messages`` rendered by the model's chat template (one BOS, as the model wants)."""
@@ -314,19 +287,3 @@ def token_ids(tokens, n_vocab: int) -> np.ndarray:
 def _starts_with_bos(text: str, tok) -> bool:
     bos = tok.bos_id
     return bos is not None and bos >= 0 and text.startswith(tok.token_text(bos))
-
-
-def _first_stop(text: str, stop) -> int | None:
-    hits = [text.find(s) for s in stop if s and s in text]
-    return min(hits) if hits else None
-
-
-def _partial_stop(text: str, stop) -> int:
-    """How many trailing chars could be the start of a stop string (held back while streaming)."""
-    best = 0
-    for s in stop:
-        for k in range(min(len(s) - 1, len(text)), 0, -1):
-            if text.endswith(s[:k]):
-                best = max(best, k)
-                break
-    return best

@@ -73,7 +73,7 @@ def create_app(engine: Engine, model_id: str, api_key: str | None = None, poolin
         check(request)
         return JSONResponse({"object": "list", "data": [
             {"id": model_id, "object": "model", "created": created, "owned_by": "ggraph",
-             "meta": {"n_ctx": engine.ctx, "slots": len(engine.slots)}}]})
+             "meta": {"n_ctx": engine.ctx, "slots": engine.parallel}}]})
 
     async def completions(request: Request) -> Response:
         body = await body_of(request)
@@ -92,7 +92,7 @@ def create_app(engine: Engine, model_id: str, api_key: str | None = None, poolin
         body = await body_of(request)
         messages = _messages(body.get("messages"))
         try:
-            ids = engine.slots[0].chat_ids(messages)
+            ids = engine.session.chat_ids(messages)
         except Exception as e:                            # the template refuses these messages
             raise APIError(400, f"the chat template cannot render these messages: {e}", "messages")
         return await run(request, body, ids, None, chat=True)
@@ -164,7 +164,7 @@ def create_app(engine: Engine, model_id: str, api_key: str | None = None, poolin
         fmt = body.get("encoding_format") or "float"
         if fmt not in ("float", "base64"):
             raise APIError(400, f"'encoding_format' must be 'float' or 'base64', got {fmt!r}", "encoding_format")
-        width = engine.slots[0].config.n_embd
+        width = engine.session.config.n_embd
         if body.get("dimensions") not in (None, width):
             raise APIError(400, f"'dimensions' must be this model's {width} (no truncation)", "dimensions")
         loop = asyncio.get_running_loop()

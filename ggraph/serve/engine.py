@@ -1,15 +1,15 @@
-"""The serving engine: a request queue, ``parallel`` slots (a Session each: its own KV cache, one
-copy of the weights in the shared mmap and one compiled program), and one scheduler thread.
+"""The serving engine: a request queue, a Batch of ``parallel`` sequence slots (slotted KV caches
+and one compiled batched step), and one scheduler thread: continuous batching.
 
-    engine = Engine(lambda: Session(path, ctx=4096), parallel=4)
+    engine = Engine(path, parallel=4, ctx=4096, threads=2)
     job = engine.submit(ids, dict(max_tokens=64, temperature=0), emit)   # emit(kind, value), any thread
     job.cancel()                                                           # e.g. the client went away
 
-The scheduler admits waiting jobs into free slots between steps and then gives every active
-slot one turn: the first turn prefills the prompt and samples a token, each later one decodes a
-token (an embedding job embeds one of its texts a turn). A job leaves its slot when it
-finishes, fails or is cancelled, and the next waiting job takes the slot at once. Every slot's step is its own native program call: the slots take turns,
-they are not yet batched into one step.
+Between steps the scheduler admits waiting jobs into free slots and drops finished or cancelled
+ones. Each step then runs, in one native call, every active slot's new tokens: a chunk of a
+prompt still being prefilled, or the one token a decoding slot sampled last. A slot whose
+prompt is done samples from its row of the step's logits. Embedding jobs run between steps on
+a Session of their own.
 """
 from __future__ import annotations
 
@@ -20,7 +20,9 @@ import threading
 import time
 from typing import Callable
 
-FINISH = {"eog": "stop", "stop": "stop", "length": "length", "context": "length"}   # Session stop -> OpenAI
+from ggraph.runtime.generation import Generation
+
+FINISH = {"eog": "stop", "stop": "stop", "length": "length", "context": "length"}   # why it ended -> OpenAI
 
 
 class Overloaded(RuntimeError):
@@ -31,11 +33,10 @@ class Overloaded(RuntimeError):
 class Job:
     """One request: prompt ids, Session.generate keywords, and where its pieces go."""
     id: int
-    ids: list[int]
+    ids: list
     options: dict
     emit: Callable[[str, object], None]       # ("piece", text) ... then ("done", info) or ("error", message)
     kind: str = "generate"                    # or "embed": ids is then a list of texts' ids, options {pooling}
-    submitted: float = dataclasses.field(default_factory=time.perf_counter)
     _cancelled: threading.Event = dataclasses.field(default_factory=threading.Event)
 
     def cancel(self) -> None:
@@ -44,6 +45,17 @@ class Job:
     @property
     def cancelled(self) -> bool:
         return self._cancelled.is_set()
+
+
+@dataclasses.dataclass
+class _Running:
+    """A generate job in its slot: what of its prompt is still to prefill, its sampling state."""
+    job: Job
+    gen: Generation
+    pending: list                              # prompt ids not yet run
+    started: float
+    first: float | None = None                 # when its first token was sampled
+    next_token: int | None = None
 
 
 @dataclasses.dataclass
@@ -56,25 +68,29 @@ class Metrics:
     generated_tokens: int = 0
     prompt_seconds: float = 0.0
     generate_seconds: float = 0.0
+    steps: int = 0
+    step_tokens: int = 0
 
 
 class Engine:
-    """Slots, a bounded queue, and the scheduler thread that steps them."""
+    """Slots of one Batch, a bounded queue, and the scheduler thread that steps them together."""
 
-    def __init__(self, make_session: Callable[[], object], parallel: int = 1, queue: int | None = None):
+    def __init__(self, path, parallel: int = 1, ctx: int = 4096, queue: int | None = None, **options):
+        from ggraph.runtime.batch import Batch
+        from ggraph.runtime.session import Session
         if isinstance(parallel, bool) or not isinstance(parallel, int) or parallel < 1:
             raise ValueError(f"parallel must be a whole number of slots >= 1, got {parallel!r}")
-        self.slots = [make_session() for _ in range(parallel)]
-        for s in self.slots[1:]:
-            s.tokenizer = self.slots[0].tokenizer         # one file, one tokenizer: grammars compile once for all
-        for s in self.slots:
-            s.program(last_only=True)                  # compiled (once: the slots share it) before serving
-        self.ctx = self.slots[0].ctx
+        session_options = {k: v for k, v in options.items() if k != "ubatch"}
+        self.session = Session(path, ctx=ctx, **session_options)   # templates, tokenizer, embeddings
+        self.batch = Batch(path, slots=parallel, ctx=ctx, model=self.session.model, **options)
+        self.batch.tokenizer = self.session.tokenizer             # one tokenizer: grammars compile once
+        self.batch.program()                                       # compiled before serving
+        self.parallel, self.ctx = parallel, ctx
         self.queue_limit = 4 * parallel if queue is None else queue    # requests that may wait for a busy slot
         self.metrics = Metrics()
         self._ids = itertools.count(1)
         self._waiting: collections.deque[Job] = collections.deque()
-        self._active: dict[int, tuple] = {}           # slot index -> (job, its generator, embeddings so far)
+        self._active: dict[int, _Running] = {}
         self._wake = threading.Condition()
         self._closed = False
         self._thread = threading.Thread(target=self._loop, name="ggraph-scheduler", daemon=True)
@@ -82,12 +98,14 @@ class Engine:
 
     @property
     def tokenizer(self):
-        return self.slots[0].tokenizer
+        return self.session.tokenizer
 
     # -- requests ------------------------------------------------------------------------
     def submit(self, ids: list, options: dict, emit, kind: str = "generate") -> Job:
         """Queue a job; Overloaded when the queue is full. Every prompt (an embed job has a list of them)
         must fit a slot's context."""
+        if kind not in ("generate", "embed"):
+            raise ValueError(f"unknown job kind {kind!r}")
         for one in ids if kind == "embed" else [ids]:
             if not one:
                 raise ValueError("the prompt encodes to no tokens")
@@ -96,11 +114,9 @@ class Engine:
         with self._wake:
             if self._closed:
                 raise Overloaded("the server is shutting down")
-            if kind not in ("generate", "embed"):
-                raise ValueError(f"unknown job kind {kind!r}")
-            free = len(self.slots) - len(self._active)
+            free = self.parallel - len(self._active)
             if len(self._waiting) >= self.queue_limit + free:
-                raise Overloaded(f"all {len(self.slots)} slots are busy and {len(self._waiting)} requests wait; "
+                raise Overloaded(f"all {self.parallel} slots are busy and {len(self._waiting)} requests wait; "
                                  "try again shortly")
             job = Job(next(self._ids), list(ids), dict(options), emit, kind)
             self._waiting.append(job)
@@ -111,9 +127,9 @@ class Engine:
     def status(self) -> dict:
         """Queue depth, busy slots and KV rows in use, for /metrics and /health."""
         with self._wake:
-            active = dict(self._active)
-            return {"waiting": len(self._waiting), "active": len(active), "slots": len(self.slots),
-                    "kv_used": sum(self.slots[i].n_past for i in active), "kv_capacity": len(self.slots) * self.ctx}
+            active = list(self._active)
+            return {"waiting": len(self._waiting), "active": len(active), "slots": self.parallel,
+                    "kv_used": sum(self.batch.n_past[i] for i in active), "kv_capacity": self.parallel * self.ctx}
 
     def close(self) -> None:
         with self._wake:
@@ -128,70 +144,126 @@ class Engine:
                 while not self._closed and not self._waiting and not self._active:
                     self._wake.wait()
                 if self._closed:
-                    for job, gen, _ in self._active.values():
-                        gen.close()
-                        job.emit("error", "the server is shutting down")
+                    for run in self._active.values():
+                        run.job.emit("error", "the server is shutting down")
                     for job in self._waiting:
                         job.emit("error", "the server is shutting down")
                     return
-                self._admit()
-                turns = list(self._active.items())
-            for slot, (job, gen, done) in turns:
-                self._turn(slot, job, gen, done)
+                embeds = self._admit()
+            for job in embeds:
+                self._embed(job)
+            self._drop_cancelled()
+            if self._active:
+                self._step()
 
-    def _admit(self) -> None:
-        free = [i for i in range(len(self.slots)) if i not in self._active]
-        while free and self._waiting:
+    def _admit(self) -> list[Job]:
+        """Waiting generate jobs into free slots (embed jobs are returned, to run now)."""
+        embeds, free = [], [i for i in range(self.parallel) if i not in self._active]
+        while self._waiting and (free or self._waiting[0].kind == "embed"):
             job = self._waiting.popleft()
             if job.cancelled:
                 self.metrics.cancelled += 1
-                continue
-            slot = free.pop(0)
-            session = self.slots[slot]
-            if job.kind == "embed":                        # one text a turn
-                gen = (session.embed([ids], **job.options)[0] for ids in job.ids)
+            elif job.kind == "embed":
+                embeds.append(job)
             else:
-                gen = session.generate(job.ids, stream=True, **job.options)
-            self._active[slot] = (job, gen, [])
+                try:
+                    gen = self._generation(job)
+                except Exception as e:                 # a grammar that fails to start, say
+                    self.metrics.failed += 1
+                    job.emit("error", f"{type(e).__name__}: {e}")
+                    continue
+                slot = free.pop(0)
+                self.batch.reset(slot)
+                self._active[slot] = _Running(job, gen, list(job.ids), time.perf_counter())
+        return embeds
 
-    def _turn(self, slot: int, job: Job, gen, done: list) -> None:
-        """One token (the first turn: the prompt and one token) of the job in ``slot``; for an embed
-        job, one text's vector (kept in ``done`` until the last)."""
-        session = self.slots[slot]
-        if job.cancelled:
-            gen.close()
-            self._leave(slot)
-            self.metrics.cancelled += 1
-            return
+    def _generation(self, job: Job) -> Generation:
+        from ggraph.runtime.sampling import Sampler
+        o = job.options
+        sampler = Sampler(o.get("temperature", 0.8), o.get("top_k", 40), o.get("top_p", 0.95), o.get("min_p", 0.05),
+                          o.get("repeat_penalty", 1.0))
+        grammar = o.get("grammar")
+        return Generation(self.tokenizer, job.ids, o.get("max_tokens", -1), sampler, o.get("seed"), o.get("stop", ()),
+                          grammar.matcher() if grammar is not None else None)
+
+    def _drop_cancelled(self) -> None:
+        with self._wake:
+            for slot in [s for s, run in self._active.items() if run.job.cancelled]:
+                del self._active[slot]
+                self.metrics.cancelled += 1
+
+    def _step(self) -> None:
+        """One batched step: each decoding slot's token, then prompt chunks in the room that is left."""
+        budget = self.batch.ubatch
+        work = {}
+        for slot, run in self._active.items():
+            if not run.pending:
+                work[slot] = [run.next_token]
+                budget -= 1
+        for slot, run in self._active.items():
+            if run.pending and budget > 0:
+                work[slot] = run.pending[:budget]
+                budget -= len(work[slot])
         try:
-            piece = next(gen)
-        except StopIteration:
-            if job.kind == "embed":
-                self._leave(slot)
-                self.metrics.finished += 1
-                self.metrics.prompt_tokens += sum(map(len, job.ids))
-                job.emit("done", {"embeddings": done, "prompt_tokens": sum(map(len, job.ids))})
-                return
-            st = session.stats
-            self._leave(slot)
-            m = self.metrics
-            m.finished += 1
-            m.prompt_tokens += st["prompt_tokens"]
-            m.generated_tokens += st["generated_tokens"]
-            m.prompt_seconds += st["prompt_s"]
-            m.generate_seconds += st["generate_s"]
-            job.emit("done", {"finish_reason": FINISH[st["stop"]], "prompt_tokens": len(job.ids),
-                              "completion_tokens": st["generated_tokens"]})
-        except Exception as e:                         # a bad request that passed the checks, or our bug
-            self._leave(slot)
-            self.metrics.failed += 1
-            job.emit("error", f"{type(e).__name__}: {e}")
-        else:
-            if job.kind == "embed":
-                done.append(piece)
+            out = self.batch.step(work)
+        except Exception as e:                          # our bug, or memory: fail the jobs in this step
+            for slot in work:
+                self._fail(slot, e)
+            return
+        m = self.metrics
+        m.steps += 1
+        m.step_tokens += sum(map(len, work.values()))
+        for slot, ids in work.items():
+            run = self._active[slot]
+            if run.pending:
+                run.pending = run.pending[len(ids):]
+                if run.pending:
+                    continue                            # more of the prompt to prefill
+            try:
+                piece, tok = run.gen.feed(out[slot], room=self.batch.n_past[slot] < self.ctx)
+            except Exception as e:
+                self._fail(slot, e)
+                continue
+            now = time.perf_counter()
+            if run.first is None:
+                run.first = now
+                m.prompt_seconds += now - run.started
+                m.prompt_tokens += len(run.job.ids)
+            if piece:
+                run.job.emit("piece", piece)
+            if tok is None:
+                self._finish(slot, run, now)
             else:
-                job.emit("piece", piece)
+                run.next_token = tok
 
-    def _leave(self, slot: int) -> None:
+    def _finish(self, slot: int, run: _Running, now: float) -> None:
         with self._wake:
             self._active.pop(slot, None)
+        m = self.metrics
+        m.finished += 1
+        m.generated_tokens += run.gen.generated
+        m.generate_seconds += now - run.first
+        run.job.emit("done", {"finish_reason": FINISH[run.gen.stop], "prompt_tokens": len(run.job.ids),
+                              "completion_tokens": run.gen.generated})
+
+    def _fail(self, slot: int, e: Exception) -> None:
+        with self._wake:
+            run = self._active.pop(slot, None)
+        self.metrics.failed += 1
+        if run is not None:
+            run.job.emit("error", f"{type(e).__name__}: {e}")
+
+    def _embed(self, job: Job) -> None:
+        try:
+            vectors = [self.session.embed([ids], **job.options)[0] for ids in job.ids if not job.cancelled]
+        except Exception as e:
+            self.metrics.failed += 1
+            job.emit("error", f"{type(e).__name__}: {e}")
+            return
+        if job.cancelled:
+            self.metrics.cancelled += 1
+            return
+        n = sum(map(len, job.ids))
+        self.metrics.finished += 1
+        self.metrics.prompt_tokens += n
+        job.emit("done", {"embeddings": vectors, "prompt_tokens": n})

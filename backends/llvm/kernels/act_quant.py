@@ -3,7 +3,7 @@
     act_quant_<fmt>_k<K>_<target>(x: ptr f32 [T, K], xq: ptr u8 [act_bytes], T, ith, nth)
 
 The layout of xq is private to the qmatmul kernels and made for them. Tokens come in
-groups of L (L = 1 when T == 1, else 16; the last group is zero-padded). Per group:
+groups of L (L = 1 when T <= SMALL_T = 8, else 16; the last group is zero-padded). Per group:
 
     qs   int8 [K/4, L, 4]   the quants, one 4-byte word per token in turn, so a 64-byte
                             load gives the same 4 features of 16 tokens (L = 1: plain row)
@@ -26,14 +26,15 @@ from ggraph.backends.llvm.kernels.builder import Kernel, f32, i8, i32, vec
 from ggraph.backends.llvm.kernels.isa import Isa, vector_path
 from ggraph.backends.llvm.target import Target
 
-GROUP = 16                      # tokens per group when T > 1
+GROUP = 16                      # tokens per group when T > SMALL_T
+SMALL_T = 8                     # up to this many tokens (a batch of decoding sequences), one row each
 
 #           fmt:  (block, sum block)
 _FORMATS = {"q8_0": (32, 32), "q8_k": (256, 16)}
 
 
-def tokens_per_group(T: int) -> int:
-    return 1 if T == 1 else GROUP
+def tokens_per_group(T: int, rows_only: bool = False) -> int:
+    return 1 if rows_only or T <= SMALL_T else GROUP
 
 
 @dataclass(frozen=True)
@@ -71,23 +72,27 @@ class ActLayout:
         return k.add(k.mul(L, self.K + 4 * (self.K // self.block)), k.mul(k.add(k.mul(sblock, L), lane), 4))
 
 
-def act_bytes(fmt: str, T: int, K: int) -> int:
+def act_bytes(fmt: str, T: int, K: int, rows_only: bool = False) -> int:
     """Bytes of scratch the quantised activations of T tokens take."""
-    L = tokens_per_group(T)
+    L = tokens_per_group(T, rows_only)
     return (T + L - 1) // L * ActLayout(fmt, K).group_bytes(L)
 
 
-def act_quant(module: ir.Module, fmt: str, K: int, target: Target) -> str:
-    """Emit (once) the quantiser of f32 rows of length K into `fmt`; returns its name."""
+def act_quant(module: ir.Module, fmt: str, K: int, target: Target, rows_only: bool = False) -> str:
+    """Emit (once) the quantiser of f32 rows of length K into `fmt` (``rows_only``: one row per
+    token at any T, for qmatmul's rows_only kernels); returns its name."""
     lay = ActLayout(fmt, K)
-    name = f"act_quant_{fmt}_k{K}_{target.name}"
+    name = f"act_quant_{fmt}_k{K}{'_rows' if rows_only else ''}_{target.name}"
     if Kernel.exists(module, name):
         return name
     k = Kernel(module, name, ("x", "xq"))
     isa = Isa(k, target)
     row = _quant_row_vector if vector_path(target) else _quant_row_scalar
+    if rows_only:
+        _groups(k, isa, lay, 1, row)
+        return k.finish()
     T = k.arg["T"]
-    with k.b.if_else(k.b.icmp_signed("==", T, k.i64(1))) as (single, many):
+    with k.b.if_else(k.b.icmp_signed("<=", T, k.i64(SMALL_T))) as (single, many):
         with single:
             _groups(k, isa, lay, 1, row)
         with many:

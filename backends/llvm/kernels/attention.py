@@ -17,6 +17,11 @@ f32[T,H,Dv], partial scratch of partial_bytes(). As in rope_attention's numpy ru
 cache slot and the causal mask use P+t: key j is visible from query t iff j <= P+t and
 P+t - j < window. The caller guarantees P + T <= C.
 
+Slotted caches (``Attention.slot_rows`` = C) hold a batch of sequences, C rows each: kernels A
+and B then take seq i32[T] after positions, token t belongs to sequence seq[t] at position
+positions[t], its row is seq[t]*C + positions[t], and it sees the keys of its own sequence up to
+its position (P is unused). Threads then always split the query rows, in equal shares.
+
 Threads split the work one of two ways, decided alike in B and C from T and nth. With at
 least as many (token, kv head) pairs as threads, B splits the T*H query rows into
 contiguous shares with equal numbers of (query, key) pairs, and C does nothing. With fewer
@@ -95,6 +100,7 @@ class Attention:
     softcap: float | None = None
     k_type: str = "f32"          # the caches' element types (kv_rows.CACHE_TYPES)
     v_type: str = "f32"
+    slot_rows: int | None = None  # slotted caches: rows per sequence slot, and a seq i32[T] argument
 
     def __post_init__(self):
         for t, n in ((self.k_type, self.D), (self.v_type, self.Dv)):
@@ -107,6 +113,8 @@ class Attention:
             raise ValueError(f"attention: window {self.window} must be at least 1")
         if self.softcap is not None and not self.softcap > 0:
             raise ValueError(f"attention: softcap {self.softcap} must be positive")
+        if self.slot_rows is not None and self.slot_rows < 1:
+            raise ValueError(f"attention: slot_rows {self.slot_rows} must be at least 1")
 
 
 def from_rope_attention(eqn) -> tuple[Attention, Rope]:
@@ -119,7 +127,7 @@ def from_rope_attention(eqn) -> tuple[Attention, Rope]:
             raise ValueError(f"rope_attention: {name} = {d} must be static for the llvm kernels")
     p = eqn.params
     kt, vt = (a.aval.dtype.name for a in eqn.inputs[3:5])
-    attn = Attention(H, Hkv, D, Dv, float(p["scale"]), p.get("window"), p.get("softcap"), kt, vt)
+    attn = Attention(H, Hkv, D, Dv, float(p["scale"]), p.get("window"), p.get("softcap"), kt, vt, p.get("slot_rows"))
     rope = Rope(int(p["dims"]), float(p["base"]), float(p["rope_scale"]), p["style"], float(p.get("mscale", 1.0)),
                 freq_factors=len(eqn.inputs) > 7)
     return attn, rope
@@ -141,11 +149,12 @@ def kernel_names(attn: Attention, rope: Rope | None, target: Target) -> tuple[st
             f"attention_combine_{tag}_{target.name}")
 
 
-def kernel_arg_names(rope: Rope | None) -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]:
+def kernel_arg_names(rope: Rope | None, attn: Attention | None = None) -> tuple[tuple[str, ...], ...]:
     """The names of kernel A's, B's and C's arguments before (ith, nth)."""
     ff = ("freq_factors",) if rope is not None and rope.freq_factors else ()
-    return (("k", "v", "k_cache", "v_cache", "positions") + ff + ("T", "P"),
-            ("q", "k_cache", "v_cache", "positions") + ff + ("partial", "out", "T", "P"),
+    seq = ("seq",) if attn is not None and attn.slot_rows else ()
+    return (("k", "v", "k_cache", "v_cache", "positions") + seq + ff + ("T", "P"),
+            ("q", "k_cache", "v_cache", "positions") + seq + ff + ("partial", "out", "T", "P"),
             ("partial", "out", "T", "P"))
 
 
@@ -164,7 +173,7 @@ def attention_kernels(module: ir.Module, target: Target, attn: Attention,
     """Emit (once) kernels A, B and C; each with the names of its arguments before (ith, nth)."""
     if rope is not None and rope.dims > attn.D:
         raise ValueError(f"rope: rotary dims {rope.dims} exceed the head dim {attn.D}")
-    names, args = kernel_names(attn, rope, target), kernel_arg_names(rope)
+    names, args = kernel_names(attn, rope, target), kernel_arg_names(rope, attn)
     for emit, name, arg in zip((_emit_store, _emit_attention, _emit_combine), names, args):
         if not Kernel.exists(module, name):
             emit(module, target, attn, rope, name, arg)
@@ -251,7 +260,21 @@ class _Rows:
 
     def position(self, t) -> ir.Value:
         """positions[t] as f64: the rope angle's position for token t."""
-        return self.b.sitofp(self.k.load(i32, self.k.arg["positions"], self.k.mul(t, 4)), f64)
+        return self.b.sitofp(self._position(t), f64)
+
+    def _position(self, t) -> ir.Value:
+        return self.k.load(i32, self.k.arg["positions"], self.k.mul(t, 4))
+
+    def token(self, t) -> tuple[ir.Value, ir.Value, ir.Value]:
+        """(p, k_cache, v_cache) for token t: its position in its sequence, and where that sequence's
+        rows start (P + t and the caches; slotted: positions[t] and the rows of slot seq[t])."""
+        k, b = self.k, self.b
+        if not self.attn.slot_rows:
+            return k.add(k.arg["P"], t), k.arg["k_cache"], k.arg["v_cache"]
+        seq = b.sext(k.load(i32, k.arg["seq"], k.mul(t, 4)), i64)
+        first = k.mul(seq, self.attn.slot_rows * self.attn.Hkv)
+        return (b.sext(self._position(t), i64), self.keys.at(k.arg["k_cache"], first),
+                self.values.at(k.arg["v_cache"], first))
 
     def rope_rows(self, pairs: list, pos: ir.Value, mult: float | None) -> None:
         """dst[0:D] = rope(src[0:D]) * mult for each (src, dst), all at position pos: the angles,
@@ -327,13 +350,14 @@ def _emit_store(module, target: Target, attn: Attention, rope: Rope | None, name
     start, end = k.thread_share(b.mul(k.arg["T"], k.i64(attn.Hkv)))
     with k.loop(start, end, name="row") as r:
         t = b.udiv(r, k.i64(attn.Hkv))
-        slot = k.add(k.mul(k.add(k.arg["P"], t), attn.Hkv), b.urem(r, k.i64(attn.Hkv)))   # (P+t)*Hkv + g
-        key = rows.keys.at(k.arg["k_cache"], slot)
+        p, kc, vc = rows.token(t)
+        slot = k.add(k.mul(p, attn.Hkv), b.urem(r, k.i64(attn.Hkv)))                      # p*Hkv + g
+        key = rows.keys.at(kc, slot)
         roped = key if attn.k_type == "f32" else scratch                  # other types: rope, then convert
         rows.rope_rows([(rows.row(k.arg["k"], r, attn.D), roped)], rows.position(t), None)
         if roped is not key:
             rows.keys.store(roped, key)
-        rows.values.store(rows.row(k.arg["v"], r, attn.Dv), rows.values.at(k.arg["v_cache"], slot))
+        rows.values.store(rows.row(k.arg["v"], r, attn.Dv), rows.values.at(vc, slot))
     k.finish()
 
 
@@ -361,6 +385,8 @@ def _splitting(rows: _Rows) -> ir.Value:
     a split by rows would leave threads idle or reading the same keys (decode with one or two kv
     heads). Kernels B and C decide alike."""
     k, b = rows.k, rows.b
+    if rows.attn.slot_rows:                               # a batch of sequences: rows split, keys whole
+        return ir.Constant(ir.IntType(1), 0)
     T = k.arg["T"]
     few = b.icmp_signed("<", b.mul(T, k.i64(rows.attn.Hkv)), b.sext(k.arg["nth"], i64))
     return b.and_(few, b.icmp_signed("<=", T, k.i64(SPLIT_T)))
@@ -428,6 +454,9 @@ def _balanced_share(rows: _Rows) -> tuple[ir.Value, ir.Value]:
     k, b = rows.k, rows.b
     G = rows.attn.H // rows.attn.Hkv
     n = b.mul(k.arg["T"], k.i64(rows.attn.Hkv))                       # groups
+    if rows.attn.slot_rows:                                           # positions vary by sequence: equal shares
+        start, end = k.thread_share(n)
+        return k.mul(start, G), k.mul(end, G)
     total = _work_before(rows, k.mul(n, G))
     ith, nth = b.sext(k.arg["ith"], i64), b.sext(k.arg["nth"], i64)
 
@@ -494,7 +523,7 @@ def _run(rows: _Rows, bufs: dict, r, n: int, part) -> None:
     k, b, isa, attn = rows.k, rows.b, rows.isa, rows.attn
     NP = _pow2(n)
     t, g = b.udiv(r, k.i64(attn.H)), b.udiv(b.urem(r, k.i64(attn.H)), k.i64(attn.H // attn.Hkv))
-    p = k.add(k.arg["P"], t)
+    p, bufs["kc"], bufs["vc"] = rows.token(t)
     qrow = lambda i: k.addr(bufs["q"], 4 * i * attn.D)                  # noqa: E731
     arow = lambda i: k.addr(bufs["acc"], 4 * i * attn.Dv)               # noqa: E731
     rows.rope_rows([(rows.row(k.arg["q"], k.add(r, i), attn.D), qrow(i)) for i in range(n)],
@@ -580,10 +609,10 @@ def _scores(rows: _Rows, bufs: dict, qrow, n: int, j0, jj, hi, g, KB: int) -> No
     for kk in range(KB):
         j = k.add(j0, jj, kk)
         ahead = k.add(k.mul(k.add(j, PREFETCH_KEYS), attn.Hkv), g)       # the next block's rows, on their way
-        rows.keys.prefetch(rows.keys.at(k.arg["k_cache"], ahead))
-        rows.values.prefetch(rows.values.at(k.arg["v_cache"], ahead))
+        rows.keys.prefetch(rows.keys.at(bufs["kc"], ahead))
+        rows.values.prefetch(rows.values.at(bufs["vc"], ahead))
         j = b.select(b.icmp_signed(">", j, last), last, j) if kk else j
-        krows.append(rows.keys.at(k.arg["k_cache"], k.add(k.mul(j, attn.Hkv), g)))
+        krows.append(rows.keys.at(bufs["kc"], k.add(k.mul(j, attn.Hkv), g)))
     acc = [[k.var(vec(f32, lanes), _zeros(lanes)) for _ in range(n)] for _ in range(KB)]
 
     def dot(off, widths):
@@ -662,7 +691,7 @@ def _values(rows: _Rows, bufs: dict, arow, n: int, j0, nk, g, corr: list) -> Non
         accs = [[k.var(_typ(w), k.b.fmul(k.load(_typ(w), arow(i), at), _splat(k, corr[i], w)))
                  for w, at in zip(widths, ats)] for i in range(n)]
         with k.loop(0, nk, name="val") as jj:
-            vrow = rows.values.at(k.arg["v_cache"], k.add(k.mul(k.add(j0, jj), attn.Hkv), g))
+            vrow = rows.values.at(bufs["vc"], k.add(k.mul(k.add(j0, jj), attn.Hkv), g))
             vs = rows.values.loads(vrow, off, widths)
             for i in range(n):
                 pij = k.load(f32, bufs["s"], k.mul(k.add(k.mul(jj, NP), i), 4))
@@ -681,16 +710,16 @@ def _attention_rows(rows: _Rows, share, part) -> None:
     start, end = share
     with k.loop(start, end, name="row") as r:
         t, h = b.udiv(r, k.i64(attn.H)), b.urem(r, k.i64(attn.H))
-        p = k.add(k.arg["P"], t)
+        p, kc, vc = rows.token(t)
         rows.rope_rows([(rows.row(k.arg["q"], r, attn.D), q)], rows.position(t), attn.scale)
         lo, hi = _key_range(rows, p)
         if part is not None:
             lo, hi = _part_range(rows, lo, hi, part)
         out = rows.row(k.arg["out"], r, attn.Dv) if part is None else _partial_row(rows, part, r)
-        _keys_scalar(rows, q, b.udiv(h, k.i64(attn.H // attn.Hkv)), lo, hi, out, part is not None)
+        _keys_scalar(rows, (kc, vc), q, b.udiv(h, k.i64(attn.H // attn.Hkv)), lo, hi, out, part is not None)
 
 
-def _keys_scalar(rows: _Rows, q, g, lo, hi, out, partial: bool) -> None:
+def _keys_scalar(rows: _Rows, caches, q, g, lo, hi, out, partial: bool) -> None:
     """One key at a time: score, running max and sum, rescale the accumulator (the spec). A
     partial result is stored unnormalised after its max and sum."""
     k, b, isa, attn = rows.k, rows.b, rows.isa, rows.attn
@@ -700,7 +729,7 @@ def _keys_scalar(rows: _Rows, q, g, lo, hi, out, partial: bool) -> None:
     m = k.var(f32, -math.inf)
     total = k.var(f32, 0.0)
     with k.loop(lo, hi, name="key") as j:
-        krow = rows.keys.at(k.arg["k_cache"], k.add(k.mul(j, attn.Hkv), g))
+        krow = rows.keys.at(caches[0], k.add(k.mul(j, attn.Hkv), g))
         dot = k.var(f32, 0.0)
         with k.loop(0, attn.D, name="d") as d:
             dot.set(isa.fma(k.load(f32, q, k.mul(d, 4)), rows.keys.load(krow, d, 1), dot.get()))
@@ -710,7 +739,7 @@ def _keys_scalar(rows: _Rows, q, g, lo, hi, out, partial: bool) -> None:
         p = vmath.libm(isa, "exp", b.fsub(s, m_new))
         total.set(isa.fma(total.get(), corr, p))
         m.set(m_new)
-        vrow = rows.values.at(k.arg["v_cache"], k.add(k.mul(j, attn.Hkv), g))
+        vrow = rows.values.at(caches[1], k.add(k.mul(j, attn.Hkv), g))
         with k.loop(0, attn.Dv, name="dv") as d:
             a = k.load(f32, acc, k.mul(d, 4))
             k.store(isa.fma(p, rows.values.load(vrow, d, 1), b.fmul(a, corr)), acc, k.mul(d, 4))

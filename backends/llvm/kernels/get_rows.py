@@ -4,7 +4,8 @@ of contiguous rows (dequant_rows).
     get_rows_<dtype>_k<K>_v<V>_<target>(table: ptr u8 [V, row_bytes], ids: ptr i32 [T],
                                         out: ptr f32 [T, K], status: ptr i64 [2], T, ith, nth)
 
-V (the row count) is baked in so that an id outside [0, V) is caught: the table is never
+V (the row count) is baked in (or, for V=None, passed before T, e.g. a gather from this step's
+activations) so that an id outside [0, V) is caught: the table is never
 read out of bounds, that row of `out` is zeroed, and the kernel stores {1, id} in
 `status`, which the caller checks after the run and turns into an error naming the op.
 `scale` (e.g. gemma's sqrt(dim)) is an optional constant multiplied into every value;
@@ -22,24 +23,26 @@ from ggraph.backends.llvm.kernels.qmatmul import FORMATS
 from ggraph.backends.llvm.target import Target
 
 
-def get_rows(module: ir.Module, dtype, K: int, V: int, target: Target, scale: float | None = None) -> str:
-    """Emit (once) the gather of rows of a (V, K) table of `dtype`; returns the kernel name."""
+def get_rows(module: ir.Module, dtype, K: int, V: int | None, target: Target, scale: float | None = None) -> str:
+    """Emit (once) the gather of rows of a (V, K) table of `dtype` (V=None: a runtime argument V
+    before T); returns the kernel name."""
     dt = dtypes.from_name(dtype)
     if dt not in FORMATS and dt not in FLOAT_LOADERS:
         raise ValueError(f"get_rows: no kernel for table type {dt.name}")
     row_bytes = dt.row_bytes(K)
     tag = "" if scale is None else "_s" + f"{scale:.9g}".replace(".", "p").replace("-", "m")
-    name = f"get_rows_{dt.name}_k{K}_v{V}{tag}_{target.name}"
+    name = f"get_rows_{dt.name}_k{K}_v{'n' if V is None else V}{tag}_{target.name}"
     if Kernel.exists(module, name):
         return name
-    k = Kernel(module, name, ("table", "ids", "out", "status"))
+    k = Kernel(module, name, ("table", "ids", "out", "status"), ("T",) if V is not None else ("V", "T"))
     isa = Isa(k, target)
     b = k.b
     start, end = k.thread_share(k.arg["T"])
     with k.loop(start, end, name="t") as t:
         row_id = b.sext(k.load(i32, k.arg["ids"], k.mul(t, 4)), ir.IntType(64))
         out = k.addr(k.arg["out"], k.mul(t, 4 * K))
-        ok = b.and_(b.icmp_signed(">=", row_id, k.i64(0)), b.icmp_signed("<", row_id, k.i64(V)))
+        rows = k.i64(V) if V is not None else k.arg["V"]
+        ok = b.and_(b.icmp_signed(">=", row_id, k.i64(0)), b.icmp_signed("<", row_id, rows))
         with b.if_else(ok) as (good, bad):
             with good:
                 row = k.addr(k.arg["table"], k.mul(row_id, row_bytes))

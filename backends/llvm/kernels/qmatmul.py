@@ -9,7 +9,9 @@ sub-block the integer dot is exact; it is then scaled by the weight and activati
 in f32. Three drivers share the block decoders:
 
 - gemv (T == 1): one row at a time, 32 weights per step (64 for 256-weight blocks on
-  512-bit targets), f32 lanes along K, the next rows prefetched.
+  512-bit targets), f32 lanes along K, the next rows prefetched. For 2..SMALL_T tokens (a
+  batch of decoding sequences) each block is decoded once and dotted with every token's row,
+  so the weights are read once for all of them.
 - gemm (T > 1): a tile of R rows x G groups of 16 tokens. Lanes are tokens: each 4-byte
   word of a decoded weight chunk is broadcast and dotted with the same word of 16
   tokens (one 64-byte load of the interleaved activations), so no horizontal sums.
@@ -21,7 +23,7 @@ from llvmlite import ir
 
 from ggraph.ir import dtypes
 from ggraph.backends.llvm.kernels import kquant_blocks, quant_blocks
-from ggraph.backends.llvm.kernels.act_quant import GROUP, ActLayout
+from ggraph.backends.llvm.kernels.act_quant import GROUP, SMALL_T, ActLayout
 from ggraph.backends.llvm.kernels.blocks import BlockFormat, pack
 from ggraph.backends.llvm.kernels.builder import Kernel, f32, i8, i32, vec
 from ggraph.backends.llvm.kernels.isa import Isa, vector_path
@@ -69,22 +71,39 @@ def variant(dtype, target: Target) -> str:
             f"gemv {32 * gemv_chunks(fmt, target)} weights/step; {fmt.act} activations")
 
 
-def qmatmul(module: ir.Module, dtype, K: int, N: int, target: Target) -> str:
-    """Emit (once) the quantised matmul for weights (N, K) of `dtype`; returns its name."""
+def qmatmul(module: ir.Module, dtype, K: int, N: int, target: Target, rows_only: bool = False) -> str:
+    """Emit (once) the quantised matmul for weights (N, K) of `dtype`; returns its name. With
+    ``rows_only`` (act_quant's rows_only layout) every token is computed as gemv computes one
+    token alone, at any T: a token's result does not depend on what else is in the step."""
     fmt = block_format(dtype)
     if K % fmt.dtype.block_size:
         raise ValueError(f"qmatmul {fmt.dtype.name}: K={K} is not a multiple of {fmt.dtype.block_size}")
-    name = f"qmatmul_{fmt.dtype.name}_k{K}_n{N}_{target.name}"
+    name = f"qmatmul_{fmt.dtype.name}_k{K}_n{N}{'_rows' if rows_only else ''}_{target.name}"
     if Kernel.exists(module, name):
         return name
     k = Kernel(module, name, ("w", "xq", "y", "counter"))
     isa = Isa(k, target)
     lay = ActLayout(fmt.act, K)
     T = k.arg["T"]
-    with k.b.if_else(k.b.icmp_signed("==", T, k.i64(1))) as (single, many):
-        with single, k.row_chunks(N, k.arg["counter"]) as rows:
+    if rows_only:
+        with k.row_chunks(N, k.arg["counter"]) as rows:
+            if not vector_path(target):
+                _scalar(k, isa, fmt, lay, N, rows, 1)
+            else:
+                with k.b.if_else(k.b.icmp_signed("==", T, k.i64(1))) as (one, more):
+                    with one:
+                        _gemv(k, isa, fmt, lay, N, rows)
+                    with more:
+                        _gemv_all_rows(k, isa, fmt, lay, N, rows)
+        return k.finish()
+    with k.b.if_else(k.b.icmp_signed("<=", T, k.i64(SMALL_T))) as (small, many):
+        with small, k.row_chunks(N, k.arg["counter"]) as rows:
             if vector_path(target):
-                _gemv(k, isa, fmt, lay, N, rows)
+                with k.b.if_else(k.b.icmp_signed("==", T, k.i64(1))) as (one, few):
+                    with one:
+                        _gemv(k, isa, fmt, lay, N, rows)
+                    with few:
+                        _gemv_tokens(k, isa, fmt, lay, N, rows)
             else:
                 _scalar(k, isa, fmt, lay, N, rows, 1)
         with many, k.row_chunks(N, k.arg["counter"]) as rows:
@@ -147,8 +166,10 @@ def _gemv(k: Kernel, isa: Isa, fmt: BlockFormat, lay: ActLayout, N: int, rows) -
         k.store(out, k.arg["y"], k.mul(n, 4))
 
 
-def _gemv_step(k: Kernel, isa: Isa, fmt: BlockFormat, dec, blk, c: int, P: int, init, scales, acc) -> None:
-    """Chunks c..c+P of one block: acc += float(dot(w, x) - offset*sum(x)) * scale*dx, per lane."""
+def _gemv_step(k: Kernel, isa: Isa, fmt: BlockFormat, dec, blk, c: int, P: int, init, scales, acc, xbase=None,
+               w=None) -> None:
+    """Chunks c..c+P of one block: acc += float(dot(w, x) - offset*sum(x)) * scale*dx, per lane
+    (x the token row at ``xbase``, the plain row by default; ``w`` the chunks if already decoded)."""
     b = k.b
     lanes = 8 * P
     lane_sub = [(32 * c + 4 * j) // fmt.sub for j in range(lanes)]            # each i32 lane's sub-block
@@ -158,17 +179,84 @@ def _gemv_step(k: Kernel, isa: Isa, fmt: BlockFormat, dec, blk, c: int, P: int, 
         subs = init.type.count
         first = [s if j == 0 or s != lane_sub[j - 1] else subs for j, s in enumerate(lane_sub)]
         start = k.shuffle(init, first, ir.Constant(vec(i32, subs), [0] * subs))
-    w = k.concat(*[dec.chunk(c + p) for p in range(P)])
-    xv = k.load(vec(i8, 4 * lanes), k.arg["xq"], k.add(k.mul(blk, fmt.dtype.block_size), 32 * c))
+    w = w if w is not None else k.concat(*[dec.chunk(c + p) for p in range(P)])
+    xv = k.load(vec(i8, 4 * lanes), k.arg["xq"] if xbase is None else xbase,
+                k.add(k.mul(blk, fmt.dtype.block_size), 32 * c))
     dot = isa.dot(start, w, xv, dec.signed, dec.qmax)                           # (lanes,) i32
     acc.set(isa.fma(b.sitofp(dot, vec(f32, lanes)), k.shuffle(scales, lane_sub), acc.get()))
 
 
-def _xsums_row(k: Kernel, fmt: BlockFormat, lay: ActLayout, blk) -> ir.Value:
-    """Sums of the quantised activations per sub-block of block blk, T == 1 layout: (subs,) i32."""
+def _gemv_tokens(k: Kernel, isa: Isa, fmt: BlockFormat, lay: ActLayout, N: int, rows) -> None:
+    """2..SMALL_T tokens, each quantised as its own row: per output row and block, the block is
+    decoded once and dotted with every token. One body per token count, so that every token's
+    accumulators stay in registers."""
+    with k.loop(*rows, name="n") as row:
+        _by_count(k, k.arg["T"], range(2, SMALL_T + 1), lambda n: _gemv_n_row(k, isa, fmt, lay, N, row, n, 0))
+
+
+def _gemv_all_rows(k: Kernel, isa: Isa, fmt: BlockFormat, lay: ActLayout, N: int, rows) -> None:
+    """Any T with one activation row per token (``rows_only``): per output row, the tokens in
+    groups of SMALL_T and then the rest, each token computed as gemv computes one token alone,
+    whatever else shares the step; the row's weights stay in cache across its groups."""
+    b = k.b
+    T = k.arg["T"]
+    groups = b.sdiv(T, k.i64(SMALL_T))
+    with k.loop(*rows, name="n") as row:
+        with k.loop(0, groups, name="tg") as g:
+            _gemv_n_row(k, isa, fmt, lay, N, row, SMALL_T, k.mul(g, SMALL_T))
+        rest = b.sub(T, k.mul(groups, SMALL_T))
+        _by_count(k, rest, range(1, SMALL_T), lambda n: _gemv_n_row(k, isa, fmt, lay, N, row, n, b.sub(T, k.i64(n))))
+
+
+def _by_count(k: Kernel, count, counts, body) -> None:
+    """``body(n)`` for the n in ``counts`` that ``count`` (an i64) equals; nothing for other values."""
+    b = k.b
+    blocks = {n: k.fn.append_basic_block(f"count{n}") for n in counts}
+    done = k.fn.append_basic_block("count.done")
+    switch = b.switch(count, done)
+    for n, block in blocks.items():
+        switch.add_case(k.i64(n), block)
+        b.position_at_end(block)
+        body(n)
+        b.branch(done)
+    b.position_at_end(done)
+
+
+def _gemv_n_row(k: Kernel, isa: Isa, fmt: BlockFormat, lay: ActLayout, N: int, row, n: int, t0) -> None:
+    """Output row ``row`` for exactly n tokens from token t0 (rows of xq ``group_bytes(1)`` apart),
+    the gemv arithmetic for each."""
+    b = k.b
+    P = gemv_chunks(fmt, isa.t)
+    subs = fmt.dtype.block_size // fmt.sub
+    lanes = 8 * P
+    first = k.addr(k.arg["xq"], k.mul(t0, lay.group_bytes(1)))
+    xts = [k.addr(first, t * lay.group_bytes(1)) for t in range(n)]
+    _prefetch_row(k, fmt, lay, row)
+    accs = [k.var(vec(f32, lanes), ir.Constant(vec(f32, lanes), [0.0] * lanes)) for _ in range(n)]
+    maccs = [k.var(vec(f32, subs), ir.Constant(vec(f32, subs), [0.0] * subs)) for _ in range(n)]
+    with k.loop(0, lay.K // fmt.dtype.block_size, name="blk") as blk:
+        dec = fmt.decode(k, isa, _row(k, fmt, lay, row, blk))
+        ws = [k.concat(*[dec.chunk(c + p) for p in range(P)]) for c in range(0, fmt.chunks, P)]
+        for xt, acc, macc in zip(xts, accs, maccs):
+            dx = k.splat(k.load(f32, xt, lay.d(k, 1, blk)), subs)
+            xs = _xsums_row(k, fmt, lay, blk, xt)
+            if dec.mins is not None:
+                macc.set(isa.fma(b.fmul(dec.mins, dx), b.sitofp(xs, vec(f32, subs)), macc.get()))
+            init = b.mul(xs, ir.Constant(vec(i32, subs), [-dec.offset] * subs)) if dec.offset else None
+            scales = b.fmul(dec.scales, dx)
+            for i, c in enumerate(range(0, fmt.chunks, P)):
+                _gemv_step(k, isa, fmt, dec, blk, c, P, init, scales, acc, xt, ws[i])
+    for t, (acc, macc) in enumerate(zip(accs, maccs)):
+        at = k.mul(k.add(k.mul(k.add(t0, t), N), row), 4)
+        k.store(b.fsub(isa.hsum(acc.get()), isa.hsum(macc.get())), k.arg["y"], at)
+
+
+def _xsums_row(k: Kernel, fmt: BlockFormat, lay: ActLayout, blk, xbase=None) -> ir.Value:
+    """Sums of the quantised activations per sub-block of block blk, one-token layout: (subs,) i32."""
     subs = fmt.dtype.block_size // fmt.sub
     per = fmt.sub // lay.sum_block
-    sums = k.load(vec(i32, subs * per), k.arg["xq"], lay.sums(k, 1, k.mul(blk, subs * per)))
+    sums = k.load(vec(i32, subs * per), k.arg["xq"] if xbase is None else xbase,
+                  lay.sums(k, 1, k.mul(blk, subs * per)))
     if per == 1:
         return sums
     return k.b.add(k.shuffle(sums, range(0, 2 * subs, 2)), k.shuffle(sums, range(1, 2 * subs, 2)))

@@ -1,0 +1,102 @@
+"""Batch: several sequences stepped together, each in a slot of its own in slotted KV caches.
+
+    b = Batch("model.gguf", slots=8, ctx=2048)
+    out = b.step({0: prompt_ids, 3: [next_token]})       # one native step for both sequences
+    out[0], out[3]                                       # each one's last-token logits (V,)
+
+A step takes any mix of prompt chunks and single decode tokens, one entry per slot, with each
+slot's tokens placed after what that slot already holds. Every weight is read once per step for
+all of them, which is where batching wins: decode is bound by reading the weights. On the llvm
+backend every kernel computes a token as it would alone in the step (``rows_only`` matmuls), so
+a sequence's logits do not depend on which others share its steps.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ggraph.backends.llvm.team import check_threads
+from ggraph.runtime.session import UBATCH, cache_array, cache_dtype, token_ids
+
+
+class Batch:
+    """Slotted KV caches and the compiled batched step over them."""
+
+    def __init__(self, path, slots: int, ctx: int = 4096, backend: str = "llvm", threads: int | None = None,
+                 passes="default", disabled=(), max_memory=None, cache_type_k: str = "f16",
+                 cache_type_v: str = "f16", ubatch: int = UBATCH, model=None):
+        from ggraph import memory
+        from ggraph.models import load
+        from ggraph.runtime.tokenizer import Tokenizer
+        for name, v in (("slots", slots), ("ctx", ctx), ("ubatch", ubatch)):
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
+                raise ValueError(f"{name} must be a positive whole number, got {v!r}")
+        self.threads = check_threads(threads)
+        self.max_memory = memory.parse_size(max_memory) if max_memory is not None else None
+        self.model = model or load(path)
+        self.config = self.model.config
+        self.tokenizer = Tokenizer.from_metadata(self.model.file.metadata)
+        self.slots, self.ctx, self.ubatch = int(slots), int(ctx), int(ubatch)
+        self.backend, self.passes, self.disabled = backend, passes, tuple(disabled)
+        self.cache_types = (cache_dtype(cache_type_k, "cache_type_k"), cache_dtype(cache_type_v, "cache_type_v"))
+        k_aval, v_aval = self.model.kv_avals(self.slots * self.ctx, self.cache_types)
+        n = self.config.n_layer
+        memory.check(n * (k_aval.nbytes({}) + v_aval.nbytes({})),
+                     f"the KV cache ({self.slots} slots × ctx {self.ctx} × {n} layers)", self.max_memory)
+        self.k_cache = [cache_array(k_aval) for _ in range(n)]
+        self.v_cache = [cache_array(v_aval) for _ in range(n)]
+        self.n_past = [0] * self.slots
+        self._program = None
+
+    def program(self):
+        """The compiled batched step, built once."""
+        if self._program is None:
+            from ggraph.compiler import compile_graph
+            options = {"threads": self.threads, "max_memory": self.max_memory, "rows_only": True} \
+                if self.backend != "numpy" else {}
+            graph = self.model.batch_graph(self.slots, self.ctx, self.cache_types)
+            self._program = compile_graph(graph, backend=self.backend, passes=self.passes, disabled=self.disabled,
+                                          weights=self.model.file, **options)
+        return self._program
+
+    def reset(self, slot: int) -> None:
+        """Forget slot ``slot``'s sequence (its rows are overwritten later)."""
+        self._check_slot(slot)
+        self.n_past[slot] = 0
+
+    def truncate(self, slot: int, n: int) -> None:
+        """Keep the first ``n`` tokens of slot ``slot``'s sequence."""
+        self._check_slot(slot)
+        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or not 0 <= n <= self.n_past[slot]:
+            raise ValueError(f"truncate: n must be in 0..{self.n_past[slot]} (slot {slot}'s tokens), got {n!r}")
+        self.n_past[slot] = int(n)
+
+    def step(self, work: dict) -> dict[int, np.ndarray]:
+        """Run ``work`` ({slot: token ids}) in one step; returns {slot: logits (V,) of its last token}.
+        At most ``ubatch`` tokens in all, and each slot's tokens must fit its context."""
+        if not work:
+            raise ValueError("step needs at least one slot with tokens")
+        parts, total = [], 0
+        for slot, ids in sorted(work.items()):
+            self._check_slot(slot)
+            ids = token_ids(ids, self.config.n_vocab)
+            if ids.size == 0:
+                raise ValueError(f"slot {slot}: no tokens")
+            if self.n_past[slot] + ids.size > self.ctx:
+                raise ValueError(f"slot {slot}: {self.n_past[slot]} tokens + {ids.size} new > ctx={self.ctx}")
+            parts.append((slot, ids))
+            total += ids.size
+        if total > self.ubatch:
+            raise ValueError(f"a step takes at most ubatch={self.ubatch} tokens, got {total}")
+        tokens = np.concatenate([ids for _, ids in parts]).astype(np.int32)
+        seq = np.concatenate([np.full(ids.size, s, np.int32) for s, ids in parts])
+        positions = np.concatenate([self.n_past[s] + np.arange(ids.size, dtype=np.int32) for s, ids in parts])
+        pick = (np.cumsum([ids.size for _, ids in parts]) - 1).astype(np.int32)    # each slot's last token
+        logits, *_ = self.program().run_inputs([tokens, seq, positions.astype(np.int32), pick,
+                                                *self.k_cache, *self.v_cache])
+        for s, ids in parts:
+            self.n_past[s] += ids.size
+        return {s: np.asarray(row, dtype=np.float32) for (s, _), row in zip(parts, logits)}
+
+    def _check_slot(self, slot) -> None:
+        if isinstance(slot, bool) or not isinstance(slot, (int, np.integer)) or not 0 <= slot < self.slots:
+            raise ValueError(f"slot must be in 0..{self.slots - 1}, got {slot!r}")

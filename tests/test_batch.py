@@ -1,0 +1,62 @@
+"""Batch: sequences in slots of slotted KV caches, stepped together. Each sequence's logits equal
+what a Session running it alone computes: bit for bit on the llvm backend (every kernel computes a
+token's row the same way whoever shares the step), and to rounding on the numpy reference."""
+import numpy as np
+import pytest
+
+import zoo
+from ggraph.runtime.batch import Batch
+from ggraph.runtime.session import Session
+
+PROMPTS = {0: [5, 6, 7, 8, 9, 10, 11], 1: [20, 21, 22], 2: [30 + i for i in range(13)]}
+
+
+def run_both(path, backend, ctx=48, **kw):
+    """Prefill two slots, then a third beside a decode, then all three decode: (batch, alone) logits."""
+    b = Batch(path, slots=3, ctx=ctx, backend=backend, threads=2, **kw)
+    alone = {s: Session(path, ctx=ctx, backend=backend, threads=2, **kw) for s in PROMPTS}
+    got, want = [], []
+
+    def step(work):
+        out = b.step(work)
+        ref = {s: alone[s].step(ids)[-1] for s, ids in work.items()}
+        got.append(np.stack([out[s] for s in sorted(work)]))
+        want.append(np.stack([ref[s] for s in sorted(work)]))
+        return {s: int(np.argmax(out[s])) for s in out}
+    last = step({0: PROMPTS[0], 2: PROMPTS[2]})
+    last.update(step({1: PROMPTS[1], 0: [last[0]]}))
+    for _ in range(6):
+        last = step({s: [t] for s, t in last.items()})
+    assert b.n_past == [alone[s].n_past for s in sorted(PROMPTS)]
+    return np.concatenate(got), np.concatenate(want)
+
+
+@pytest.mark.parametrize("arch, mix", [("llama", "f32"), ("gemma3", "f32"), ("gemma2", "q8_0"), ("qwen2", "q4_k_m"),
+                                       ("phi3", "f16")])
+def test_batch_equals_each_sequence_alone_on_llvm(arch, mix):
+    got, want = run_both(zoo.cached_model(arch, mix), "llvm")
+    np.testing.assert_array_equal(got, want)
+
+
+def test_batch_with_quantised_caches():
+    got, want = run_both(zoo.cached_model("gemma3", "q8_0"), "llvm", cache_type_k="q8_0", cache_type_v="q4_0")
+    np.testing.assert_array_equal(got, want)
+
+
+def test_batch_on_the_numpy_reference():
+    got, want = run_both(zoo.cached_model("gemma3", "f32"), "numpy")
+    np.testing.assert_allclose(got, want, rtol=0, atol=2e-3 * np.abs(want).max())
+
+
+def test_batch_refuses_bad_steps():
+    b = Batch(zoo.cached_model("llama", "f32"), slots=2, ctx=8, threads=1, ubatch=6)
+    for work, match in (({}, "at least one slot"), ({2: [1]}, "slot must be in 0..1"), ({0: []}, "no tokens"),
+                        ({0: [1] * 9}, "ctx=8"), ({0: [1] * 4, 1: [1] * 3}, "ubatch=6"), ({0: [10 ** 7]}, "vocabulary")):
+        with pytest.raises(ValueError, match=match):
+            b.step(work)
+    assert b.n_past == [0, 0]                                        # nothing ran
+    b.step({0: [1, 2, 3], 1: [4]})
+    b.truncate(0, 1)
+    assert b.n_past == [1, 1]
+    with pytest.raises(ValueError, match="truncate"):
+        b.truncate(1, 5)
