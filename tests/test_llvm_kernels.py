@@ -21,7 +21,7 @@ from ggraph.backends.llvm.kernels.act_quant import ActLayout, tokens_per_group  
 from ggraph.backends.llvm.target import X86_NAMES, named_target, runnable_targets  # noqa: E402
 
 TARGETS = X86_NAMES                       # generic, avx2, avx512, avx512_vnni
-TOKENS = (1, 3, 8, 9, 17, 40, 64)         # 2..8: one row per token; 40 = one full 2-group tile plus a tail group
+TOKENS = (1, 3, 17, 40, 64)               # 40 = one full 2-group tile plus a tail group
 N, V, FK = 37, 50, 100                    # odd rows; table rows; float-weight K (a K tail)
 K_OF_BLOCK = {32: 96, 256: 512}
 EMB_SCALE = 25.298221                     # sqrt(640), as gemma scales embeddings

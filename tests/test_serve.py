@@ -213,6 +213,16 @@ def test_embeddings_are_the_sessions(server):
         assert r.status_code == 400 and r.json()["error"]["param"] == field, (body, r.text)
 
 
+def test_the_load_benchmark_runs_against_the_server(server):
+    from pathlib import Path
+    out = subprocess.run([sys.executable, str(Path(__file__).resolve().parent.parent / "benchmarks" / "serve.py"),
+                          "--url", server.url + "/v1", "--api-key", KEY, "--streams", "1,2", "--tokens", "6"],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    rows = [line.split() for line in out.stdout.splitlines()[1:]]
+    assert [r[0] for r in rows] == ["1", "2"] and rows[1][-1] == "2/2", out.stdout     # the same text under load
+
+
 def test_a_full_queue_gets_503():
     s = Server(zoo.cached_model("llama", "f32"), "--parallel", "1", "--queue", "0", "--ctx", "512")
     try:

@@ -36,6 +36,8 @@ class Sampler:
 
     def __call__(self, logits: np.ndarray, history: list[int], rng: np.random.Generator) -> int:
         """Pick the next token from one row of logits (V,)."""
+        if self.temperature == 0 and self.repeat_penalty == 1.0:
+            return int(np.argmax(logits))                  # f32 to f64 keeps the order: no copy needed
         logits = np.asarray(logits, dtype=np.float64)
         if self.repeat_penalty != 1.0 and history:
             logits = penalize(logits, history[-self.repeat_last_n:], self.repeat_penalty)

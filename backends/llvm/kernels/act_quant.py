@@ -3,7 +3,7 @@
     act_quant_<fmt>_k<K>_<target>(x: ptr f32 [T, K], xq: ptr u8 [act_bytes], T, ith, nth)
 
 The layout of xq is private to the qmatmul kernels and made for them. Tokens come in
-groups of L (L = 1 when T <= SMALL_T = 8, else 16; the last group is zero-padded). Per group:
+groups of L (L = 1 when T == 1 or for rows_only kernels, else 16; the last group is zero-padded). Per group:
 
     qs   int8 [K/4, L, 4]   the quants, one 4-byte word per token in turn, so a 64-byte
                             load gives the same 4 features of 16 tokens (L = 1: plain row)
@@ -26,15 +26,14 @@ from ggraph.backends.llvm.kernels.builder import Kernel, f32, i8, i32, vec
 from ggraph.backends.llvm.kernels.isa import Isa, vector_path
 from ggraph.backends.llvm.target import Target
 
-GROUP = 16                      # tokens per group when T > SMALL_T
-SMALL_T = 8                     # up to this many tokens (a batch of decoding sequences), one row each
+GROUP = 16                      # tokens per group when T > 1 (not rows_only)
 
 #           fmt:  (block, sum block)
 _FORMATS = {"q8_0": (32, 32), "q8_k": (256, 16)}
 
 
 def tokens_per_group(T: int, rows_only: bool = False) -> int:
-    return 1 if rows_only or T <= SMALL_T else GROUP
+    return 1 if rows_only or T == 1 else GROUP
 
 
 @dataclass(frozen=True)
@@ -92,7 +91,7 @@ def act_quant(module: ir.Module, fmt: str, K: int, target: Target, rows_only: bo
         _groups(k, isa, lay, 1, row)
         return k.finish()
     T = k.arg["T"]
-    with k.b.if_else(k.b.icmp_signed("<=", T, k.i64(SMALL_T))) as (single, many):
+    with k.b.if_else(k.b.icmp_signed("==", T, k.i64(1))) as (single, many):
         with single:
             _groups(k, isa, lay, 1, row)
         with many:

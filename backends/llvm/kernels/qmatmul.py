@@ -9,9 +9,10 @@ sub-block the integer dot is exact; it is then scaled by the weight and activati
 in f32. Three drivers share the block decoders:
 
 - gemv (T == 1): one row at a time, 32 weights per step (64 for 256-weight blocks on
-  512-bit targets), f32 lanes along K, the next rows prefetched. For 2..SMALL_T tokens (a
-  batch of decoding sequences) each block is decoded once and dotted with every token's row,
-  so the weights are read once for all of them.
+  512-bit targets), f32 lanes along K, the next rows prefetched. The rows_only kernels (a
+  batch of sequences) run the gemv arithmetic for every token at any T, SMALL_T tokens at a
+  time, each block decoded once for all of them: a token's result is the same bits whatever
+  shares the step, and the weights are read once per step.
 - gemm (T > 1): a tile of R rows x G groups of 16 tokens. Lanes are tokens: each 4-byte
   word of a decoded weight chunk is broadcast and dotted with the same word of 16
   tokens (one 64-byte load of the interleaved activations), so no horizontal sums.
@@ -23,7 +24,7 @@ from llvmlite import ir
 
 from ggraph.ir import dtypes
 from ggraph.backends.llvm.kernels import kquant_blocks, quant_blocks
-from ggraph.backends.llvm.kernels.act_quant import GROUP, SMALL_T, ActLayout
+from ggraph.backends.llvm.kernels.act_quant import GROUP, ActLayout
 from ggraph.backends.llvm.kernels.blocks import BlockFormat, pack
 from ggraph.backends.llvm.kernels.builder import Kernel, f32, i8, i32, vec
 from ggraph.backends.llvm.kernels.isa import Isa, vector_path
@@ -96,14 +97,10 @@ def qmatmul(module: ir.Module, dtype, K: int, N: int, target: Target, rows_only:
                     with more:
                         _gemv_all_rows(k, isa, fmt, lay, N, rows)
         return k.finish()
-    with k.b.if_else(k.b.icmp_signed("<=", T, k.i64(SMALL_T))) as (small, many):
-        with small, k.row_chunks(N, k.arg["counter"]) as rows:
+    with k.b.if_else(k.b.icmp_signed("==", T, k.i64(1))) as (single, many):
+        with single, k.row_chunks(N, k.arg["counter"]) as rows:
             if vector_path(target):
-                with k.b.if_else(k.b.icmp_signed("==", T, k.i64(1))) as (one, few):
-                    with one:
-                        _gemv(k, isa, fmt, lay, N, rows)
-                    with few:
-                        _gemv_tokens(k, isa, fmt, lay, N, rows)
+                _gemv(k, isa, fmt, lay, N, rows)
             else:
                 _scalar(k, isa, fmt, lay, N, rows, 1)
         with many, k.row_chunks(N, k.arg["counter"]) as rows:
@@ -186,12 +183,7 @@ def _gemv_step(k: Kernel, isa: Isa, fmt: BlockFormat, dec, blk, c: int, P: int, 
     acc.set(isa.fma(b.sitofp(dot, vec(f32, lanes)), k.shuffle(scales, lane_sub), acc.get()))
 
 
-def _gemv_tokens(k: Kernel, isa: Isa, fmt: BlockFormat, lay: ActLayout, N: int, rows) -> None:
-    """2..SMALL_T tokens, each quantised as its own row: per output row and block, the block is
-    decoded once and dotted with every token. One body per token count, so that every token's
-    accumulators stay in registers."""
-    with k.loop(*rows, name="n") as row:
-        _by_count(k, k.arg["T"], range(2, SMALL_T + 1), lambda n: _gemv_n_row(k, isa, fmt, lay, N, row, n, 0))
+SMALL_T = 8                        # tokens whose accumulators a rows_only step keeps in registers at once
 
 
 def _gemv_all_rows(k: Kernel, isa: Isa, fmt: BlockFormat, lay: ActLayout, N: int, rows) -> None:
