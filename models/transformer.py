@@ -25,28 +25,40 @@ def forward(cfg: ModelConfig, w: dict, tokens, P, k_caches, v_caches, *, last_on
         if cfg.embed_scale:
             x = x * cfg.embed_scale
         pos = ops.iota(T) + P                                                      # (T,)
-    k_out, v_out = [], []
-    for i in range(cfg.n_layer):
-        blk = Layer(w, i)
-        with scope(f"blk.{i}"):
-            with scope("attn"):
-                a, kc, vc = attention(cfg, blk, i, x, pos, P, k_caches[i], v_caches[i], rope_factors)
-            x = x + a
-            with scope("ffn"):
-                x = x + ffn(cfg, blk, x)
-        k_out.append(kc)
-        v_out.append(vc)
+    x, k_out, v_out = layers(cfg, w, x, lambda blk, i, x: attention(cfg, blk, i, x, pos, P, k_caches[i], v_caches[i],
+                                                                     rope_factors))
     with scope("output"):
         if last_only:
             x = ops.slice(x, 0, Sym("T") - 1, Sym("T"))                            # (1, D)
         x = ops.rms_norm(x, w["output_norm.weight"], eps=cfg.norm_eps)
         if output == "hidden":
             return x, k_out, v_out
-        out_w = w["token_embd.weight"] if cfg.tied_output else w["output.weight"]  # (V, D)
-        logits = ops.linear(x, out_w)                                              # (T, V)
-        if cfg.final_softcap:
-            logits = ops.tanh(logits * (1.0 / cfg.final_softcap)) * cfg.final_softcap
-    return logits, k_out, v_out
+        return head(cfg, w, x), k_out, v_out
+
+
+def layers(cfg: ModelConfig, w: dict, x, attend):
+    """The decoder blocks over x (T, D); ``attend(blk, i, x)`` gives (attention out, k cache, v cache)."""
+    k_out, v_out = [], []
+    for i in range(cfg.n_layer):
+        blk = Layer(w, i)
+        with scope(f"blk.{i}"):
+            with scope("attn"):
+                a, kc, vc = attend(blk, i, x)
+            x = x + a
+            with scope("ffn"):
+                x = x + ffn(cfg, blk, x)
+        k_out.append(kc)
+        v_out.append(vc)
+    return x, k_out, v_out
+
+
+def head(cfg: ModelConfig, w: dict, x):
+    """Logits (rows, V) of normed hidden states, with gemma2's final softcap."""
+    out_w = w["token_embd.weight"] if cfg.tied_output else w["output.weight"]      # (V, D)
+    logits = ops.linear(x, out_w)
+    if cfg.final_softcap:
+        logits = ops.tanh(logits * (1.0 / cfg.final_softcap)) * cfg.final_softcap
+    return logits
 
 
 def forward_batch(cfg: ModelConfig, w: dict, tokens, seq, positions, pick, k_caches, v_caches, *, slot_rows: int,
@@ -58,26 +70,13 @@ def forward_batch(cfg: ModelConfig, w: dict, tokens, seq, positions, pick, k_cac
         x = ops.take(w["token_embd.weight"], tokens)                              # (T, D)
         if cfg.embed_scale:
             x = x * cfg.embed_scale
-    k_out, v_out = [], []
-    for i in range(cfg.n_layer):
-        blk = Layer(w, i)
-        with scope(f"blk.{i}"):
-            with scope("attn"):
-                slots = dict(seq=seq, positions=positions, slot_rows=slot_rows)
-                a, kc, vc = attention(cfg, blk, i, x, positions, None, k_caches[i], v_caches[i], rope_factors, slots)
-            x = x + a
-            with scope("ffn"):
-                x = x + ffn(cfg, blk, x)
-        k_out.append(kc)
-        v_out.append(vc)
+    slots = dict(seq=seq, positions=positions, slot_rows=slot_rows)
+    x, k_out, v_out = layers(cfg, w, x, lambda blk, i, x: attention(cfg, blk, i, x, positions, None, k_caches[i],
+                                                                     v_caches[i], rope_factors, slots))
     with scope("output"):
         x = ops.take(x, pick)                                                      # (R, D)
         x = ops.rms_norm(x, w["output_norm.weight"], eps=cfg.norm_eps)
-        out_w = w["token_embd.weight"] if cfg.tied_output else w["output.weight"]  # (V, D)
-        logits = ops.linear(x, out_w)                                              # (R, V)
-        if cfg.final_softcap:
-            logits = ops.tanh(logits * (1.0 / cfg.final_softcap)) * cfg.final_softcap
-    return logits, k_out, v_out
+        return head(cfg, w, x), k_out, v_out
 
 
 class Layer:

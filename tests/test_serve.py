@@ -223,6 +223,16 @@ def test_the_load_benchmark_runs_against_the_server(server):
     assert [r[0] for r in rows] == ["1", "2"] and rows[1][-1] == "2/2", out.stdout     # the same text under load
 
 
+def test_serve_refuses_a_taken_port_and_bad_arguments_before_loading(server, capsys):
+    from ggraph.cli import main
+    model = str(zoo.cached_model("llama", "f32"))
+    assert main(["serve", model, "--port", str(server.port)]) == 1
+    assert "cannot listen on 127.0.0.1" in capsys.readouterr().err
+    assert main(["serve", model, "--port", "70000"]) == 1
+    assert main(["serve", model, "--parallel", "0"]) == 1
+    assert "--parallel must be at least 1" in capsys.readouterr().err
+
+
 def test_a_full_queue_gets_503():
     s = Server(zoo.cached_model("llama", "f32"), "--parallel", "1", "--queue", "0", "--ctx", "512")
     try:

@@ -28,6 +28,7 @@ def cmd_serve(args) -> int:
         raise ValueError(f"--parallel must be at least 1 slot, got {args.parallel}")
     if args.queue < 0:
         raise ValueError(f"--queue must be >= 0 waiting requests, got {args.queue}")
+    _check_port(args.host, args.port)                      # before the slow part
     path = model_path(args)
     engine = Engine(path, parallel=args.parallel, ctx=args.ctx, queue=args.queue, backend=args.backend,
                     threads=args.threads, passes=passes_arg(args.passes), disabled=args.no_pass,
@@ -42,6 +43,21 @@ def cmd_serve(args) -> int:
     finally:
         engine.close()
     return 0
+
+
+def _check_port(host: str, port: int) -> None:
+    import socket
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as e:
+        raise ValueError(f"--host {host!r}: {e.strerror}") from e
+    family, kind, proto, _, addr = infos[0]
+    with socket.socket(family, kind, proto) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(addr)
+        except OSError as e:
+            raise ValueError(f"cannot listen on {host}:{port}: {e.strerror}") from e
 
 
 def add_parser(sub, parents) -> None:
