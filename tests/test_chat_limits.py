@@ -164,7 +164,7 @@ TOOLS = [{"type": "function", "function": {"name": "now", "description": "The ti
 def test_real_templates_render(path):
     tools = TOOLS if path.name in NEEDS_TOOLS else None
     text = render(path.read_text(), MESSAGES, add_generation_prompt=True, bos_token="<s>", eos_token="</s>",
-                       tools=tools, time_limit=LIMIT_S)
+                  tools=tools)                       # the default time limit: 0.5 s is too tight for a loaded machine
     assert "Hello" in text and "Hi there" in text
 
 
