@@ -139,34 +139,14 @@ PREFETCH_BYTES = 2048              # how far ahead of its reads gemv asks for we
 
 
 def _gemv(k: Kernel, isa: Isa, fmt: BlockFormat, lay: ActLayout, N: int, rows) -> None:
-    """One output row at a time: integer dots per step of P chunks, scaled into f32 lanes;
-    the K-quant mins go into a separate (subs,) accumulator."""
-    b = k.b
-    xq = k.arg["xq"]
-    P = gemv_chunks(fmt, isa.t)
-    subs = fmt.dtype.block_size // fmt.sub
-    with k.loop(*rows, name="n") as n:
-        _prefetch_row(k, fmt, lay, n)
-        acc = k.var(vec(f32, 8 * P), ir.Constant(vec(f32, 8 * P), [0.0] * 8 * P))
-        macc = k.var(vec(f32, subs), ir.Constant(vec(f32, subs), [0.0] * subs))
-        with k.loop(0, lay.K // fmt.dtype.block_size, name="blk") as blk:
-            dec = fmt.decode(k, isa, _row(k, fmt, lay, n, blk))
-            dx = k.splat(k.load(f32, xq, lay.d(k, 1, blk)), subs)
-            xs = _xsums_row(k, fmt, lay, blk)                                   # (subs,) i32
-            if dec.mins is not None:
-                macc.set(isa.fma(b.fmul(dec.mins, dx), b.sitofp(xs, vec(f32, subs)), macc.get()))
-            init = b.mul(xs, ir.Constant(vec(i32, subs), [-dec.offset] * subs)) if dec.offset else None
-            scales = b.fmul(dec.scales, dx)                                       # (subs,) f32
-            for c in range(0, fmt.chunks, P):
-                _gemv_step(k, isa, fmt, dec, blk, c, P, init, scales, acc)
-        out = b.fsub(isa.hsum(acc.get()), isa.hsum(macc.get()))
-        k.store(out, k.arg["y"], k.mul(n, 4))
+    """One output row at a time, for the one token there is."""
+    with k.loop(*rows, name="n") as row:
+        _gemv_n_row(k, isa, fmt, lay, N, row, 1, 0)
 
 
-def _gemv_step(k: Kernel, isa: Isa, fmt: BlockFormat, dec, blk, c: int, P: int, init, scales, acc, xbase=None,
-               w=None) -> None:
-    """Chunks c..c+P of one block: acc += float(dot(w, x) - offset*sum(x)) * scale*dx, per lane
-    (x the token row at ``xbase``, the plain row by default; ``w`` the chunks if already decoded)."""
+def _gemv_step(k: Kernel, isa: Isa, fmt: BlockFormat, dec, w, blk, c: int, P: int, init, scales, acc, xbase) -> None:
+    """Chunks c..c+P of block ``dec``, decoded in ``w``: acc += float(dot(w, x) - offset*sum(x)) * scale*dx,
+    per lane, x the token row at ``xbase``."""
     b = k.b
     lanes = 8 * P
     lane_sub = [(32 * c + 4 * j) // fmt.sub for j in range(lanes)]            # each i32 lane's sub-block
@@ -176,9 +156,7 @@ def _gemv_step(k: Kernel, isa: Isa, fmt: BlockFormat, dec, blk, c: int, P: int, 
         subs = init.type.count
         first = [s if j == 0 or s != lane_sub[j - 1] else subs for j, s in enumerate(lane_sub)]
         start = k.shuffle(init, first, ir.Constant(vec(i32, subs), [0] * subs))
-    w = w if w is not None else k.concat(*[dec.chunk(c + p) for p in range(P)])
-    xv = k.load(vec(i8, 4 * lanes), k.arg["xq"] if xbase is None else xbase,
-                k.add(k.mul(blk, fmt.dtype.block_size), 32 * c))
+    xv = k.load(vec(i8, 4 * lanes), xbase, k.add(k.mul(blk, fmt.dtype.block_size), 32 * c))
     dot = isa.dot(start, w, xv, dec.signed, dec.qmax)                           # (lanes,) i32
     acc.set(isa.fma(b.sitofp(dot, vec(f32, lanes)), k.shuffle(scales, lane_sub), acc.get()))
 
@@ -215,8 +193,9 @@ def _by_count(k: Kernel, count, counts, body) -> None:
 
 
 def _gemv_n_row(k: Kernel, isa: Isa, fmt: BlockFormat, lay: ActLayout, N: int, row, n: int, t0) -> None:
-    """Output row ``row`` for exactly n tokens from token t0 (rows of xq ``group_bytes(1)`` apart),
-    the gemv arithmetic for each."""
+    """Output row ``row`` for exactly n tokens from token t0 (rows of xq ``group_bytes(1)`` apart):
+    integer dots per step of P chunks, scaled into f32 lanes, the K-quant mins in a separate
+    (subs,) accumulator, the same arithmetic for each token whatever n is."""
     b = k.b
     P = gemv_chunks(fmt, isa.t)
     subs = fmt.dtype.block_size // fmt.sub
@@ -228,27 +207,28 @@ def _gemv_n_row(k: Kernel, isa: Isa, fmt: BlockFormat, lay: ActLayout, N: int, r
     maccs = [k.var(vec(f32, subs), ir.Constant(vec(f32, subs), [0.0] * subs)) for _ in range(n)]
     with k.loop(0, lay.K // fmt.dtype.block_size, name="blk") as blk:
         dec = fmt.decode(k, isa, _row(k, fmt, lay, row, blk))
-        ws = [k.concat(*[dec.chunk(c + p) for p in range(P)]) for c in range(0, fmt.chunks, P)]
-        for xt, acc, macc in zip(xts, accs, maccs):
+        terms = []                                         # each token's offset init and scales
+        for xt, macc in zip(xts, maccs):
             dx = k.splat(k.load(f32, xt, lay.d(k, 1, blk)), subs)
-            xs = _xsums_row(k, fmt, lay, blk, xt)
+            xs = _xsums_row(k, fmt, lay, blk, xt)                                 # (subs,) i32
             if dec.mins is not None:
                 macc.set(isa.fma(b.fmul(dec.mins, dx), b.sitofp(xs, vec(f32, subs)), macc.get()))
             init = b.mul(xs, ir.Constant(vec(i32, subs), [-dec.offset] * subs)) if dec.offset else None
-            scales = b.fmul(dec.scales, dx)
-            for i, c in enumerate(range(0, fmt.chunks, P)):
-                _gemv_step(k, isa, fmt, dec, blk, c, P, init, scales, acc, xt, ws[i])
+            terms.append((init, b.fmul(dec.scales, dx)))                         # (subs,) f32 scales
+        for c in range(0, fmt.chunks, P):                  # each chunk decoded once, for every token
+            w = k.concat(*[dec.chunk(c + p) for p in range(P)])
+            for xt, acc, (init, scales) in zip(xts, accs, terms):
+                _gemv_step(k, isa, fmt, dec, w, blk, c, P, init, scales, acc, xt)
     for t, (acc, macc) in enumerate(zip(accs, maccs)):
         at = k.mul(k.add(k.mul(k.add(t0, t), N), row), 4)
         k.store(b.fsub(isa.hsum(acc.get()), isa.hsum(macc.get())), k.arg["y"], at)
 
 
-def _xsums_row(k: Kernel, fmt: BlockFormat, lay: ActLayout, blk, xbase=None) -> ir.Value:
-    """Sums of the quantised activations per sub-block of block blk, one-token layout: (subs,) i32."""
+def _xsums_row(k: Kernel, fmt: BlockFormat, lay: ActLayout, blk, xbase) -> ir.Value:
+    """Sums of the quantised activations per sub-block of block blk, one-token layout at ``xbase``: (subs,) i32."""
     subs = fmt.dtype.block_size // fmt.sub
     per = fmt.sub // lay.sum_block
-    sums = k.load(vec(i32, subs * per), k.arg["xq"] if xbase is None else xbase,
-                  lay.sums(k, 1, k.mul(blk, subs * per)))
+    sums = k.load(vec(i32, subs * per), xbase, lay.sums(k, 1, k.mul(blk, subs * per)))
     if per == 1:
         return sums
     return k.b.add(k.shuffle(sums, range(0, 2 * subs, 2)), k.shuffle(sums, range(1, 2 * subs, 2)))
