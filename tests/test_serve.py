@@ -173,6 +173,7 @@ def test_concurrent_greedy_requests_match_their_solo_text(server):
         results = list(pool.map(client, prompts))
     for p, out in results:
         assert all(o == (solo[p], 10, "length") for o in out), (p, out)
+    assert server.metric("batch_tokens_total") > server.metric("batch_steps_total")    # slots did share steps
     assert server.metric("requests_processing") == 0 and server.metric("requests_deferred") == 0
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 
 from ggraph.backends.llvm.team import check_threads
-from ggraph.runtime.session import UBATCH, cache_array, cache_dtype, token_ids
+from ggraph.runtime.session import UBATCH, cache_dtype, kv_caches, token_ids
 
 
 class Batch:
@@ -38,12 +38,8 @@ class Batch:
         self.slots, self.ctx, self.ubatch = int(slots), int(ctx), int(ubatch)
         self.backend, self.passes, self.disabled = backend, passes, tuple(disabled)
         self.cache_types = (cache_dtype(cache_type_k, "cache_type_k"), cache_dtype(cache_type_v, "cache_type_v"))
-        k_aval, v_aval = self.model.kv_avals(self.slots * self.ctx, self.cache_types)
-        n = self.config.n_layer
-        memory.check(n * (k_aval.nbytes({}) + v_aval.nbytes({})),
-                     f"the KV cache ({self.slots} slots × ctx {self.ctx} × {n} layers)", self.max_memory)
-        self.k_cache = [cache_array(k_aval) for _ in range(n)]
-        self.v_cache = [cache_array(v_aval) for _ in range(n)]
+        self.k_cache, self.v_cache = kv_caches(self.model, self.slots * self.ctx, self.cache_types, self.max_memory,
+                                               f"{self.slots} slots × ctx {self.ctx}")
         self.n_past = [0] * self.slots
         self._program = None
 
@@ -91,7 +87,7 @@ class Batch:
         seq = np.concatenate([np.full(ids.size, s, np.int32) for s, ids in parts])
         positions = np.concatenate([self.n_past[s] + np.arange(ids.size, dtype=np.int32) for s, ids in parts])
         pick = (np.cumsum([ids.size for _, ids in parts]) - 1).astype(np.int32)    # each slot's last token
-        logits, *_ = self.program().run_inputs([tokens, seq, positions.astype(np.int32), pick,
+        logits, *_ = self.program().run_inputs([tokens, seq, positions, pick,
                                                 *self.k_cache, *self.v_cache])
         for s, ids in parts:
             self.n_past[s] += ids.size

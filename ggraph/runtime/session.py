@@ -61,13 +61,8 @@ class Session:
         self.backend, self.passes, self.disabled = backend, passes, tuple(disabled)
         self.profile = profile
         self._programs: dict[bool, object] = {}
-        k_aval, v_aval = self.model.kv_avals(self.ctx, self.cache_types)
-        n = self.config.n_layer
-        memory.check(n * (k_aval.nbytes({}) + v_aval.nbytes({})),
-                     f"the KV cache (ctx {self.ctx} × {n} layers × {k_aval.shape[1]} kv heads × "
-                     f"({k_aval.shape[2]} {k_aval.dtype} + {v_aval.shape[2]} {v_aval.dtype}))", self.max_memory)
-        self.k_cache = [cache_array(k_aval) for _ in range(n)]
-        self.v_cache = [cache_array(v_aval) for _ in range(n)]
+        self.k_cache, self.v_cache = kv_caches(self.model, self.ctx, self.cache_types, self.max_memory,
+                                               f"ctx {self.ctx}")
         self._n_past = 0
         self._cached: list[int] = []                      # the ids whose keys and values the cache holds
         self.stats: dict[str, float] = {}
@@ -128,17 +123,20 @@ class Session:
         if self._n_past + tokens.size > self.ctx:
             raise ContextFullError(f"context full: {self._n_past} tokens in the cache + {tokens.size} new "
                                    f"> ctx={self.ctx}; start a new Session with a larger ctx")
-        prog = self.program(last_only)
+        out = self._run(self.program(last_only), tokens)
+        return out[-1] if last_only else out[0] if len(out) == 1 else np.concatenate(out)
+
+    def _run(self, prog, tokens: np.ndarray) -> list:
+        """Run ``tokens`` after the context in ubatches (bounded activations for a long prompt): each
+        ubatch's first output (logits, or hidden states)."""
         out = []
-        for at in range(0, tokens.size, self.ubatch):     # a long prompt runs in ubatches: bounded activations
+        for at in range(0, tokens.size, self.ubatch):
             part = tokens[at:at + self.ubatch]
-            last = at + self.ubatch >= tokens.size
-            logits, *_ = prog.run_inputs([part, np.int32(self._n_past), *self.k_cache, *self.v_cache])
+            first, *_ = prog.run_inputs([part, np.int32(self._n_past), *self.k_cache, *self.v_cache])
             self._n_past += part.size
             self._cached += part.tolist()
-            if last or not last_only:
-                out.append(logits)
-        return out[0] if len(out) == 1 else np.concatenate(out)
+            out.append(first)
+        return out
 
     def embed(self, texts, pooling: str = "mean", normalize: bool = True) -> np.ndarray:
         """Embeddings (n, n_embd) of ``texts`` (strings or lists of token ids): the final hidden state
@@ -157,13 +155,7 @@ class Session:
             if len(ids) > self.ctx:
                 raise ContextFullError(f"text {i} is {len(ids)} tokens > ctx={self.ctx}")
             self.reset()
-            hidden = []
-            for at in range(0, len(ids), self.ubatch):
-                part = np.asarray(ids[at:at + self.ubatch], dtype=np.int32)
-                h, *_ = prog.run_inputs([part, np.int32(self._n_past), *self.k_cache, *self.v_cache])
-                self._n_past += part.size
-                hidden.append(np.asarray(h, dtype=np.float32))
-            h = np.concatenate(hidden)
+            h = np.concatenate(self._run(prog, np.asarray(ids, dtype=np.int32)))
             v = h.mean(axis=0) if pooling == "mean" else h[-1] if pooling == "last" else h[0]
             if normalize:
                 v = v / max(float(np.linalg.norm(v)), 1e-12)
@@ -256,6 +248,18 @@ def cache_dtype(name, what: str = "cache type"):
     if not isinstance(name, str) or name.lower() not in CACHE_TYPES:
         raise ValueError(f"{what} must be one of {', '.join(CACHE_TYPES)}, got {name!r}")
     return dtypes.from_name(name.lower())
+
+
+def kv_caches(model, rows: int, cache_types, max_memory, what: str) -> tuple[list, list]:
+    """Zeroed K and V caches of ``rows`` rows for every layer, checked against the memory there is first;
+    ``what`` says how the rows come about (e.g. "ctx 4096")."""
+    from ggraph import memory
+    k_aval, v_aval = model.kv_avals(rows, cache_types)
+    n = model.config.n_layer
+    memory.check(n * (k_aval.nbytes({}) + v_aval.nbytes({})),
+                 f"the KV cache ({what} × {n} layers × {k_aval.shape[1]} kv heads × "
+                 f"({k_aval.shape[2]} {k_aval.dtype} + {v_aval.shape[2]} {v_aval.dtype}))", max_memory)
+    return [cache_array(k_aval) for _ in range(n)], [cache_array(v_aval) for _ in range(n)]
 
 
 def cache_array(aval) -> np.ndarray:

@@ -69,6 +69,16 @@ def create_app(engine: Engine, model_id: str, api_key: str | None = None, poolin
                            code="model_not_found")
         return body
 
+    def submit(ids, options: dict, kind: str = "generate"):
+        """Queue a job on the engine; (job, the asyncio queue its pieces arrive on). 503 when full."""
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        emit = lambda what, value: loop.call_soon_threadsafe(queue.put_nowait, (what, value))  # noqa: E731
+        try:
+            return engine.submit(ids, options, emit, kind=kind), queue
+        except Overloaded as e:
+            raise APIError(503, str(e), kind="server_error", code="overloaded")
+
     async def models(request: Request) -> Response:
         check(request)
         return JSONResponse({"object": "list", "data": [
@@ -110,13 +120,7 @@ def create_app(engine: Engine, model_id: str, api_key: str | None = None, poolin
             raise APIError(400, f"the prompt is {len(ids)} tokens, more than the context of {engine.ctx} tokens "
                                 f"(start the server with a larger --ctx)", "messages" if chat else "prompt",
                            code="context_length_exceeded")
-        loop = asyncio.get_running_loop()
-        queue: asyncio.Queue = asyncio.Queue()
-        emit = lambda kind, value: loop.call_soon_threadsafe(queue.put_nowait, (kind, value))  # noqa: E731
-        try:
-            job = engine.submit(ids, options, emit)
-        except Overloaded as e:
-            raise APIError(503, str(e), kind="server_error", code="overloaded")
+        job, queue = submit(ids, options)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         stamp = int(time.time())
         if body.get("stream"):
@@ -167,13 +171,7 @@ def create_app(engine: Engine, model_id: str, api_key: str | None = None, poolin
         width = engine.session.config.n_embd
         if body.get("dimensions") not in (None, width):
             raise APIError(400, f"'dimensions' must be this model's {width} (no truncation)", "dimensions")
-        loop = asyncio.get_running_loop()
-        queue: asyncio.Queue = asyncio.Queue()
-        emit = lambda kind, value: loop.call_soon_threadsafe(queue.put_nowait, (kind, value))  # noqa: E731
-        try:
-            job = engine.submit(ids, {"pooling": pooling}, emit, kind="embed")
-        except Overloaded as e:
-            raise APIError(503, str(e), kind="server_error", code="overloaded")
+        job, queue = submit(ids, {"pooling": pooling}, kind="embed")
         try:
             kind, value = await queue.get()
         finally:
@@ -374,6 +372,8 @@ def _prometheus(engine: Engine) -> str:
          m.prompt_tokens / m.prompt_seconds if m.prompt_seconds else 0.0),
         ("predicted_tokens_seconds", "gauge", "decode tok/s of one stream over all requests",
          m.generated_tokens / m.generate_seconds if m.generate_seconds else 0.0),
+        ("batch_steps_total", "counter", "native steps run for all busy slots at once", m.steps),
+        ("batch_tokens_total", "counter", "tokens those steps ran (per step: the batch)", m.step_tokens),
         ("requests_processing", "gauge", "slots running a request", st["active"]),
         ("requests_deferred", "gauge", "requests waiting for a slot", st["waiting"]),
         ("slots_total", "gauge", "slots", st["slots"]),

@@ -80,8 +80,7 @@ class Engine:
         from ggraph.runtime.session import Session
         if isinstance(parallel, bool) or not isinstance(parallel, int) or parallel < 1:
             raise ValueError(f"parallel must be a whole number of slots >= 1, got {parallel!r}")
-        session_options = {k: v for k, v in options.items() if k != "ubatch"}
-        self.session = Session(path, ctx=ctx, **session_options)   # templates, tokenizer, embeddings
+        self.session = Session(path, ctx=ctx, **options)          # templates, tokenizer, embeddings
         self.batch = Batch(path, slots=parallel, ctx=ctx, model=self.session.model, **options)
         self.batch.tokenizer = self.session.tokenizer             # one tokenizer: grammars compile once
         self.batch.program()                                       # compiled before serving
@@ -180,8 +179,7 @@ class Engine:
     def _generation(self, job: Job) -> Generation:
         from ggraph.runtime.sampling import Sampler
         o = job.options
-        sampler = Sampler(o.get("temperature", 0.8), o.get("top_k", 40), o.get("top_p", 0.95), o.get("min_p", 0.05),
-                          o.get("repeat_penalty", 1.0))
+        sampler = Sampler(**{f: o[f] for f in ("temperature", "top_k", "top_p", "min_p", "repeat_penalty") if f in o})
         grammar = o.get("grammar")
         return Generation(self.tokenizer, job.ids, o.get("max_tokens", -1), sampler, o.get("seed"), o.get("stop", ()),
                           grammar.matcher() if grammar is not None else None)
