@@ -1,12 +1,20 @@
 """The GGUF writer: metadata with inferred or explicit (``Typed``) value types, tensors aligned.
 
     write("model.gguf", {"general.architecture": "llama", ...}, {"token_embd.weight": array, ...})
+
+A tensor may also be ``Deferred(dtype, shape, produce)``: the header needs only its type and
+shape, and ``produce()`` is called for its bytes when the writer reaches it, so a whole model
+can be converted one tensor at a time. ``typed_metadata(gguf_file)`` gives a file's metadata
+with every value's GGUF type kept, ready to write again. ``header(metadata, tensors)`` gives only
+the bytes before the tensor data, the metadata exactly as given, for a caller that streams the
+tensor bytes itself (``ggraph.split``).
 """
 from __future__ import annotations
 
 import os
 import struct
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 
@@ -26,6 +34,25 @@ class Typed:
     type: str
 
 
+@dataclass(frozen=True)
+class Deferred:
+    """A tensor whose bytes are made only when the writer reaches it: ``produce()`` returns them
+    (a uint8 array or bytes-like of exactly ``dtype.nbytes(shape)`` bytes)."""
+    dtype: object
+    shape: tuple
+    produce: Callable[[], object]
+
+
+def typed_metadata(f) -> dict:
+    """An open GGUFFile's metadata as ``Typed`` values, in file order, each with its GGUF type."""
+    out = {}
+    for key, value in f.metadata.items():
+        t = f.metadata_types[key]
+        elem = t[4:-1] if t.startswith("arr[") else t
+        out[key] = Typed(list(value) if t.startswith("arr[") else value, elem)
+    return out
+
+
 _NP_VTYPES = {t.np_dtype: t for t in VTYPES if t.np_dtype is not None and t is not BOOL}
 _NP_VTYPES[np.dtype(bool)] = BOOL
 
@@ -41,12 +68,11 @@ def write(path: str | os.PathLike, metadata: dict, tensors: dict, alignment: int
     hparams are u32, which is why ints default to u32.
 
     ``tensors``: name -> a numpy array (float32, float16, int8 or int32; written as
-    that type) or ``(raw_uint8_bytes, dtype, shape)`` for block types, with ``dtype`` a
-    DType or name and ``shape`` in numpy order. ``general.alignment`` is written when
+    that type), ``(raw_uint8_bytes, dtype, shape)`` for block types, with ``dtype`` a
+    DType or name and ``shape`` in numpy order, or a ``Deferred``. ``general.alignment`` is written when
     ``alignment`` is not 32.
     """
-    if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
-        raise ValueError(f"alignment {alignment!r} is not a power of two")
+    _check_alignment(alignment)
     metadata = dict(metadata)
     if "general.alignment" in metadata:
         given = metadata["general.alignment"]
@@ -57,19 +83,43 @@ def write(path: str | os.PathLike, metadata: dict, tensors: dict, alignment: int
     if alignment != DEFAULT_ALIGNMENT:
         metadata["general.alignment"] = Typed(alignment, "u32")
     entries = [_tensor_entry(name, value) for name, value in tensors.items()]   # (name, shape, dtype, raw)
-    head = [MAGIC, struct.pack("<IQQ", 3, len(entries), len(metadata))]
-    head += [_pack_str(key) + _encode_value(key, value) for key, value in _checked_keys(metadata)]
-    offset = 0
-    for name, shape, dtype, raw in entries:
-        head.append(_pack_str(name) + struct.pack(f"<I{len(shape)}QIQ", len(shape), *reversed(shape),
-                                                  dtype.ggml_id, offset))
-        offset += align(raw.nbytes, alignment)
-    header = b"".join(head)
     with open(path, "wb") as f:
-        f.write(header + bytes(align(len(header), alignment) - len(header)))
-        for _, _, _, raw in entries:
+        f.write(header(metadata, [entry[:3] for entry in entries], alignment))
+        for name, shape, dtype, raw in entries:
+            if raw is None:
+                raw = _produced(name, shape, dtype, tensors[name].produce)
             f.write(raw.data)
             f.write(bytes(align(raw.nbytes, alignment) - raw.nbytes))
+
+
+def header(metadata: dict, tensors, alignment: int = DEFAULT_ALIGNMENT) -> bytes:
+    """The bytes of a GGUF v3 file that come before its tensor data, padded to ``alignment``.
+
+    ``metadata`` is written exactly as given, in its order (nothing added or dropped, unlike
+    ``write``), so a file laid out at an ``alignment`` other than 32 must declare it as
+    ``general.alignment``; a mismatch is a ValueError. ``tensors`` is a sequence of
+    ``(name, shape, dtype)``, shape in numpy order: each tensor's data is placed right after
+    the previous one's, padded to ``alignment``, and the caller writes it that way.
+    """
+    _check_alignment(alignment)
+    declared = metadata.get("general.alignment", DEFAULT_ALIGNMENT)
+    declared = declared.value if isinstance(declared, Typed) else declared
+    if declared != alignment:
+        raise ValueError(f"metadata general.alignment={declared!r} disagrees with alignment={alignment}")
+    head = [MAGIC, struct.pack("<IQQ", 3, len(tensors), len(metadata))]
+    head += [_pack_str(key) + _encode_value(key, value) for key, value in _checked_keys(metadata)]
+    offset = 0
+    for name, shape, dtype in tensors:
+        head.append(_pack_str(name) + struct.pack(f"<I{len(shape)}QIQ", len(shape), *reversed(shape),
+                                                  dtype.ggml_id, offset))
+        offset += align(dtype.nbytes(shape), alignment)
+    packed = b"".join(head)
+    return packed + bytes(align(len(packed), alignment) - len(packed))
+
+
+def _check_alignment(alignment) -> None:
+    if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
+        raise ValueError(f"alignment {alignment!r} is not a power of two")
 
 
 def _checked_keys(metadata: dict):
@@ -195,11 +245,27 @@ def _pack_scalar(key: str, vt: VType, v) -> bytes:
     return _pack_str(v)
 
 
+def _produced(name: str, shape: tuple, dtype, produce) -> np.ndarray:
+    """The bytes a Deferred tensor's ``produce()`` made, checked against its type and shape."""
+    raw = produce()
+    raw = np.frombuffer(raw, np.uint8) if not isinstance(raw, np.ndarray) else raw
+    if raw.dtype != np.uint8 or raw.nbytes != dtype.nbytes(shape):
+        raise ValueError(f"tensor '{name}': produced {raw.nbytes} bytes of {raw.dtype}, but "
+                         f"{dtype.name}{list(shape)} takes {dtype.nbytes(shape)} bytes")
+    return np.ascontiguousarray(raw).reshape(-1)
+
+
 def _tensor_entry(name: str, value):
-    """(name, shape, dtype, raw uint8 array) of one tensor to write, validated."""
+    """(name, shape, dtype, raw uint8 array, or None for a Deferred) of one tensor to write, validated."""
     if not isinstance(name, str) or not name or len(name.encode("utf-8")) > MAX_NAME_BYTES:
         raise ValueError(f"tensor name {name!r} must be a non-empty str of at most {MAX_NAME_BYTES} UTF-8 bytes")
-    if isinstance(value, tuple):
+    if isinstance(value, Deferred):
+        try:
+            dtype = dtypes.from_name(value.dtype)
+        except ValueError as e:
+            raise ValueError(f"tensor '{name}': {e}") from None
+        shape, raw = tuple(int(d) for d in value.shape), None
+    elif isinstance(value, tuple):
         if len(value) != 3:
             raise ValueError(f"tensor '{name}': expected an array or (raw_uint8_bytes, dtype, shape), "
                              f"got a {len(value)}-tuple")
@@ -235,7 +301,7 @@ def _tensor_entry(name: str, value):
     if shape[-1] % dtype.block_size:
         raise ValueError(f"tensor '{name}': row length {shape[-1]} is not a multiple of "
                          f"{dtype.name}'s block size {dtype.block_size}")
-    if raw.nbytes != dtype.nbytes(shape):
+    if raw is not None and raw.nbytes != dtype.nbytes(shape):
         raise ValueError(f"tensor '{name}': {dtype.name}{list(shape)} takes {dtype.nbytes(shape)} bytes, "
                          f"got {raw.nbytes}")
     return name, shape, dtype, raw
