@@ -1,4 +1,8 @@
-"""Numpy reference for the GGUF block formats: dequantise every type, quantise the simple ones.
+"""Numpy reference for the GGUF block formats: dequantise every type, quantise every float one.
+
+The simple quantisers (scale from a block's extremes) are here; the k-quants, IQ4_* and
+the imatrix-weighted Q4_0..Q5_1 search for their scales and live in ``quantize_k.py``,
+which builds on the helpers below; ``quantize`` routes to it.
 
 This file is the spec the LLVM kernels are tested against, so each format is one small
 function that reads like the layout in ggml-common.h. Conventions:
@@ -258,8 +262,17 @@ def _round_away(v: np.ndarray) -> np.ndarray:
 
 
 def _signed_absmax(x: np.ndarray) -> np.ndarray:
-    """(n, k) -> (n, 1): the first value of largest magnitude, with its sign."""
-    return np.take_along_axis(x, np.abs(x).argmax(axis=1)[:, None], axis=1)
+    """(n, k) -> (n, 1): the first value of largest magnitude, with its sign; +0 if all are zero."""
+    mx = np.take_along_axis(x, np.abs(x).argmax(axis=1)[:, None], axis=1)
+    return np.where(mx != 0, mx, np.float32(0))                       # ggml starts from max = 0: never -0
+
+
+def _first_min_max(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(n, k) -> lo, hi (n, 1): C's running ``if (v < min) min = v`` (and max) keep the first
+    of equal values, so a block of 0 and -0 gets the sign ggml gives it; np.min may not."""
+    lo = np.take_along_axis(x, x.argmin(axis=1)[:, None], axis=1)
+    hi = np.take_along_axis(x, x.argmax(axis=1)[:, None], axis=1)
+    return lo, hi
 
 
 def _pack_nibbles(q: np.ndarray) -> np.ndarray:
@@ -302,7 +315,7 @@ def _q_q4_0(x):
 
 def _q_q4_1(x):
     """(n, 32) -> (n, 20): d = (max-min)/15, m = min, q = min(15, trunc((x-m)/d + 0.5))."""
-    lo, hi = x.min(axis=1, keepdims=True), x.max(axis=1, keepdims=True)
+    lo, hi = _first_min_max(x)
     d = (hi - lo) / np.float32(15)
     q = np.minimum(np.trunc((x - lo) * _inverse(d) + np.float32(0.5)), 15).astype(np.uint8)
     return np.concatenate([_to_f16_bytes(d), _to_f16_bytes(lo), _pack_nibbles(q)], axis=1)
@@ -317,7 +330,7 @@ def _q_q5_0(x):
 
 def _q_q5_1(x):
     """(n, 32) -> (n, 24): d = (max-min)/31, m = min, q = min(31, trunc((x-m)/d + 0.5))."""
-    lo, hi = x.min(axis=1, keepdims=True), x.max(axis=1, keepdims=True)
+    lo, hi = _first_min_max(x)
     d = (hi - lo) / np.float32(31)
     q = np.minimum(np.trunc((x - lo) * _inverse(d) + np.float32(0.5)), 31).astype(np.uint8)
     return np.concatenate([_to_f16_bytes(d), _to_f16_bytes(lo), _pack_bit4_u32(q),
@@ -394,18 +407,26 @@ _QUANT_ACT = {dtypes.q8_0: _qa_q8_0, dtypes.q8_1: _qa_q8_1, dtypes.q8_k: _q_q8_k
 
 # ---------------------------------------------------------------- public API
 
+# quantised by quantize_k.py (its SEARCHED table); imported when first needed, as it imports this file
+_SEARCHED = (dtypes.q2_k, dtypes.q3_k, dtypes.q4_k, dtypes.q5_k, dtypes.q6_k, dtypes.iq4_nl, dtypes.iq4_xs)
+
 DEQUANTIZABLE: tuple[DType, ...] = tuple(_DEQUANT)
-QUANTIZABLE: tuple[DType, ...] = tuple(_QUANT)
+QUANTIZABLE: tuple[DType, ...] = tuple(_QUANT) + _SEARCHED
+
+
+def _supported(dtype, supported, what: str) -> DType:
+    """The dtype called ``dtype``; ValueError naming it unless it is in ``supported``."""
+    dt = dtypes.from_name(dtype)
+    if dt not in supported:
+        raise ValueError(f"{what}: unsupported dtype {dt.name}; supported: "
+                         + ", ".join(d.name for d in supported))
+    return dt
 
 
 def _lookup(table: dict, dtype, what: str) -> tuple[DType, Callable]:
     """The dtype and its function in ``table``; ValueError naming the dtype if it has none."""
-    dt = dtypes.from_name(dtype)
-    fn = table.get(dt)
-    if fn is None:
-        raise ValueError(f"{what}: unsupported dtype {dt.name}; supported: "
-                         + ", ".join(d.name for d in table))
-    return dt, fn
+    dt = _supported(dtype, table, what)
+    return dt, table[dt]
 
 
 def _check_row(dt: DType, shape: tuple[int, ...], what: str) -> None:
@@ -451,9 +472,44 @@ def _quantize_with(table: dict, array, dtype, what: str) -> np.ndarray:
     return _map_blocks(fn, blocks, out, dt.block_size).reshape(*x.shape[:-1], dt.row_bytes(x.shape[-1]))
 
 
-def quantize(array, dtype) -> np.ndarray:
-    """float array -> uint8 block bytes, shape (*array.shape[:-1], row_bytes), as ggml's *_ref."""
-    return _quantize_with(_QUANT, array, dtype, "quantize")
+def _check_imatrix(dt: DType, imatrix, n_per_row: int) -> np.ndarray | None:
+    """None, or ``imatrix`` as a float32 vector of n_per_row finite non-negative weights."""
+    if imatrix is None:
+        return None
+    try:
+        w = np.asarray(imatrix, dtype=np.float32)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"quantize: {dt.name} imatrix is not an array of numbers ({e})") from None
+    if w.shape != (n_per_row,):
+        raise ValueError(f"quantize: {dt.name} imatrix has shape {list(w.shape)}, "
+                         f"expected [{n_per_row}] (one weight per element of a row)")
+    bad = np.flatnonzero(~(np.isfinite(w) & (w >= 0)))
+    if bad.size:
+        i = int(bad[0])
+        raise ValueError(f"quantize: {dt.name} imatrix[{i}] is {w[i]}; "
+                         f"weights must be finite and non-negative")
+    return w
+
+
+def quantize(array, dtype, imatrix=None) -> np.ndarray:
+    """float array -> uint8 block bytes, shape (*array.shape[:-1], row_bytes), as llama-quantize makes them.
+
+    The bytes are those of ggml's ``ggml_quantize_chunk`` over the rows of ``array`` (of
+    ``quantize_row_*_ref`` for q8_1 and q8_k, which it does not offer).
+    ``imatrix`` is None or one non-negative weight per element of a row (length
+    array.shape[-1], shared by every row, as llama-imatrix computes it). With it the
+    k-quants, IQ4_* and Q4_0..Q5_1 minimise the weighted error; f32, f16, bf16 and the
+    Q8 types ignore it, as llama.cpp does.
+    """
+    dt = _supported(dtype, QUANTIZABLE, "quantize")
+    x = np.asarray(array).astype(np.float32, copy=False)
+    _check_row(dt, x.shape, "quantize")
+    qw = _check_imatrix(dt, imatrix, x.shape[-1])
+    from ggraph.gguf import quantize_k  # lazy: quantize_k imports this module
+    if dt in _SEARCHED or (qw is not None and dt in quantize_k.WEIGHTED_LEGACY):
+        rows = np.ascontiguousarray(x).reshape(-1, x.shape[-1])        # (rows, n_per_row)
+        return quantize_k.quantize_rows(rows, dt, qw).reshape(*x.shape[:-1], dt.row_bytes(x.shape[-1]))
+    return _quantize_with(_QUANT, x, dt, "quantize")
 
 
 def quantize_activations(array, dtype) -> np.ndarray:
