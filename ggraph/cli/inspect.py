@@ -7,13 +7,9 @@ import sys
 from collections import Counter
 
 from ggraph.cli.common import add_model_arg, model_path
+from ggraph.quantize import FILE_TYPE_NAMES
 from ggraph.units import fmt_bytes
 
-FILE_TYPES = {  # llama.cpp's general.file_type values
-    0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 7: "Q8_0", 8: "Q5_0", 9: "Q5_1", 10: "Q2_K",
-    11: "Q3_K_S", 12: "Q3_K_M", 13: "Q3_K_L", 14: "Q4_K_S", 15: "Q4_K_M", 16: "Q5_K_S",
-    17: "Q5_K_M", 18: "Q6_K", 25: "IQ4_NL", 30: "IQ4_XS", 32: "BF16",
-}
 ARRAY_PREVIEW = 8
 
 
@@ -60,7 +56,7 @@ def cmd_inspect(args) -> int:
         n_params = sum(math.prod(t.shape) for t in tensors)
         total = sum(t.nbytes for t in tensors)
         ft = md.get("general.file_type", "?")
-        ftype = FILE_TYPES.get(ft, ft) if isinstance(ft, int) else _fmt_value(ft)
+        ftype = FILE_TYPE_NAMES.get(ft, ft) if isinstance(ft, int) else _fmt_value(ft)
         print(f"{path}: GGUF v{f.version}, {len(md)} keys, {len(tensors)} tensors, {fmt_bytes(total)} of weights")
         print(f"architecture {f.architecture or '?'} · {md.get('general.name', '?')} · "
               f"{n_params / 1e6:.1f}M params · {8 * total / max(n_params, 1):.2f} bits/weight · file type {ftype}")

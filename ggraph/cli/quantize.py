@@ -1,0 +1,107 @@
+"""``ggraph quantize``: a GGUF model to one of llama.cpp's file types (Q4_K_M, Q8_0, IQ4_XS, ...)."""
+from __future__ import annotations
+
+import argparse
+import os
+from collections import Counter
+
+from ggraph.units import fmt_bytes
+
+EXAMPLES = """\
+examples:
+  ggraph quantize model-f16.gguf model-q4_k_m.gguf Q4_K_M
+  ggraph imatrix model-f16.gguf -f calibration.txt -o imatrix.gguf
+  ggraph quantize model-f16.gguf model-iq4_xs.gguf IQ4_XS --imatrix imatrix.gguf
+  ggraph quantize model-f16.gguf - Q5_K_M --dry-run      # the plan only: types and sizes
+
+types (llama.cpp's names and mixes; in every quantised type but Q8_0, output.weight, or token_embd.weight
+when the output is tied to it, is q6_k; norms and other 1-D tensors stay as they are):
+"""
+
+
+def _types_help() -> str:
+    from ggraph.quantize import ALIASES, FILE_TYPES
+    rows = [f"  {ft.name:<8} {ft.about}" for ft in FILE_TYPES.values()]
+    return EXAMPLES + "\n".join(rows) + "\n  aliases: " + ", ".join(f"{a} = {b}" for a, b in ALIASES.items())
+
+
+def _load_imatrix(path: str):
+    """(per-tensor importance vectors, the quantize.imatrix.* keys to record) from an imatrix file."""
+    from ggraph import imatrix
+    from ggraph.quantize import imatrix_keys
+    data = imatrix.read(path)
+    return data.vectors(), imatrix_keys(path, data.datasets, len(data.sums), data.chunk_count)
+
+
+def cmd_quantize(args) -> int:
+    """Quantise a GGUF model as llama-quantize does: the same tensor types, bit for bit the same blocks.
+
+    The input is usually an f16/bf16/f32 file (from `ggraph convert`); already quantised tensors
+    are requantised only with --allow-requantize. With --imatrix (from `ggraph imatrix` or
+    llama-imatrix) the quantisers weight each column's error by its importance."""
+    from ggraph import quantize as Q
+    from ggraph.gguf import GGUFFile
+    ft = Q.file_type(args.type)
+    if not os.path.isfile(args.input):
+        raise ValueError(f"{args.input}: no such file")
+    weights, meta = _load_imatrix(args.imatrix) if args.imatrix else (None, None)
+    options = dict(pure=args.pure, leave_output=args.leave_output_tensor, output_type=args.output_tensor_type,
+                   token_embedding_type=args.token_embedding_type)
+    if args.dry_run:
+        with GGUFFile(args.input) as f:
+            plan = Q.plan(f, ft, has_imatrix=weights is not None, **options)
+            _print_plan(f, plan)
+        return 0
+    if os.path.isdir(args.output):
+        raise ValueError(f"{args.output}: is a directory; give the output file's name")
+    plan = Q.quantize_file(args.input, args.output, ft, imatrix=weights, imatrix_meta=meta,
+                           allow_requantize=args.allow_requantize, **options)
+    _note_fallbacks(plan)
+    with GGUFFile(args.output) as g:
+        print(f"{args.output}: {ft.name}, {fmt_bytes(g.nbytes)} of weights "
+              f"({_type_counts(t.dtype for t in g.tensors.values())})")
+    return 0
+
+
+def _type_counts(types) -> str:
+    return ", ".join(f"{n} {t}" for t, n in Counter(str(t) for t in types).most_common())
+
+
+def _print_plan(f, plan) -> None:
+    """One line per tensor: name, shape, type now -> type after, and the sizes."""
+    width = max(len(n) for n in plan.types)
+    before = after = 0
+    for name, t in plan.types.items():
+        info = f.tensors[name]
+        new = t.nbytes(info.shape)
+        before, after = before + info.nbytes, after + new
+        shape = "x".join(map(str, info.shape))
+        print(f"{name:<{width}}  {shape:<14} {str(info.dtype):>6} -> {str(t):<6} {fmt_bytes(new):>10}")
+    print(f"total: {fmt_bytes(before)} -> {fmt_bytes(after)} ({_type_counts(plan.types.values())})")
+    _note_fallbacks(plan)
+
+
+def _note_fallbacks(plan) -> None:
+    """One line on the tensors whose rows are not whole blocks of the type the mix chose."""
+    if plan.fallbacks:
+        swaps = Counter(f"{want} -> {got}" for _, want, got in plan.fallbacks)
+        print(f"note: {len(plan.fallbacks)} tensors have rows that are not whole blocks of their type and "
+              f"took llama.cpp's fallback ({', '.join(f'{s} x{n}' for s, n in swaps.items())})")
+
+
+def add_parser(sub, parents) -> None:
+    p = sub.add_parser("quantize", help="quantise a GGUF model (Q4_K_M, Q8_0, IQ4_XS, ...)",
+                       description=cmd_quantize.__doc__, epilog=_types_help(),
+                       formatter_class=argparse.RawDescriptionHelpFormatter, parents=parents)
+    p.add_argument("input", help="the GGUF model to quantise (f16, bf16 or f32 tensors)")
+    p.add_argument("output", help="the quantised file to write ('-' with --dry-run)")
+    p.add_argument("type", help="llama.cpp's file type name: Q4_K_M, Q5_K_S, Q6_K, Q8_0, IQ4_XS, ... (see below)")
+    p.add_argument("--imatrix", metavar="FILE", help="importance matrix (imatrix.gguf or legacy .dat)")
+    p.add_argument("--leave-output-tensor", action="store_true", help="keep output.weight as it is")
+    p.add_argument("--pure", action="store_true", help="no mix: every quantisable tensor gets the type's default")
+    p.add_argument("--output-tensor-type", metavar="TYPE", help="the type of output.weight (e.g. q8_0)")
+    p.add_argument("--token-embedding-type", metavar="TYPE", help="the type of token_embd.weight")
+    p.add_argument("--allow-requantize", action="store_true",
+                   help="requantise tensors that are already quantised (loses quality)")
+    p.add_argument("--dry-run", action="store_true", help="print each tensor's new type and size; write nothing")
+    p.set_defaults(fn=cmd_quantize)

@@ -1,0 +1,113 @@
+"""llama.cpp's command-line tools as oracles: llama-quantize, llama-imatrix, llama-perplexity, llama-gguf-split.
+
+    exe = llama_tool("llama-quantize")        # a pathlib.Path; skips the calling test if it can't be had
+
+The tools come from the same llama.cpp as the installed llama-cpp-python: its source distribution
+(``pip download --no-binary :all: llama-cpp-python==<installed version>``) carries llama.cpp under
+``vendor/llama.cpp``, which is built once with cmake for this CPU's features (the flags of
+``llama_cpp_cmake_args.py``) into ``$GGRAPH_CACHE/llama-tools/<version>-<flags hash>/``
+(``~/.cache/ggraph`` by default). ``$GGRAPH_LLAMA_TOOLS`` names a directory of ready binaries
+instead. A lock file keeps parallel test processes from building twice; a failed build is
+remembered (delete its ``build.log`` beside the tools to retry) so that later tests skip at once.
+"""
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tarfile
+from functools import lru_cache
+from importlib import metadata
+from pathlib import Path
+
+import pytest
+
+from llama_cpp_cmake_args import cmake_args, cpu_flags
+
+TOOLS = ("llama-quantize", "llama-imatrix", "llama-perplexity", "llama-gguf-split")
+_CMAKE_FIXED = ("-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
+                "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=OFF", "-DBUILD_SHARED_LIBS=OFF")
+
+
+def llama_tool(name: str) -> Path:
+    """The path of llama.cpp's tool ``name`` (one of TOOLS), building the tools if needed, or skip."""
+    if name not in TOOLS:
+        raise ValueError(f"llama_tool: unknown tool {name!r}; known: {', '.join(TOOLS)}")
+    given = os.environ.get("GGRAPH_LLAMA_TOOLS")
+    if given:
+        exe = Path(given) / name
+        if not exe.is_file():
+            pytest.skip(f"GGRAPH_LLAMA_TOOLS={given} has no {name}")
+        return exe
+    bin_dir, error = _built()
+    if error:
+        pytest.skip(error)
+    return bin_dir / name
+
+
+@lru_cache(maxsize=1)
+def _built() -> tuple[Path | None, str | None]:
+    """(bin directory, None) once every tool is built, or (None, why not)."""
+    try:
+        version = metadata.version("llama_cpp_python")
+    except metadata.PackageNotFoundError:
+        return None, "llama-cpp-python is not installed: its source is where llama.cpp's tools come from"
+    missing = [t for t in ("cmake", "c++") if shutil.which(t) is None]
+    if missing:
+        return None, f"cannot build llama.cpp's tools: {', '.join(missing)} not found"
+    flags = " ".join((cmake_args(cpu_flags(), platform.machine()), *_CMAKE_FIXED))
+    root = _cache_dir() / f"{version}-{hashlib.sha256(flags.encode()).hexdigest()[:10]}"
+    root.mkdir(parents=True, exist_ok=True)
+    bin_dir, log = root / "build" / "bin", root / "build.log"
+    with open(root / "lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)          # one builder; the others wait, then find the binaries
+        if all((bin_dir / t).is_file() for t in TOOLS):
+            return bin_dir, None
+        if log.exists():
+            return None, f"llama.cpp's tools failed to build before (see {log}; delete it to retry)"
+        with open(log, "w") as out:
+            ok = _build(version, flags.split(), root, out)
+        if not ok or not all((bin_dir / t).is_file() for t in TOOLS):
+            return None, f"llama.cpp's tools failed to build (see {log})"
+        log.unlink()
+        return bin_dir, None
+
+
+def _build(version: str, flags: list[str], root: Path, out) -> bool:
+    """Download the sdist of llama-cpp-python ``version`` and build TOOLS under ``root/build``."""
+    src = root / "src"
+    if not (src / "CMakeLists.txt").is_file():
+        dl = root / "sdist"
+        step = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+                f"llama-cpp-python=={version}", "-d", str(dl)]
+        if subprocess.run(step, stdout=out, stderr=subprocess.STDOUT).returncode:
+            return False
+        with tarfile.open(next(dl.glob("llama_cpp_python-*.tar.gz"))) as tar:
+            tar.extractall(dl, filter="data")
+        vendored = next(dl.glob("llama_cpp_python-*/vendor/llama.cpp"))
+        shutil.rmtree(src, ignore_errors=True)
+        vendored.rename(src)
+        shutil.rmtree(dl)
+    gen = ["-G", "Ninja"] if shutil.which("ninja") else []
+    configure = ["cmake", "-S", str(src), "-B", str(root / "build"), *gen, *flags]
+    build = ["cmake", "--build", str(root / "build"), "-j", str(os.cpu_count() or 2), "--target", *TOOLS]
+    return all(subprocess.run(step, stdout=out, stderr=subprocess.STDOUT).returncode == 0
+               for step in (configure, build))
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("GGRAPH_CACHE") or Path.home() / ".cache" / "ggraph") / "llama-tools"
+
+
+def run_tool(name: str, *args, timeout: float = 600) -> subprocess.CompletedProcess:
+    """Run llama.cpp's tool ``name`` with ``args``; fail the test with its output if it fails."""
+    exe = llama_tool(name)
+    proc = subprocess.run([str(exe), *map(str, args)], capture_output=True, text=True, timeout=timeout)
+    if proc.returncode:
+        pytest.fail(f"{name} {' '.join(map(str, args))} failed ({proc.returncode}):\n"
+                    f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    return proc
