@@ -14,6 +14,10 @@ PIPELINES: dict[str, tuple[str, ...]] = {
     # the unfused baseline: plain primitives with explicit dequant
     "none": ("inline_composites", "dce", "cse", "fold"),
 }
+# the optimising pipeline that also outputs each weight matmul's input squares (ggraph imatrix):
+# instrument_imatrix right after fuse_dequant_matmul, so that fuse_elementwise fuses what it adds
+_fused = PIPELINES["default"].index("fuse_dequant_matmul") + 1
+PIPELINES["imatrix"] = PIPELINES["default"][:_fused] + ("instrument_imatrix",) + PIPELINES["default"][_fused:]
 
 
 def pipeline(passes: str | Sequence[str] = "default", disabled: Iterable[str] = ()) -> list[str]:

@@ -4,6 +4,9 @@
     chat      a conversation in the terminal             serve   an OpenAI-compatible HTTP API
     dump      the graph after the passes, explained      diff    two pipelines compared
     bench     prefill/decode speed, llama.cpp beside     target  the CPU and its kernels
+    split     a model as several files (gguf-split)      merge   split files back into one
+    imatrix   an importance matrix from text             perplexity  a model's perplexity on a text
+    convert   a Hugging Face model folder as a GGUF file  quantize  a model to Q4_K_M, Q8_0, IQ4_XS, ...
 
 Every verb takes ``--plugin FILE.py``; plugins load before the command runs.
 """
@@ -13,10 +16,10 @@ import argparse
 import os
 import sys
 
-from ggraph.cli import bench, chat, diff, dump, inspect, run, serve, target
+from ggraph.cli import bench, chat, convert, diff, dump, imatrix, inspect, perplexity, quantize, run, serve, split, target
 from ggraph.cli.common import plugin_parent
 
-VERBS = (inspect, run, chat, serve, dump, diff, bench, target)
+VERBS = (inspect, run, chat, serve, dump, diff, bench, target, convert, imatrix, quantize, split, perplexity)
 
 
 def build_parser() -> argparse.ArgumentParser:

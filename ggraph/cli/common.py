@@ -20,7 +20,8 @@ def add_model_arg(p: argparse.ArgumentParser) -> None:
 
 
 def add_pass_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--passes", default="default", help="pipeline: default, none (unfused), or pass,pass,...")
+    p.add_argument("--passes", default="default",
+                   help="pipeline: default, none (unfused), imatrix (default + instrument_imatrix), or pass,pass,...")
     p.add_argument("--no-pass", action="append", default=[], metavar="NAME", help="switch off one pass (repeatable)")
 
 
@@ -91,8 +92,9 @@ def plugin_parent() -> argparse.ArgumentParser:
 
 
 def passes_arg(text: str):
-    """'default', 'none', or a comma-separated list of pass names."""
-    return text if text in ("default", "none") else [p.strip() for p in text.split(",") if p.strip()]
+    """A named pipeline ('default', 'none', 'imatrix', ...) or a comma-separated list of pass names."""
+    from ggraph.passes.pipeline import PIPELINES
+    return text if text in PIPELINES else [p.strip() for p in text.split(",") if p.strip()]
 
 
 def pipeline_names(args, passes_text: str | None = None) -> list[str]:
