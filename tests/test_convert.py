@@ -164,14 +164,14 @@ CHAT_TEMPLATE = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }
 
 # ---------------------------------------------------------------- models
 
-def build_hf_model(root: Path, name: str, dtype: str = "float32", shard: str | None = None, **config):
-    """(folder, transformers model, tokenise) for a tiny random model of FAMILIES[name] (``config``
-    overriding its config), saved under ``root`` as ``dtype`` (in shards of at most ``shard`` bytes
+def build_hf_model(root: Path, name: str, dtype: str = "float32", shard: str | None = None, **overrides):
+    """(folder, transformers model, tokenise) for a tiny random model of FAMILIES[name] (``overrides``
+    changing its config), saved under ``root`` as ``dtype`` (in shards of at most ``shard`` bytes
     when given). The model returned is float32 with the values that were saved."""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     config_cls, model_cls, over, kind = FAMILIES[name]
-    config = getattr(transformers, config_cls)(**(COMMON | {"vocab_size": N_VOCAB[kind]} | over | config))
+    config = getattr(transformers, config_cls)(**(COMMON | {"vocab_size": N_VOCAB[kind]} | over | overrides))
     torch.manual_seed(0)
     model = getattr(transformers, model_cls)(config).eval()
     with torch.no_grad():
@@ -179,7 +179,7 @@ def build_hf_model(root: Path, name: str, dtype: str = "float32", shard: str | N
             if "norm" in pname:                            # away from their initial values (gemma's +1 must show)
                 p.add_(torch.randn_like(p) * 0.3)
             p.copy_(p.to(getattr(torch, dtype)).float())
-    folder = root / f"{name}-{dtype}-{shard}-{len(config)}" / "model"
+    folder = root / f"{name}-{dtype}-{shard}-{len(overrides)}" / "model"
     folder.mkdir(parents=True)
     saved = copy.deepcopy(model).to(getattr(torch, dtype))     # the reference keeps its rope buffers in f32
     saved.save_pretrained(folder, **({"max_shard_size": shard} if shard else {}))
