@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import re
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Mapping
 
@@ -340,8 +341,9 @@ def _row_weights(name: str, info, imatrix: Mapping[str, np.ndarray] | None):
 
 
 def _converter(f: GGUFFile, name: str, new: DType, ft: FileType, imatrix, allow_requantize: bool,
-               bar: Progress):
-    """produce() for one tensor: its bytes as they are, or dequantised and quantised to ``new``."""
+               bar: Progress, pool: ThreadPoolExecutor, workers: int):
+    """produce() for one tensor: its bytes as they are, or dequantised and quantised to ``new``
+    in slabs of rows on ``pool``'s threads (rows quantise independently: the bytes are the same)."""
     info = f.tensors[name]
     if info.dtype is new:
         def copy():
@@ -358,26 +360,34 @@ def _converter(f: GGUFFile, name: str, new: DType, ft: FileType, imatrix, allow_
         raise ValueError(f"quantize: Q2_K_S needs importance data for tensor '{name}' (--imatrix FILE)")
 
     def convert():
-        rows = info.shape[-1]
-        src = f.dequantize(name).reshape(-1, rows)
-        step = max(1, (1 << 22) // rows)                     # ~16 MiB of f32 per slab
-        out = np.empty((src.shape[0], new.row_bytes(rows)), np.uint8)
-        for i in range(0, src.shape[0], step):
+        cols = info.shape[-1]
+        src = f.dequantize(name).reshape(-1, cols)
+        n = src.shape[0]
+        step = max(1, min((1 << 22) // cols, -(-n // workers)))   # <= 16 MiB of f32, a slab per thread
+        out = np.empty((n, new.row_bytes(cols)), np.uint8)
+
+        def slab(i: int) -> int:
             out[i:i + step] = quants.quantize(src[i:i + step], new, imatrix=weights)
-            bar.advance(info.nbytes * min(step, src.shape[0] - i) / src.shape[0])
+            return min(step, n - i)
+        for done in pool.map(slab, range(0, n, step)):
+            bar.advance(info.nbytes * done / n)
         return out.reshape(-1)
     return convert
 
 
 def quantize_file(src, dst, ftype, *, imatrix: Mapping[str, np.ndarray] | None = None,
                   imatrix_meta: dict | None = None, pure: bool = False, leave_output: bool = False,
-                  output_type=None, token_embedding_type=None, allow_requantize: bool = False) -> Plan:
+                  output_type=None, token_embedding_type=None, allow_requantize: bool = False,
+                  threads: int | None = None) -> Plan:
     """Write ``dst``: the model ``src`` quantised to file type ``ftype``; returns the plan it followed.
 
     ``imatrix``: tensor name -> per-column importance (as llama-quantize derives it from an imatrix
-    file); ``imatrix_meta``: the ``quantize.imatrix.*`` keys to record (see ``imatrix_keys``).
+    file); ``imatrix_meta``: the ``quantize.imatrix.*`` keys to record (see ``imatrix_keys``);
+    ``threads``: quantising threads (default: every core; numpy lets go of the GIL in the searches).
     The file is written to ``dst + ".partial"`` and renamed when complete."""
     ft = ftype if isinstance(ftype, FileType) else file_type(ftype)
+    from ggraph.backends.llvm.team import check_threads
+    workers = check_threads(threads) or os.cpu_count() or 1
     dst = os.fspath(dst)
     if os.path.exists(dst) and os.path.samefile(src, dst):
         raise ValueError(f"quantize: input and output are the same file: {dst}")
@@ -386,9 +396,9 @@ def quantize_file(src, dst, ftype, *, imatrix: Mapping[str, np.ndarray] | None =
                     output_type=output_type, token_embedding_type=token_embedding_type)
         partial = dst + ".partial"
         try:
-            with Progress(f.nbytes, f"quantize {ft.name}", unit="B") as bar:
+            with Progress(f.nbytes, f"quantize {ft.name}", unit="B") as bar, ThreadPoolExecutor(workers) as pool:
                 tensors = {name: Deferred(t, f.tensors[name].shape,
-                                          _converter(f, name, t, ft, imatrix, allow_requantize, bar))
+                                          _converter(f, name, t, ft, imatrix, allow_requantize, bar, pool, workers))
                            for name, t in todo.types.items()}
                 write(partial, _metadata(f, ft, imatrix_meta or {}), tensors)
             os.replace(partial, dst)

@@ -55,7 +55,7 @@ def cmd_quantize(args) -> int:
     if os.path.isdir(args.output):
         raise ValueError(f"{args.output}: is a directory; give the output file's name")
     plan = Q.quantize_file(args.input, args.output, ft, imatrix=weights, imatrix_meta=meta,
-                           allow_requantize=args.allow_requantize, **options)
+                           allow_requantize=args.allow_requantize, threads=args.threads, **options)
     _note_fallbacks(plan)
     with GGUFFile(args.output) as g:
         print(f"{args.output}: {ft.name}, {fmt_bytes(g.nbytes)} of weights "
@@ -104,4 +104,5 @@ def add_parser(sub, parents) -> None:
     p.add_argument("--allow-requantize", action="store_true",
                    help="requantise tensors that are already quantised (loses quality)")
     p.add_argument("--dry-run", action="store_true", help="print each tensor's new type and size; write nothing")
+    p.add_argument("--threads", "-t", type=int, default=None, help="quantising threads (default: all cores)")
     p.set_defaults(fn=cmd_quantize)
