@@ -1,17 +1,13 @@
 """Copies of GGUF files with metadata and tensors changed: the lying and renamed files tests need."""
 from __future__ import annotations
 
-from ggraph.gguf import GGUFFile, Typed, write
+from ggraph.gguf import GGUFFile, Typed, typed_metadata, write
 
 
 def read(src) -> tuple[dict, dict, int]:
     """A file's metadata as ``Typed`` values (types kept), its tensors in the writer's form, its alignment."""
     with GGUFFile(str(src)) as f:
-        meta = {}
-        for k, v in f.metadata.items():
-            t = f.metadata_types[k]
-            t = t[4:-1] if t.startswith("arr[") else t
-            meta[k] = Typed(v if isinstance(v, (str, int, float, bool)) else list(v), t)
+        meta = typed_metadata(f)
         tensors = {n: (bytes(t.data), t.dtype, t.shape) if t.dtype.np_dtype is None else
                    t.data.view(t.dtype.np_dtype).reshape(t.shape).copy() for n, t in f.tensors.items()}
         return meta, tensors, f.alignment
