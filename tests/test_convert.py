@@ -459,6 +459,13 @@ def test_not_a_folder(tmp_path):
         convert(tmp_path / "nowhere", tmp_path / "o.gguf")
 
 
+def test_unwritable_output_is_refused_first(tmp_path, capsys):
+    assert main(["convert", str(tmp_path), str(tmp_path / "no" / "o.gguf")]) == 1
+    assert "no such directory" in capsys.readouterr().err
+    assert main(["convert", str(tmp_path), str(tmp_path)]) == 1
+    assert "is a directory" in capsys.readouterr().err
+
+
 def test_unknown_outtype(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["convert", str(tmp_path), str(tmp_path / "o.gguf"), "--outtype", "q4_k"])

@@ -256,6 +256,10 @@ def test_cli_errors_leave_no_file(zoo_model, tmp_path, capsys):
     assert "the chunk size (--ctx) must be at least 16 tokens" in capsys.readouterr().err
     assert main(["imatrix", str(zoo_model), "-f", str(tmp_path / "none.txt"), "-o", str(out)]) == 1
     assert "none.txt: No such file or directory" in capsys.readouterr().err
+    assert main(["imatrix", str(zoo_model), "-f", str(tmp_path), "-o", str(out)]) == 1
+    assert "not a regular file (give a text file)" in capsys.readouterr().err
+    assert main(["imatrix", str(zoo_model), "-f", str(CALIBRATION_PATH), "-o", str(tmp_path / "no" / "i.gguf")]) == 1
+    assert "no such directory" in capsys.readouterr().err        # refused before any chunk runs
     assert list(tmp_path.iterdir()) == [short]
 
 

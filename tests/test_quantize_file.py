@@ -130,6 +130,8 @@ def test_options_pure_leave_output_and_overrides(models):
     (["{src}", "{out}", "IQ2_XXS"], "IQ2_XXS is a llama.cpp type ggraph does not implement"),
     (["{tmp}/missing.gguf", "{out}", "Q8_0"], "missing.gguf: no such file"),
     (["{src}", "{tmp}", "Q8_0"], "is a directory"),
+    (["{src}", "{tmp}/nodir/out.gguf", "Q8_0"], "no such directory"),
+    (["{tmp}", "{out}", "Q8_0"], "not a regular file"),
     (["{src}", "{src}", "Q8_0"], "input and output are the same file"),
     (["{src}", "{out}", "Q2_K_S"], "Q2_K_S needs importance data"),
     (["{q8}", "{out}", "Q4_K_M"], "already q8_0; requantizing loses quality"),

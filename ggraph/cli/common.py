@@ -14,6 +14,16 @@ def model_path(args) -> str:
     return args.model
 
 
+def check_output(path: str) -> None:
+    """Refuse an output path that cannot be written, before any work (not after it)."""
+    import os
+    if os.path.isdir(path):
+        raise ValueError(f"{path}: is a directory; give the output file's name")
+    folder = os.path.dirname(path) or "."
+    if not os.path.isdir(folder):
+        raise ValueError(f"{path}: no such directory {folder}")
+
+
 def add_model_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", nargs="?", help="path to a .gguf file (the first file of a split model)")
     p.add_argument("--demo", action="store_true", help="use the demo model, Gemma 3 270M Q4_K_M (needs ggraph[demo])")

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import sys
 
+from ggraph.cli.common import check_output
+
 
 def cmd_convert(args) -> int:
     """Convert a Hugging Face model folder to a GGUF file that llama.cpp and ggraph both run, as
@@ -12,6 +14,7 @@ def cmd_convert(args) -> int:
     stay f32."""
     from ggraph.convert import convert
     from ggraph.units import fmt_bytes
+    check_output(args.out)
     path = convert(args.folder, args.out, args.outtype, name=args.name, tokenizer_pre=args.tokenizer_pre)
     print(f"ggraph convert: wrote {path} ({fmt_bytes(path.stat().st_size)}, {args.outtype})", file=sys.stderr)
     return 0

@@ -25,7 +25,10 @@ def cmd_perplexity(args) -> int:
 
 def read_text(path: str) -> str:
     """A text file's contents (UTF-8), with an error naming the file if it is not text."""
+    import os
     from pathlib import Path
+    if os.path.exists(path) and not os.path.isfile(path):
+        raise ValueError(f"{path}: not a regular file (give a text file)")   # a FIFO would block forever
     try:
         return Path(path).read_text(encoding="utf-8")
     except UnicodeDecodeError as e:

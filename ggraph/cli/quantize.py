@@ -5,6 +5,7 @@ import argparse
 import os
 from collections import Counter
 
+from ggraph.cli.common import check_output
 from ggraph.units import fmt_bytes
 
 EXAMPLES = """\
@@ -42,8 +43,9 @@ def cmd_quantize(args) -> int:
     from ggraph import quantize as Q
     from ggraph.gguf import GGUFFile
     ft = Q.file_type(args.type)
-    if not os.path.isfile(args.input):
-        raise ValueError(f"{args.input}: no such file")
+    if not os.path.isfile(args.input):            # a FIFO or a folder would get a confusing error later
+        raise ValueError(f"{args.input}: no such file" if not os.path.exists(args.input) else
+                         f"{args.input}: not a regular file")
     weights, meta = _load_imatrix(args.imatrix) if args.imatrix else (None, None)
     options = dict(pure=args.pure, leave_output=args.leave_output_tensor, output_type=args.output_tensor_type,
                    token_embedding_type=args.token_embedding_type)
@@ -52,8 +54,7 @@ def cmd_quantize(args) -> int:
             plan = Q.plan(f, ft, has_imatrix=weights is not None, **options)
             _print_plan(f, plan)
         return 0
-    if os.path.isdir(args.output):
-        raise ValueError(f"{args.output}: is a directory; give the output file's name")
+    check_output(args.output)
     plan = Q.quantize_file(args.input, args.output, ft, imatrix=weights, imatrix_meta=meta,
                            allow_requantize=args.allow_requantize, threads=args.threads, **options)
     _note_fallbacks(plan)
