@@ -163,14 +163,7 @@ def write(path, imx: Imatrix) -> None:
         sums = np.asarray(imx.sums[name], np.float32)
         tensors[f"{name}.in_sum2"] = sums.reshape(sums.shape[0], -1)                 # (n_mat, K)
         tensors[f"{name}.counts"] = np.asarray(imx.counts[name], np.float32).reshape(-1, 1)   # (n_mat, 1)
-    path = os.fspath(path)
-    partial = path + ".partial"
-    try:
-        write_gguf(partial, metadata, tensors)
-        os.replace(partial, path)
-    finally:
-        if os.path.exists(partial):
-            os.remove(partial)
+    write_gguf(path, metadata, tensors)
 
 
 # -- collecting --------------------------------------------------------------------------------

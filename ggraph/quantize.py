@@ -25,6 +25,7 @@ from typing import Mapping
 import numpy as np
 
 from ggraph.gguf import Deferred, GGUFFile, Typed, quants, typed_metadata, write
+from ggraph.gguf.format import ggml_dims
 from ggraph.ir import dtypes
 from ggraph.ir.dtypes import DType
 from ggraph.progress import Progress
@@ -100,15 +101,9 @@ _KEEP = ("_norm.weight", "ffn_gate_inp.weight", "ffn_gate_tid2eid.weight", "altu
 _EXACT_KEEP = ("position_embd.weight", "token_types.weight")
 
 
-def _n_dims(shape: tuple[int, ...]) -> int:
-    """ggml_n_dims: trailing (in ggml order, leading in numpy's) dims of size 1 do not count."""
-    ne = tuple(reversed(shape))
-    return max([i + 1 for i, n in enumerate(ne) if n > 1] or [1])
-
-
 def _quantizable(name: str, shape: tuple[int, ...], quantize_output: bool) -> bool:
     """llama.cpp's tensor_allows_quantization for a dense model."""
-    if _n_dims(shape) < 2 or not name.endswith("weight") or name in _EXACT_KEEP:
+    if len(ggml_dims(shape)) < 2 or not name.endswith("weight") or name in _EXACT_KEEP:
         return False
     if name == "output.weight" and not quantize_output:
         return False
@@ -387,22 +382,16 @@ def quantize_file(src, dst, ftype, *, imatrix: Mapping[str, np.ndarray] | None =
     The file is written to ``dst + ".partial"`` and renamed when complete."""
     ft = ftype if isinstance(ftype, FileType) else file_type(ftype)
     from ggraph.backends.llvm.team import check_threads
-    workers = check_threads(threads) or os.cpu_count() or 1
+    workers = check_threads(threads, "the extra threads only wait for a core") or os.cpu_count() or 1
     dst = os.fspath(dst)
     if os.path.exists(dst) and os.path.samefile(src, dst):
         raise ValueError(f"quantize: input and output are the same file: {dst}")
     with GGUFFile(src) as f:
         todo = plan(f, ft, has_imatrix=bool(imatrix), pure=pure, leave_output=leave_output,
                     output_type=output_type, token_embedding_type=token_embedding_type)
-        partial = dst + ".partial"
-        try:
-            with Progress(f.nbytes, f"quantize {ft.name}", unit="B") as bar, ThreadPoolExecutor(workers) as pool:
-                tensors = {name: Deferred(t, f.tensors[name].shape,
-                                          _converter(f, name, t, ft, imatrix, allow_requantize, bar, pool, workers))
-                           for name, t in todo.types.items()}
-                write(partial, _metadata(f, ft, imatrix_meta or {}), tensors)
-            os.replace(partial, dst)
-        finally:
-            if os.path.exists(partial):
-                os.unlink(partial)
+        with Progress(f.nbytes, f"quantize {ft.name}", unit="B") as bar, ThreadPoolExecutor(workers) as pool:
+            tensors = {name: Deferred(t, f.tensors[name].shape,
+                                      _converter(f, name, t, ft, imatrix, allow_requantize, bar, pool, workers))
+                       for name, t in todo.types.items()}
+            write(dst, _metadata(f, ft, imatrix_meta or {}), tensors)
     return todo

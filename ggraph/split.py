@@ -46,7 +46,7 @@ import os
 import re
 from dataclasses import dataclass
 
-from ggraph.gguf.format import DEFAULT_ALIGNMENT, align
+from ggraph.gguf.format import DEFAULT_ALIGNMENT, align, ggml_dims
 from ggraph.gguf.reader import GGUFFile, TensorInfo
 from ggraph.gguf.writer import Typed, header, typed_metadata
 from ggraph.progress import Progress, warn
@@ -173,12 +173,6 @@ def _part(path: str, metadata: dict, tensors: list[TensorInfo]) -> Part:
     alignment = metadata["general.alignment"].value if "general.alignment" in metadata else DEFAULT_ALIGNMENT
     infos = [(t.name, ggml_dims(t.shape), t.dtype) for t in tensors]
     return Part(path, header(metadata, infos, alignment), tuple(tensors), alignment)
-
-
-def ggml_dims(shape: tuple[int, ...]) -> tuple[int, ...]:
-    """``shape`` (numpy order) without its leading 1s, keeping one dim: what ggml's ``ggml_n_dims`` keeps."""
-    keep = next((i for i, d in enumerate(shape) if d != 1), len(shape) - 1)
-    return tuple(shape[keep:])
 
 
 def write_parts(parts: list[Part], *, inputs=(), force: bool = False, label: str = "writing") -> None:

@@ -7,7 +7,6 @@ output, not just random block bytes, use these two.
 """
 from __future__ import annotations
 
-import ctypes
 from pathlib import Path
 
 import numpy as np
@@ -103,13 +102,7 @@ def write_llama_f32(path, *, n_embd: int = 256, n_ff: int = 512, n_layer: int = 
 
 def quantize_file(src, dst, ftype: str, nthread: int = 1) -> Path:
     """Quantise GGUF ``src`` to ``dst`` with llama.cpp; ``ftype`` is a key of FTYPES."""
-    import llama_cpp
+    from zoo import llama_quantize
     if ftype not in FTYPES:
         raise ValueError(f"unknown ftype {ftype!r}; known: {', '.join(FTYPES)}")
-    params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype = FTYPES[ftype]
-    params.nthread = nthread
-    rc = llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), ctypes.byref(params))
-    if rc != 0:
-        raise RuntimeError(f"llama_model_quantize({src} -> {ftype}) failed with code {rc}")
-    return Path(dst)
+    return llama_quantize(src, dst, FTYPES[ftype], what=f"{src} -> {ftype}", nthread=nthread)

@@ -9,7 +9,7 @@ import pytest
 from ggraph.cli import main
 from ggraph.runtime.session import Session
 from oracle import llama_logits
-from test_convert import FAMILIES, IDS, build_hf_model, hf_logits
+from test_convert import IDS, build_hf_model, hf_logits
 
 pytestmark = pytest.mark.slow
 

@@ -7,15 +7,13 @@ checked byte for byte against the ``llama-quantize`` tool, with and without an i
 """
 from __future__ import annotations
 
-import ctypes
-
 import numpy as np
 import pytest
 
 from ggraph import quantize as Q
 from ggraph.cli import main
 from ggraph.gguf import GGUFFile, Typed, write
-from zoo import K_QUANT_DIMS, write_model
+from zoo import K_QUANT_DIMS, llama_quantize, write_model
 
 pytestmark = pytest.mark.slow
 
@@ -34,22 +32,16 @@ def models(tmp_path_factory):
     return {name: write_model(root / f"{name}.gguf", arch, mix="f16", **ov) for name, (arch, ov) in MODELS.items()}
 
 
-def _llama_quantize_lib(src, dst, ft: Q.FileType) -> None:
-    llama_cpp = pytest.importorskip("llama_cpp")
-    params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype, params.nthread = ft.id, 2
-    assert llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), ctypes.byref(params)) == 0
-
-
 @pytest.mark.parametrize("model", MODELS)
 def test_mix_rules_match_llama_cpp(models, model, tmp_path):
     """Every file type's per-tensor types, and their order, are llama.cpp's."""
+    pytest.importorskip("llama_cpp")
     src = models[model]
     with GGUFFile(src) as f:
         for name, ft in Q.FILE_TYPES.items():
             if name == "Q2_K_S":
                 continue                          # llama.cpp refuses it without an imatrix
-            _llama_quantize_lib(src, tmp_path / "ref.gguf", ft)
+            llama_quantize(src, tmp_path / "ref.gguf", ft.id)
             with GGUFFile(tmp_path / "ref.gguf") as ref:
                 want = [(n, t.dtype) for n, t in ref.tensors.items()]
             got = list(Q.plan(f, ft).types.items())

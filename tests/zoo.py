@@ -394,7 +394,7 @@ def write_model(path, arch: str, *, mix: str = "f32", seed: int = 0, **overrides
     src = path.with_name(path.name + ".f32.gguf")
     try:
         _write_gguf(src, hp, seed, np.float32)
-        _quantize(src, path, ftype, what=f"{arch} {mix}")
+        llama_quantize(src, path, ftype, what=f"{arch} {mix}")
     finally:
         src.unlink(missing_ok=True)
     return path
@@ -422,15 +422,16 @@ def _write_gguf(path: Path, hp: dict, seed: int, matrix_dtype) -> None:
     w.close()
 
 
-def _quantize(src: Path, dst: Path, ftype: int, what: str) -> None:
-    """Quantise ``src`` into ``dst`` with llama.cpp's own type selection for ``ftype``."""
+def llama_quantize(src, dst, ftype: int, what: str = "", nthread: int = 2) -> Path:
+    """Quantise ``src`` into ``dst`` with llama.cpp's own type selection for ``ftype`` (a llama_ftype id)."""
     import llama_cpp
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = ftype
-    params.nthread = 2
+    params.nthread = nthread
     rc = llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), ctypes.byref(params))
     if rc != 0:
-        raise RuntimeError(f"zoo: llama_model_quantize failed for {what} (ftype {ftype}) with code {rc}")
+        raise RuntimeError(f"zoo: llama_model_quantize failed for {what or src} (ftype {ftype}) with code {rc}")
+    return Path(dst)
 
 
 # --- cache ------------------------------------------------------------------------------

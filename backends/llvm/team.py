@@ -222,8 +222,9 @@ def emit_team(module: ir.Module, program: ir.Function, triple: str) -> None:
 MAX_THREADS_PER_CORE = 4
 
 
-def check_threads(threads) -> int | None:
-    """A thread count in 1..4 × the cores (None: all cores); more threads than cores gets a warning."""
+def check_threads(threads, oversubscribed: str = "the spinning barriers will slow every step down") -> int | None:
+    """A thread count in 1..4 × the cores (None: all cores); more threads than cores gets a warning
+    that says what it costs (``oversubscribed``)."""
     if threads is None:
         return None
     cores = os.cpu_count() or 1
@@ -232,7 +233,7 @@ def check_threads(threads) -> int | None:
         raise ValueError(f"threads must be a whole number in 1..{MAX_THREADS_PER_CORE * cores} "
                          f"({MAX_THREADS_PER_CORE} × the {cores} cores), got {threads!r}")
     if threads > cores:
-        warn(f"{threads} threads on {cores} cores: the spinning barriers will slow every step down")
+        warn(f"{threads} threads on {cores} cores: {oversubscribed}")
     return int(threads)
 
 

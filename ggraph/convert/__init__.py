@@ -19,7 +19,6 @@ cast and written before the next, into ``OUT.partial``, which becomes ``OUT`` on
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import numpy as np
@@ -29,14 +28,14 @@ from ggraph.convert.families import FAMILIES, UNUSED_SUFFIXES, Family, HFConfig,
 from ggraph.convert.vocab import tokenizer_metadata
 from ggraph.gguf import quants
 from ggraph.gguf.writer import Deferred, write
+from ggraph.quantize import FILE_TYPES, QUANTIZATION_VERSION
 from ggraph.ir import dtypes
 from ggraph.progress import Progress, warn
 
 __all__ = ["FAMILIES", "OUTTYPES", "convert", "read_config"]
 
 # --outtype -> (the matrices' type, llama.cpp's general.file_type)
-OUTTYPES = {"f32": (dtypes.f32, 0), "f16": (dtypes.f16, 1), "bf16": (dtypes.bf16, 32), "q8_0": (dtypes.q8_0, 7)}
-GGML_QUANT_VERSION = 2
+OUTTYPES = {name: FILE_TYPES[name.upper()] for name in ("f32", "f16", "bf16", "q8_0")}   # --outtype -> file type
 
 
 def convert(folder, out, outtype: str = "f16", *, name: str | None = None, tokenizer_pre: str | None = None) -> Path:
@@ -51,19 +50,13 @@ def convert(folder, out, outtype: str = "f16", *, name: str | None = None, token
     cfg = read_config(folder)
     fam = family(cfg)
     arch_keys = fam.keys(cfg)                    # config.json's own errors first, then the checkpoint's
-    partial = out.with_name(out.name + ".partial")
     with Checkpoint(folder) as ck:
         sources = tensor_sources(fam, cfg, ck)
         metadata = file_metadata(fam, arch_keys, cfg, folder, outtype, name, tokenizer_pre)
         with Progress(len(sources), f"convert {out.name}", " tensors") as bar:
-            tensors = {gguf: _deferred(fam, cfg, ck, gguf, src, OUTTYPES[outtype][0], bar)
+            tensors = {gguf: _deferred(fam, cfg, ck, gguf, src, OUTTYPES[outtype].default, bar)
                        for gguf, src in sources.items()}
-            try:
-                write(partial, metadata, tensors)
-            except BaseException:
-                partial.unlink(missing_ok=True)
-                raise
-    os.replace(partial, out)
+            write(out, metadata, tensors)
     return out
 
 
@@ -89,7 +82,7 @@ def file_metadata(fam: Family, arch_keys: dict, cfg: HFConfig, folder: Path, out
     llama.cpp's order."""
     md = {"general.architecture": fam.arch, "general.type": "model", "general.name": name or folder.resolve().name}
     md |= {f"{fam.arch}.{k}": v for k, v in arch_keys.items()}
-    md |= {"general.file_type": OUTTYPES[outtype][1], "general.quantization_version": GGML_QUANT_VERSION}
+    md |= {"general.file_type": OUTTYPES[outtype].id, "general.quantization_version": QUANTIZATION_VERSION}
     return md | tokenizer_metadata(folder, cfg.n_vocab, cfg.data, tokenizer_pre)
 
 

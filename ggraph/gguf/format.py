@@ -78,3 +78,10 @@ class GGUFError(ValueError):
 
 def align(n: int, alignment: int) -> int:
     return (n + alignment - 1) // alignment * alignment
+
+
+def ggml_dims(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """``shape`` (numpy order) without its leading 1s, keeping one dim: the dims ggml's ``ggml_n_dims``
+    counts, and the ones its writer stores in a tensor info."""
+    keep = next((i for i, d in enumerate(shape) if d != 1), len(shape) - 1)
+    return tuple(shape[keep:])

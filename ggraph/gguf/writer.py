@@ -71,6 +71,10 @@ def write(path: str | os.PathLike, metadata: dict, tensors: dict, alignment: int
     that type), ``(raw_uint8_bytes, dtype, shape)`` for block types, with ``dtype`` a
     DType or name and ``shape`` in numpy order, or a ``Deferred``. ``general.alignment`` is written when
     ``alignment`` is not 32.
+
+    The file is written as ``path + ".partial"`` and renamed to ``path`` once complete, so a
+    failure (a Deferred that raises, a full disk) leaves no half-written file, and a reader
+    that maps the old ``path`` keeps its own, whole copy.
     """
     _check_alignment(alignment)
     metadata = dict(metadata)
@@ -83,13 +87,19 @@ def write(path: str | os.PathLike, metadata: dict, tensors: dict, alignment: int
     if alignment != DEFAULT_ALIGNMENT:
         metadata["general.alignment"] = Typed(alignment, "u32")
     entries = [_tensor_entry(name, value) for name, value in tensors.items()]   # (name, shape, dtype, raw)
-    with open(path, "wb") as f:
-        f.write(header(metadata, [entry[:3] for entry in entries], alignment))
-        for name, shape, dtype, raw in entries:
-            if raw is None:
-                raw = _produced(name, shape, dtype, tensors[name].produce)
-            f.write(raw.data)
-            f.write(bytes(align(raw.nbytes, alignment) - raw.nbytes))
+    partial = os.fspath(path) + ".partial"
+    try:
+        with open(partial, "wb") as f:
+            f.write(header(metadata, [entry[:3] for entry in entries], alignment))
+            for name, shape, dtype, raw in entries:
+                if raw is None:
+                    raw = _produced(name, shape, dtype, tensors[name].produce)
+                f.write(raw.data)
+                f.write(bytes(align(raw.nbytes, alignment) - raw.nbytes))
+        os.replace(partial, path)
+    finally:
+        if os.path.exists(partial):
+            os.unlink(partial)
 
 
 def header(metadata: dict, tensors, alignment: int = DEFAULT_ALIGNMENT) -> bytes:
