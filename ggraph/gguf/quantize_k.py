@@ -99,7 +99,7 @@ def _c_max_from_zero(x: np.ndarray) -> np.ndarray:
     return _running_pick(x, np.greater, np.zeros(x.shape[1], F32))
 
 
-def _signed_absmax(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def _c_absmax(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(k, m) -> amax, max (m,): ``amax = max = 0; if (fabsf(v) > amax) { amax = fabsf(v); max = v; }``.
 
     max is the first value of largest magnitude, with its sign; +0 for an all-zero group.
@@ -142,7 +142,7 @@ def _qx_search(x: np.ndarray, nmax: int, w: np.ndarray | None) -> tuple[np.ndarr
     """
     w = x * x if w is None else w
     wx = w * x
-    amax, mx = _signed_absmax(x)
+    amax, mx = _c_absmax(x)
 
     def fit(iscale):
         l = _levels(iscale * x, -nmax, nmax - 1)
@@ -171,7 +171,7 @@ def _q3_search(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     passes that, element by element, move a level to its least-squares value while that
     raises sum(w*x*l)^2/sum(w*l*l), with w = x*x. Returns scale (m,), L = l + 4 (k, m) uint8."""
     nmax = 4
-    amax, mx = _signed_absmax(x)
+    amax, mx = _c_absmax(x)
     w = x * x
     wx = w * x
     L = _levels((F32(-nmax) / mx) * x, -nmax, nmax - 1)
@@ -320,7 +320,7 @@ def _iq4_search(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     1/d = (k - 127)/max for k = -7..7, keeping the least-squares d with the largest
     sum(w*q*x)^2/sum(w*q*q). Returns d (m,); all-zero groups give 0.
     """
-    amax, mx = _signed_absmax(x)
+    amax, mx = _c_absmax(x)
 
     def fit(inv):
         q = IQ4_VALUES[_best_iq4(inv * x)]
@@ -485,7 +485,7 @@ def _q3_k(x: np.ndarray, qw: np.ndarray | None) -> np.ndarray:
     if qw is None:
         sc, L = _q3_search(g)
         sc = sc.reshape(n, 16).T                                       # (16, n)
-        _, max_sc = _signed_absmax(sc)
+        _, max_sc = _c_absmax(sc)
         iscale = F32(-32) / max_sc
         l = _nearest_int(iscale * sc).astype(np.int8).astype(np.int32)   # C stores it in an int8_t
         l = np.where(max_sc != 0, np.clip(l, -32, 31) + 32, 0).T.astype(np.uint8)
@@ -508,7 +508,7 @@ def _q6_k(x: np.ndarray, qw: np.ndarray | None) -> np.ndarray:
     g = _groups(x, 16)                                                 # (16, 16n)
     sc, L = _qx_search(g, 32, None if qw is None else _groups(qw, 16))
     sc = sc.reshape(n, 16).T                                           # (16, n)
-    amax, max_sc = _signed_absmax(sc)
+    amax, max_sc = _c_absmax(sc)
     iscale = F32(-128) / max_sc
     scales = np.minimum(_nearest_int(iscale * sc), 127).astype(np.int8).T          # (n, 16)
     d16, d = _f16_round(F32(1) / iscale)
@@ -543,7 +543,7 @@ def _iq4_xs(x: np.ndarray, qw: np.ndarray | None) -> np.ndarray:
     n = x.shape[0]
     g = _groups(x, 32)                                                 # (32, 8n)
     sc = _iq4_search(g, _groups(_iq4_weights(x, qw), 32)).reshape(n, 8).T          # (8, n)
-    _, max_sc = _signed_absmax(sc)
+    _, max_sc = _c_absmax(sc)
     d = -max_sc / F32(32)
     inv = np.where(d != 0, F32(1) / d, F32(0))
     l = np.clip(_nearest_int(inv * sc), -32, 31)                      # (8, n)
