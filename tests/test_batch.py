@@ -1,8 +1,8 @@
 """Batch: sequences in slots of slotted KV caches, stepped together. On the llvm backend each
 sequence's logits are the bits it gets in a batch of its own (every kernel computes a token's row
 the same way whoever shares the step), and they agree with a Session running it alone (whose
-prefill kernels round differently) as closely as two correct programs do; on the numpy
-reference, to rounding."""
+prefill kernels round differently) as closely as two correct programs do (the Session and the numpy
+reference); on the numpy reference, to rounding."""
 import numpy as np
 import pytest
 
@@ -45,7 +45,10 @@ def test_batch_equals_each_sequence_alone_on_llvm(arch, mix):
     got, want = run_both(path, "llvm")
     np.testing.assert_array_equal(got, want)
     got, want = run_both(path, "llvm", single=Session)
-    np.testing.assert_allclose(got, want, rtol=0, atol=1e-3 * np.abs(want).max())
+    # as closely as two correct programs: no further apart than the Sessions are from the numpy reference
+    # (a Gemma's f16 GELU table turns rounding differences into steps: 0.04 apart on a 2.9 logit, 0.1 from numpy)
+    _, ref = run_both(path, "numpy", single=Session)
+    np.testing.assert_allclose(got, want, rtol=0, atol=max(1e-3 * np.abs(want).max(), np.abs(want - ref).max()))
 
 
 def test_batch_with_quantised_caches():

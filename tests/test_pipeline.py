@@ -8,7 +8,7 @@ import pytest
 
 from ggraph.cli import main
 from ggraph.runtime.session import Session
-from oracle import llama_logits
+from oracle import decided, llama_logits
 from test_convert import IDS, build_hf_model, hf_logits
 
 pytestmark = pytest.mark.slow
@@ -41,7 +41,9 @@ def test_convert_imatrix_quantize_split_run(family, tmp_path, capsys):
     assert np.isfinite(ref4).all()                            # are far from the original: ggraph must agree)
     assert np.array_equal(llama_logits(parts[0], IDS), ref4)  # and the split one, exactly as the whole
     ours = Session(str(parts[0]), threads=2, ctx=64).logits(IDS)
-    assert _cos(ours, ref4) > 0.995 and (ours.argmax(1) == ref4.argmax(1)).mean() >= 0.9
+    sure = decided(ref4)                                      # random 4-bit weights: near ties are chaos
+    assert sure.sum() >= len(IDS) // 2, f"llama.cpp decides too few positions to compare: {sure}"
+    assert _cos(ours, ref4) > 0.995 and (ours.argmax(1) == ref4.argmax(1))[sure].mean() >= 0.9
 
     capsys.readouterr()
     assert main(["run", str(parts[0]), "-p", "The graph", "-n", "6", "--temp", "0", "--ctx", "64"]) == 0
