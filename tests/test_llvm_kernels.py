@@ -17,7 +17,8 @@ from gguf import GGMLQuantizationType  # noqa: E402
 
 from ggraph.ir import dtypes  # noqa: E402
 from ggraph.backends.llvm import jit, kernels  # noqa: E402
-from ggraph.backends.llvm.kernels.act_quant import ActLayout, tokens_per_group  # noqa: E402
+from ggraph.backends.llvm.kernels.act_quant import ActLayout, rows_gemm, tokens_per_group  # noqa: E402
+from ggraph.backends.llvm.kernels.qmatmul import ROWS  # noqa: E402
 from ggraph.backends.llvm.target import X86_NAMES, named_target, runnable_targets  # noqa: E402
 
 TARGETS = X86_NAMES                       # generic, avx2, avx512, avx512_vnni
@@ -26,6 +27,7 @@ N, V, FK = 37, 50, 100                    # odd rows; table rows; float-weight K
 K_OF_BLOCK = {32: 96, 256: 512}
 EMB_SCALE = 25.298221                     # sqrt(640), as gemma scales embeddings
 SMALL = ((dtypes.q4_0, 32, 5), (dtypes.q6_k, 256, 3), (dtypes.q8_0, 64, 21))   # fewer rows than threads' chunks
+LONG_K, LONG_N = 1024, 100                # the rows gemm: several K panels, 32-row tiles and a 4-row tail
 P = ctypes.c_void_p
 MATMUL_ABI = [P, P, P, P, ctypes.c_int64, ctypes.c_int32, ctypes.c_int32]   # q/fmatmul: w, x(q), y, counter
 ACT_ABI = [P, P, ctypes.c_int64, ctypes.c_int32, ctypes.c_int32]
@@ -53,6 +55,10 @@ def _build(target_name: str) -> jit.Library:
         kernels.act_quant(m, fmt, K, t, rows_only=True)
     for dt, K, n in (*SMALL, (dtypes.q8_0, 64, 256)):
         kernels.qmatmul(m, dt, K, n, t)
+    for dt in kernels.QUANT_TYPES:
+        kernels.qmatmul(m, dt, LONG_K, LONG_N, t)
+    for fmt in ("q8_0", "q8_k"):
+        kernels.act_quant(m, fmt, LONG_K, t)
     kernels.act_quant(m, "q8_0", 32, t)
     kernels.act_quant(m, "q8_0", 64, t)
     kernels.act_quant(m, "q8_k", 256, t)
@@ -107,16 +113,16 @@ def ref_act(x: np.ndarray, fmt: str):
     return q.reshape(T, K), d
 
 
-def unpack_act(buf: np.ndarray, fmt: str, T: int, K: int):
-    """Our private activation layout back to (q [T, K], d [T, K/bs], sums [T, K/ss])."""
+def unpack_act(buf: np.ndarray, fmt: str, T: int, K: int, target: str):
+    """Our private activation layout (for ``target``) back to (q [T, K], d [T, K/bs], sums [T, K/ss])."""
     lay = ActLayout(fmt, K)
-    L = tokens_per_group(T)
+    L = tokens_per_group(T, target=named_target(target))
     G = (T + L - 1) // L
     g = buf[:G * lay.group_bytes(L)].reshape(G, -1)
     nb, ns = K // lay.block, K // lay.sum_block
     q = g[:, :L * K].view(np.int8).reshape(G, K // 4, L, 4).transpose(0, 2, 1, 3).reshape(G * L, K)
     d = g[:, L * K:L * K + 4 * L * nb].copy().view(np.float32).reshape(G, nb, L)
-    s = g[:, L * K + 4 * L * nb:].copy().view(np.int32).reshape(G, ns, L)
+    s = g[:, L * K + 4 * L * nb:].copy().view(np.int16).reshape(G, ns, L)
     flat = lambda a, n: a.transpose(0, 2, 1).reshape(G * L, n)  # noqa: E731
     return q.astype(np.int32), flat(d, nb), flat(s, ns)
 
@@ -159,7 +165,7 @@ def test_act_quant_matches_ggml(target, fmt, K):
         x[-1, :32] = np.where(np.arange(32) == 5, x[-1, :32], 0)
         buf = np.full(kernels.act_bytes(fmt, T, K), 0xAB, np.uint8)
         run(fn(target, f"act_quant_{fmt}_k{K}", ACT_ABI), (x.ctypes.data, buf.ctypes.data), T, 3)
-        q, d, s = unpack_act(buf, fmt, T, K)
+        q, d, s = unpack_act(buf, fmt, T, K, target)
         rq, rd = ref_act(x, fmt)
         ss = ActLayout(fmt, K).sum_block
         np.testing.assert_array_equal(q[:T], rq, err_msg=f"quants T={T}")
@@ -234,7 +240,8 @@ def test_qmatmul(target, dt):
 def test_qmatmul_threads_take_the_rows_of_a_thread_that_is_late(target, T):
     """Rows come in chunks taken in turn: thread 0 alone (thread 1 of 2 has not started) does every
     chunk but thread 1's first, and thread 1, when it comes, does just that one."""
-    dt, K, n = dtypes.q8_0, 64, 256                                     # 16 chunks of 16 rows at nth=2
+    dt, K, n = dtypes.q8_0, 64, 256                 # 16 chunks of 16 rows at nth=2 (of 32 for the rows gemm)
+    q = 2 * ROWS if T > 1 and rows_gemm(named_target(target)) else 16
     rng = np.random.default_rng(3)
     w = random_blocks(dt, n, K, rng)
     f = fn(target, f"qmatmul_{dt.name}_k{K}_n{n}", abi=MATMUL_ABI)
@@ -243,9 +250,9 @@ def test_qmatmul_threads_take_the_rows_of_a_thread_that_is_late(target, T):
     args = (w.ctypes.data, buf.ctypes.data, y.ctypes.data, counter.ctypes.data)
     f(*args, T, 0, 2)
     late = np.isnan(y).all(axis=0)
-    assert late[16:32].all() and not late[:16].any() and not late[32:].any()
+    assert late[q:2 * q].all() and not late[:q].any() and not late[2 * q:].any()
     f(*args, T, 1, 2)
-    assert not np.isnan(y).any() and counter[0] == 16       # 14 chunks taken, and each thread found none once
+    assert not np.isnan(y).any() and counter[0] == n // q   # all but 2 chunks taken, and each thread found none once
 
 
 @pytest.mark.parametrize("dt", kernels.QUANT_TYPES, ids=lambda d: d.name)
@@ -260,6 +267,14 @@ def test_qmatmul_at_the_extremes_of_its_integer_sums(target, dt, sign):
         w[:, off:off + 2] = np.frombuffer(np.float16(0.01).tobytes(), np.uint8)
     check_qmatmul(target, dt, K, N, w.reshape(N, -1), tokens=(16, 33),
                   x_of=lambda T: np.full((T, K), sign, np.float32))
+
+
+@pytest.mark.parametrize("dt", kernels.QUANT_TYPES, ids=lambda d: d.name)
+def test_qmatmul_long_rows(target, dt):
+    """Rows long enough that the rows gemm decodes them in several panels, and enough rows for its
+    32-row tiles (a 4-row tail is stored through a mask)."""
+    rng = np.random.default_rng(4)
+    check_qmatmul(target, dt, LONG_K, LONG_N, random_blocks(dt, LONG_N, LONG_K, rng), tokens=(1, 2, 7, 33), rng=rng)
 
 
 @pytest.mark.parametrize("dt,K,n", SMALL, ids=lambda v: getattr(v, "name", str(v)))

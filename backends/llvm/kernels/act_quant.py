@@ -3,12 +3,14 @@
     act_quant_<fmt>_k<K>_<target>(x: ptr f32 [T, K], xq: ptr u8 [act_bytes], T, ith, nth)
 
 The layout of xq is private to the qmatmul kernels and made for them. Tokens come in
-groups of L (L = 1 when T == 1 or for rows_only kernels, else 16; the last group is zero-padded). Per group:
+groups of L (L = 1 when T == 1, for rows_only kernels and on targets whose gemm takes rows as
+lanes, else 16; the last group is zero-padded). Per group:
 
     qs   int8 [K/4, L, 4]   the quants, one 4-byte word per token in turn, so a 64-byte
                             load gives the same 4 features of 16 tokens (L = 1: plain row)
     d    f32  [K/bs, L]     the block scale: bs = 32 (q8_0) or 256 (q8_k)
-    sums i32  [K/ss, L]     sums of quants: ss = 32 (q8_0) or 16 (q8_k, ggml's bsums)
+    sums i16  [K/ss, L]     sums of quants: ss = 32 (q8_0) or 16 (q8_k, ggml's bsums); at
+                            most 32 * 128 in size, so two sub-blocks' sums share a word
 
 q8_0: d = amax/127 rounded to fp16 (as ggml stores it), q = round_even(x * 127/amax).
 q8_k: ggml's quantize_row_q8_K with the sign of d made positive (iscale = 127/amax,
@@ -22,7 +24,7 @@ from dataclasses import dataclass
 
 from llvmlite import ir
 
-from ggraph.backends.llvm.kernels.builder import Kernel, f32, i8, i32, vec
+from ggraph.backends.llvm.kernels.builder import Kernel, f32, i8, i16, i32, vec
 from ggraph.backends.llvm.kernels.isa import Isa, vector_path
 from ggraph.backends.llvm.target import Target
 
@@ -32,8 +34,14 @@ GROUP = 16                      # tokens per group when T > 1 (not rows_only)
 _FORMATS = {"q8_0": (32, 32), "q8_k": (256, 16)}
 
 
-def tokens_per_group(T: int, rows_only: bool = False) -> int:
-    return 1 if rows_only or T == 1 else GROUP
+def rows_gemm(target: Target) -> bool:
+    """True if qmatmul's T > 1 kernel takes rows as lanes (AVX-512 VNNI: its dot product broadcasts
+    a 4-byte activation word from memory), and so wants one row of activations per token."""
+    return target.arch == "x86_64" and target.has("avx512vnni") and target.vector_bits >= 512
+
+
+def tokens_per_group(T: int, rows_only: bool = False, target: Target | None = None) -> int:
+    return 1 if rows_only or T == 1 or (target is not None and rows_gemm(target)) else GROUP
 
 
 @dataclass(frozen=True)
@@ -58,7 +66,7 @@ class ActLayout:
         return _FORMATS[self.fmt][1]
 
     def group_bytes(self, L: int) -> int:
-        return L * (self.K + 4 * (self.K // self.block) + 4 * (self.K // self.sum_block))
+        return L * (self.K + 4 * (self.K // self.block) + 2 * (self.K // self.sum_block))
 
     def qs(self, k: Kernel, L, word, lane=0):
         """Offset of 4-byte word `word` (features 4w..4w+3) of token `lane` in its group."""
@@ -68,11 +76,18 @@ class ActLayout:
         return k.add(k.mul(L, self.K), k.mul(k.add(k.mul(block, L), lane), 4))
 
     def sums(self, k: Kernel, L, sblock, lane=0):
-        return k.add(k.mul(L, self.K + 4 * (self.K // self.block)), k.mul(k.add(k.mul(sblock, L), lane), 4))
+        """Offset of the i16 sum of sum block `sblock` of token `lane`."""
+        return k.add(k.mul(L, self.K + 4 * (self.K // self.block)), k.mul(k.add(k.mul(sblock, L), lane), 2))
+
+    def load_sums(self, k: Kernel, base, L, sblock, n: int | None = None, lane=0) -> ir.Value:
+        """The sum at ``sums(sblock, lane)`` as i32, or the n consecutive ones there as <n x i32>."""
+        typ = i16 if n is None else vec(i16, n)
+        return k.b.sext(k.load(typ, base, self.sums(k, L, sblock, lane)), i32 if n is None else vec(i32, n))
 
 
 def act_bytes(fmt: str, T: int, K: int, rows_only: bool = False) -> int:
-    """Bytes of scratch the quantised activations of T tokens take."""
+    """Bytes of scratch the quantised activations of T tokens take (on any target: one row per
+    token never takes more than groups of 16 with their padding)."""
     L = tokens_per_group(T, rows_only)
     return (T + L - 1) // L * ActLayout(fmt, K).group_bytes(L)
 
@@ -87,7 +102,7 @@ def act_quant(module: ir.Module, fmt: str, K: int, target: Target, rows_only: bo
     k = Kernel(module, name, ("x", "xq"))
     isa = Isa(k, target)
     row = _quant_row_vector if vector_path(target) else _quant_row_scalar
-    if rows_only:
+    if rows_only or rows_gemm(target):
         _groups(k, isa, lay, 1, row)
         return k.finish()
     T = k.arg["T"]
@@ -151,7 +166,7 @@ def _quant_row_vector(k: Kernel, isa: Isa, lay: ActLayout, L: int, x, base, lane
         k.store(d, base, lay.d(k, L, blk, lane))
         for s in range(bs // ss):
             total = isa.hsum(k.shuffle(q, range(s * ss, (s + 1) * ss)))
-            k.store(total, base, lay.sums(k, L, k.add(k.mul(blk, bs // ss), s), lane))
+            k.store(k.b.trunc(total, i16), base, lay.sums(k, L, k.add(k.mul(blk, bs // ss), s), lane))
 
 
 def _quant_row_scalar(k: Kernel, isa: Isa, lay: ActLayout, L: int, x, base, lane) -> None:
@@ -173,7 +188,7 @@ def _quant_row_scalar(k: Kernel, isa: Isa, lay: ActLayout, L: int, x, base, lane
                 offset = k.add(lay.qs(k, L, word, lane), b.srem(e, k.i64(4)))
                 k.store(b.trunc(q, i8), base, offset)
                 total.set(b.add(total.get(), q))
-            k.store(total.get(), base, lay.sums(k, L, k.add(k.mul(blk, bs // ss), s), lane))
+            k.store(b.trunc(total.get(), i16), base, lay.sums(k, L, k.add(k.mul(blk, bs // ss), s), lane))
         k.store(d, base, lay.d(k, L, blk, lane))
 
 
@@ -185,5 +200,5 @@ def _zero_lane(k: Kernel, lay: ActLayout, L: int, base, lane) -> None:
     with k.loop(0, lay.K // lay.block, name="zb") as blk:
         k.store(ir.Constant(f32, 0.0), base, lay.d(k, L, blk, lane))
     with k.loop(0, lay.K // lay.sum_block, name="zs") as s:
-        k.store(zero, base, lay.sums(k, L, s, lane))
+        k.store(ir.Constant(i16, 0), base, lay.sums(k, L, s, lane))
 

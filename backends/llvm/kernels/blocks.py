@@ -20,6 +20,18 @@ from ggraph.ir.dtypes import DType
 
 
 @dataclass
+class IntScales:
+    """A super-block's sub-block scales (and mins) as integers, and the block's float factors:
+    scale[s] = d * scales[s], min[s] = dmin * mins[s]. Drivers may sum a block's sub-blocks in
+    integers with them, as llama.cpp's k-quant dot products do."""
+
+    scales: ir.Value                   # <subs x i32>
+    d: ir.Value                        # float
+    mins: ir.Value | None = None       # <subs x i32>
+    dmin: ir.Value | None = None       # float
+
+
+@dataclass
 class Decoded:
     """One block, unpacked for the vector drivers."""
 
@@ -29,6 +41,13 @@ class Decoded:
     qmax: int                          # the largest unsigned byte (bounds i16 pair sums)
     scales: ir.Value                   # <subs x float>: one per sub-block
     mins: ir.Value | None              # <subs x float>, or None
+    ints: IntScales | None = None      # the same scales as integers, for super-block types
+
+    @classmethod
+    def of_ints(cls, k: Kernel, chunk: Callable, offset: int, qmax: int, ints: IntScales) -> "Decoded":
+        """A block of unsigned levels whose float scales and mins are its integer ones times d, dmin."""
+        mins = lanes_f32(k, ints.mins, ints.dmin) if ints.mins is not None else None
+        return cls(chunk, False, offset, qmax, lanes_f32(k, ints.scales, ints.d), mins, ints)
 
     def scale(self, k: Kernel, s) -> ir.Value:
         """Scale of sub-block s (an int or an i64 value)."""

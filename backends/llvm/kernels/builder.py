@@ -33,6 +33,13 @@ def splat_const(elem: ir.Type, n: int, value) -> ir.Constant:
     return ir.Constant(vec(elem, n), [value] * n)
 
 
+def mangle(t: ir.Type) -> str:
+    """LLVM's overload suffix for a type: f32, v16f32, v64i8."""
+    if isinstance(t, ir.VectorType):
+        return f"v{t.count}{mangle(t.element)}"
+    return {ir.FloatType: "f32", ir.HalfType: "f16", ir.DoubleType: "f64"}.get(type(t)) or f"i{t.width}"
+
+
 def vec_const(elem: ir.Type, values) -> ir.Constant:
     return ir.Constant(vec(elem, len(values)), list(values))
 
@@ -104,6 +111,17 @@ class Kernel:
         """An unaligned store at base + offset bytes."""
         self.b.store(value, self.addr(base, offset), align=1)
 
+    def masked_load(self, typ: ir.VectorType, base: ir.Value, offset, mask: ir.Value) -> ir.Value:
+        """The lanes of a vector at base + offset bytes where ``mask`` (<n x i1>) is set, others undefined;
+        lanes left out are never touched, so they may lie past the end of a buffer."""
+        return self.intrinsic(f"llvm.masked.load.{mangle(typ)}.p0", typ,
+                              [self.addr(base, offset), ir.Constant(i32, 4), mask, ir.Constant(typ, None)])
+
+    def masked_store(self, value: ir.Value, base: ir.Value, offset, mask: ir.Value) -> None:
+        """Store the lanes of ``value`` where ``mask`` is set, leaving the others' memory alone."""
+        self.intrinsic(f"llvm.masked.store.{mangle(value.type)}.p0", ir.VoidType(),
+                       [value, self.addr(base, offset), ir.Constant(i32, 4), mask])
+
     def prefetch(self, addr: ir.Value) -> None:
         """Ask for the cache line at ``addr`` (for reading, into every level); a prefetch never
         faults, so it may point past the end of a buffer."""
@@ -144,9 +162,10 @@ class Kernel:
         return v
 
     def scratch(self, elem: ir.Type, n: int):
-        """A private array of n ``elem`` (an entry-block alloca, undefined at first); returns its
-        address as ``ptr``, for the byte-offset loads and stores above."""
-        slot = self.var(vec(elem, n), ir.Constant(vec(elem, n), None)).slot
+        """A private array of n ``elem`` (an entry-block alloca, 64-byte aligned, undefined at first);
+        returns its address as ``ptr``, for the byte-offset loads and stores above."""
+        slot = self._allocas.alloca(ir.ArrayType(elem, n))
+        slot.align = 64           # a cache line: vector loads of it never split
         slot.type = ptr           # llvmlite types allocas as typed pointers; byte-offset access wants `ptr`
         return slot
 
@@ -174,6 +193,36 @@ class Kernel:
         n = v.type.count // pieces
         return [v if pieces == 1 else self.shuffle(v, range(p * n, (p + 1) * n)) for p in range(pieces)]
 
+    def transpose(self, rows: list[ir.Value]) -> list[ir.Value]:
+        """Columns of a matrix held as row vectors: ``rows[r][j]`` becomes ``out[j][r]``, for R rows of
+        C lanes (R a power of two). Rows are joined in pairs first; then each step trades half of
+        a vector's columns for the rows of its partner (the vector with the same columns) in one
+        two-source shuffle per output vector, until every vector holds a single column."""
+        R, C = len(rows), rows[0].type.count
+        if C == 1:
+            return [self.concat(*rows)]
+        items = [(self.concat(rows[r], rows[r + 1]), [(r, j) for j in range(C)] + [(r + 1, j) for j in range(C)])
+                 for r in range(0, R, 2)] if R > 1 else [(rows[0], [(0, j) for j in range(C)])]
+        while len({j for _, j in items[0][1]}) > 1:
+            groups: dict[tuple, list] = {}
+            for item in items:
+                groups.setdefault(tuple(sorted({j for _, j in item[1]})), []).append(item)
+            items = []
+            for cols, group in groups.items():
+                pairs = list(zip(group[0::2], group[1::2])) if len(group) > 1 else [(group[0], None)]
+                for (a, la), other in pairs:
+                    b, lb = other if other is not None else (None, [])
+                    lanes = la + lb
+                    for part in (cols[:len(cols) // 2], cols[len(cols) // 2:]):
+                        want = sorted(((j, r), i) for i, (r, j) in enumerate(lanes) if j in part)
+                        items.append((self.shuffle(a, [i for _, i in want], b), [(r, j) for (j, r), _ in want]))
+        by_col: dict[int, list] = {}
+        for v, labels in sorted(items, key=lambda item: item[1][0][::-1]):
+            by_col.setdefault(labels[0][1], []).append((v, [r for r, _ in labels]))
+        if any(sum((r for _, r in parts), []) != list(range(R)) for parts in by_col.values()):
+            raise ValueError(f"transpose: {R} rows of {C} lanes do not come out in order")
+        return [self.concat(*[v for v, _ in by_col[j]]) for j in range(C)]
+
     def cast_vec(self, v: ir.Value, elem: ir.Type) -> ir.Value:
         """Reinterpret a vector's bits as lanes of `elem` (e.g. <32 x i8> as <8 x i32>)."""
         return self.b.bitcast(v, vec(elem, bits(v.type) // bits(elem)))
@@ -198,17 +247,17 @@ class Kernel:
         return start, end
 
     @contextmanager
-    def row_chunks(self, n: int, counter: ir.Value, per_thread: int = 8):
-        """Chunks of ``n`` output rows (whole ROW_CHUNKs, about ``per_thread`` per thread) taken in
-        turn: thread ith does chunk ith first, then the next one nobody has taken (``counter``, an
-        i32 that is zero when the call starts, counts them), so a thread that runs faster, or is
-        not preempted, does more of them. Yields each chunk's [start, end)."""
+    def row_chunks(self, n: int, counter: ir.Value, per_thread: int = 8, quantum: int = ROW_CHUNK):
+        """Chunks of ``n`` output rows (whole multiples of ``quantum`` rows, about ``per_thread`` per
+        thread) taken in turn: thread ith does chunk ith first, then the next one nobody has taken
+        (``counter``, an i32 that is zero when the call starts, counts them), so a thread that runs
+        faster, or is not preempted, does more of them. Yields each chunk's [start, end)."""
         b = self.b
         nth = b.sext(self.arg["nth"], i64)
-        units = (n + ROW_CHUNK - 1) // ROW_CHUNK
+        units = (n + quantum - 1) // quantum
         per = b.sdiv(ir.Constant(i64, units), b.mul(nth, ir.Constant(i64, per_thread)))
         size = b.mul(b.select(b.icmp_signed("<", per, ir.Constant(i64, 1)), ir.Constant(i64, 1), per),
-                     ir.Constant(i64, ROW_CHUNK))
+                     ir.Constant(i64, quantum))
         chunks = b.sdiv(b.add(ir.Constant(i64, n - 1), size), size)
         first = b.sext(self.arg["ith"], i64)
         pre = b.block

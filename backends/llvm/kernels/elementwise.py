@@ -47,8 +47,8 @@ from ggraph.ir.dtypes import Aval
 from ggraph.ir.graph import Graph, Literal, Var
 from ggraph.ir.prims import broadcast_shapes
 from ggraph.backends.llvm.kernels import vmath
-from ggraph.backends.llvm.kernels.builder import Kernel, f32, i8, i16, i32, vec
-from ggraph.backends.llvm.kernels.isa import Isa, mangle, vector_path
+from ggraph.backends.llvm.kernels.builder import Kernel, f32, i8, i16, i32, mangle, vec
+from ggraph.backends.llvm.kernels.isa import Isa, vector_path
 from ggraph.backends.llvm.target import Target
 
 

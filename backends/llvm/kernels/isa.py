@@ -9,15 +9,8 @@ from __future__ import annotations
 
 from llvmlite import ir
 
-from ggraph.backends.llvm.kernels.builder import Kernel, f16, f32, i1, i8, i16, i32, splat_const, vec
+from ggraph.backends.llvm.kernels.builder import Kernel, f16, f32, i1, i8, i16, i32, mangle, splat_const, vec
 from ggraph.backends.llvm.target import Target
-
-
-def mangle(t: ir.Type) -> str:
-    """LLVM's overload suffix for a type: f32, v16f32, v64i8."""
-    if isinstance(t, ir.VectorType):
-        return f"v{t.count}{mangle(t.element)}"
-    return {ir.FloatType: "f32", ir.HalfType: "f16", ir.DoubleType: "f64"}.get(type(t)) or f"i{t.width}"
 
 
 def _const_like(v: ir.Value, elem: ir.Type, value) -> ir.Constant:
@@ -160,6 +153,17 @@ class Isa:
         if self.t.has("dotprod") and (signed or amax <= 127) and n % 16 == 0:
             return self._pieces(acc, a, b, 16, self._sdot)      # sdot: s8 x s8
         return self._dot_generic(acc, a, b, signed)
+
+    def dot_pairs(self, acc: ir.Value, a: ir.Value, b: ir.Value) -> ir.Value:
+        """acc[j] + a[2j]*b[2j] + a[2j+1]*b[2j+1] for i32 lanes of acc and i16 pairs of a and b
+        (vpdpwssd with AVX-512 VNNI, no saturation; the portable form elsewhere)."""
+        k = self.k
+        n = acc.type.count
+        if self.full_u8_dot and n == 16:
+            return k.intrinsic("llvm.x86.avx512.vpdpwssd.512", acc.type, [acc, a, b])
+        wide = vec(i32, 2 * n)
+        prod = k.b.mul(k.b.sext(a, wide), k.b.sext(b, wide))
+        return k.b.add(acc, k.b.add(k.shuffle(prod, range(0, 2 * n, 2)), k.shuffle(prod, range(1, 2 * n, 2))))
 
     def i16_run(self, signed: bool, amax: int, nbytes: int) -> int:
         """How many u8 x s8 dots of ``nbytes`` may add their i16 pair sums (``pair_sums``) before

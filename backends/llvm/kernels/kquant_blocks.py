@@ -9,7 +9,7 @@ from __future__ import annotations
 from llvmlite import ir
 
 from ggraph.ir import dtypes
-from ggraph.backends.llvm.kernels.blocks import (BlockFormat, Decoded, bits, byte, bytes_at, half,
+from ggraph.backends.llvm.kernels.blocks import (BlockFormat, Decoded, IntScales, bits, byte, bytes_at, half,
                                                  idiv, imod, lanes_f32, lookup, pack, sbyte,
                                                  table, vbits, vshift)
 from ggraph.backends.llvm.kernels.builder import Kernel, i8, i32, vec, vec_const
@@ -58,9 +58,9 @@ def _scale_q2_k(k, isa, blk, s):
 
 def _decode_q2_k(k, isa, blk):
     sc = bytes_at(k, blk, 0, 16)
-    scales = lanes_f32(k, k.b.zext(vbits(k, sc, 0, 4), vec(i32, 16)), half(k, isa, blk, 80))
-    mins = lanes_f32(k, k.b.zext(vbits(k, sc, 4, 4), vec(i32, 16)), half(k, isa, blk, 82))
-    return Decoded(lambda c: _q2_chunk(k, blk, 16, c), False, 0, 3, scales, mins)
+    ints = IntScales(k.b.zext(vbits(k, sc, 0, 4), vec(i32, 16)), half(k, isa, blk, 80),
+                     k.b.zext(vbits(k, sc, 4, 4), vec(i32, 16)), half(k, isa, blk, 82))
+    return Decoded.of_ints(k, lambda c: _q2_chunk(k, blk, 16, c), 0, 3, ints)
 
 
 # -- q3_k: hmask[32] @0, qs[64] @32, scales[12] @96, d @108 ------------------------------------
@@ -89,12 +89,11 @@ def _decode_q3_k(k, isa, blk):
     high = k.b.and_(k.b.lshr(high_src, vec_const(i32, [2 * (j // 4) for j in range(16)])),
                     vec_const(i32, [3] * 16))
     six = k.b.sub(k.b.or_(low, k.b.shl(high, vec_const(i32, [4] * 16))), vec_const(i32, [32] * 16))
-    scales = lanes_f32(k, six, half(k, isa, blk, 108))
 
     def chunk(c):
         h = vshift(k, vbits(k, bytes_at(k, blk, 0, 32), c, 1), 2)
         return k.b.or_(_q2_chunk(k, blk, 32, c), h)
-    return Decoded(chunk, False, 4, 7, scales, None)
+    return Decoded.of_ints(k, chunk, 4, 7, IntScales(six, half(k, isa, blk, 108)))
 
 
 # -- q4_k / q5_k: d @0, dmin @2, 6-bit scales and mins packed in 12 bytes @4 ------------------
@@ -115,7 +114,7 @@ def _scale_k4(k, isa, blk, s):
     return (k.b.fmul(d, k.b.uitofp(sc, ir.FloatType())), k.b.fmul(dmin, k.b.uitofp(mn, ir.FloatType())))
 
 
-def _k4_scales_vector(k: Kernel, isa: Isa, blk) -> tuple[ir.Value, ir.Value]:
+def _k4_scales_vector(k: Kernel, isa: Isa, blk) -> IntScales:
     """All 8 scales and mins of a q4_k / q5_k block, unpacked four bytes at a time."""
     b = k.b
     u0, u1, u2 = (k.load(i32, blk, off) for off in (4, 8, 12))
@@ -127,9 +126,7 @@ def _k4_scales_vector(k: Kernel, isa: Isa, blk) -> tuple[ir.Value, ir.Value]:
     words = b.insert_element(b.insert_element(ir.Constant(vec(i32, 4), None), sc_lo, _c32(0)), sc_hi, _c32(1))
     words = b.insert_element(b.insert_element(words, mn_lo, _c32(2)), mn_hi, _c32(3))
     six = b.zext(k.cast_vec(words, i8), vec(i32, 16))                          # (16,) i32
-    scales = lanes_f32(k, k.shuffle(six, range(8)), half(k, isa, blk, 0))
-    mins = lanes_f32(k, k.shuffle(six, range(8, 16)), half(k, isa, blk, 2))
-    return scales, mins
+    return IntScales(k.shuffle(six, range(8)), half(k, isa, blk, 0), k.shuffle(six, range(8, 16)), half(k, isa, blk, 2))
 
 
 # -- q4_k: qs[128] @16 -------------------------------------------------------------------------
@@ -138,8 +135,7 @@ def _level_q4_k(k, isa, blk, i):
 
 
 def _decode_q4_k(k, isa, blk):
-    scales, mins = _k4_scales_vector(k, isa, blk)
-    return Decoded(lambda c: _nib_chunk(k, blk, 16, c), False, 0, 15, scales, mins)
+    return Decoded.of_ints(k, lambda c: _nib_chunk(k, blk, 16, c), 0, 15, _k4_scales_vector(k, isa, blk))
 
 
 # -- q5_k: qh[32] @16, qs[128] @48; fifth bit = bit (i/32) of qh[i%32] ----------------------------
@@ -149,12 +145,10 @@ def _level_q5_k(k, isa, blk, i):
 
 
 def _decode_q5_k(k, isa, blk):
-    scales, mins = _k4_scales_vector(k, isa, blk)
-
     def chunk(c):
         h = vshift(k, vbits(k, bytes_at(k, blk, 16, 32), c, 1), 4)
         return k.b.or_(_nib_chunk(k, blk, 48, c), h)
-    return Decoded(chunk, False, 0, 31, scales, mins)
+    return Decoded.of_ints(k, chunk, 0, 31, _k4_scales_vector(k, isa, blk))
 
 
 # -- q6_k: ql[128] @0, qh[64] @128, int8 scales[16] @192, d @208 ---------------------------------
@@ -171,7 +165,7 @@ def _scale_q6_k(k, isa, blk, s):
 
 
 def _decode_q6_k(k, isa, blk):
-    scales = lanes_f32(k, k.b.sext(bytes_at(k, blk, 192, 16), vec(i32, 16)), half(k, isa, blk, 208))
+    ints = IntScales(k.b.sext(bytes_at(k, blk, 192, 16), vec(i32, 16)), half(k, isa, blk, 208))
 
     def chunk(c):
         h, kk = idiv(k, c, 4), imod(k, c, 4)
@@ -179,7 +173,7 @@ def _decode_q6_k(k, isa, blk):
         lo = vbits(k, bytes_at(k, blk, lo_at, 32), k.mul(idiv(k, kk, 2), 4), 4)
         hi = vshift(k, vbits(k, bytes_at(k, blk, k.add(128, k.mul(h, 32)), 32), k.mul(kk, 2), 2), 4)
         return k.b.or_(lo, hi)
-    return Decoded(chunk, False, 32, 63, scales, None)
+    return Decoded.of_ints(k, chunk, 32, 63, ints)
 
 
 # -- iq4_xs: d @0, scales_h u16 @2, scales_l[4] @4, qs[128] @8 -----------------------------------
@@ -201,11 +195,10 @@ def _scale_iq4_xs(k, isa, blk, s):
 
 
 def _decode_iq4_xs(k, isa, blk):
-    d = half(k, isa, blk, 0)
-    scales = pack(k, [k.b.fmul(d, k.b.sitofp(_iq4_xs_ls(k, blk, s), ir.FloatType())) for s in range(8)])
+    ints = IntScales(pack(k, [_iq4_xs_ls(k, blk, s) for s in range(8)]), half(k, isa, blk, 0))
     _, signed, offset, qmax = iq4_chunk(k, isa, blk, 8)
     return Decoded(lambda c: iq4_chunk(k, isa, blk, k.add(8, k.mul(c, 16)))[0](), signed, offset, qmax,
-                   scales, None)
+                   lanes_f32(k, ints.scales, ints.d), None, ints)
 
 
 # sub: weights per scale; unroll: chunks whose bit positions differ (gemm loops over such groups)

@@ -3,37 +3,43 @@
     qmatmul_<wtype>_k<K>_n<N>_<target>(w: ptr, xq: ptr, y: ptr f32 [T, N], counter: ptr i32, T, ith, nth)
 
 x arrives quantised by act_quant (the layout is described there). Threads take chunks of
-rows (multiples of 16, about 8 per thread) in turn, counting them in ``counter``, which must
-be zero when the call starts: a thread that gets more of the machine does more rows. Per
-sub-block the integer dot is exact; it is then scaled by the weight and activation scales
-in f32. Three drivers share the block decoders:
+rows (multiples of 16, of 32 for the rows gemm, about 8 per thread) in turn, counting them in
+``counter``, which must be zero when the call starts: a thread that gets more of the machine
+does more rows. Per sub-block the integer dot is exact; it is then scaled by the weight and
+activation scales in f32. Four drivers share the block decoders:
 
 - gemv (T == 1): one row at a time, 32 weights per step (64 for 256-weight blocks on
   512-bit targets), f32 lanes along K, the next rows prefetched. The rows_only kernels (a
   batch of sequences) run the gemv arithmetic for every token at any T, SMALL_T tokens at a
   time, each block decoded once for all of them: a token's result is the same bits whatever
   shares the step, and the weights are read once per step.
-- gemm (T > 1): a tile of R rows x G groups of 16 tokens. Lanes are tokens: each 4-byte
-  word of a decoded weight chunk is broadcast and dotted with the same word of 16
+- rows gemm (T > 1 with AVX-512 VNNI): lanes are rows. A panel of 16-row vectors is decoded
+  and transposed once into a private buffer, then each token's 4-byte activation words are
+  broadcast (from memory, into the dot) against it, for 32 rows at a time; super-block types
+  sum their sub-blocks in integers times their integer scales, and their mins with vpdpwssd.
+- gemm (T > 1 elsewhere): a tile of R rows x G groups of 16 tokens. Lanes are tokens: each
+  4-byte word of a decoded weight chunk is broadcast and dotted with the same word of 16
   tokens (one 64-byte load of the interleaved activations), so no horizontal sums.
 - scalar: the generic target's readable twin, one weight at a time.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from llvmlite import ir
 
 from ggraph.ir import dtypes
 from ggraph.backends.llvm.kernels import kquant_blocks, quant_blocks
-from ggraph.backends.llvm.kernels.act_quant import GROUP, ActLayout
-from ggraph.backends.llvm.kernels.blocks import BlockFormat, pack
-from ggraph.backends.llvm.kernels.builder import Kernel, f32, i8, i32, vec
+from ggraph.backends.llvm.kernels.act_quant import GROUP, ActLayout, rows_gemm
+from ggraph.backends.llvm.kernels.blocks import BlockFormat, Decoded, pack
+from ggraph.backends.llvm.kernels.builder import ROW_CHUNK, Kernel, f32, i8, i16, i32, i64, vec
 from ggraph.backends.llvm.kernels.isa import Isa, vector_path
 from ggraph.backends.llvm.target import Target
 
 FORMATS: dict[dtypes.DType, BlockFormat] = {**quant_blocks.FORMATS, **kquant_blocks.FORMATS}
 
-#  target name:  (rows R, token groups G) of the gemm register tile
-_TILES = {"avx512_vnni": (4, 2), "avx512": (4, 2), "avx2": (2, 1)}
+#  target name:  (rows R, token groups G) of the 4-rows gemm's register tile
+_TILES = {"avx512": (4, 2), "avx2": (2, 1)}
 _DEFAULT_TILE = (2, 1)
 
 
@@ -68,8 +74,9 @@ def variant(dtype, target: Target) -> str:
     R, G = tile(target)
     dot = {True: "vpdpbusd", False: "pmaddubsw"}[target.has("avx512vnni")] if target.arch == "x86_64" \
         else ("sdot" if target.has("dotprod") else "smull")
-    return (f"{dot}-{target.vector_bits}: gemm {R} rows x {G * GROUP} tokens, "
-            f"gemv {32 * gemv_chunks(fmt, target)} weights/step; {fmt.act} activations")
+    gemm = (f"gemm {2 * ROWS} rows (rows as lanes) x {tile_tokens(fmt)} tokens"
+            if rows_gemm(target) else f"gemm {R} rows x {G * GROUP} tokens")
+    return f"{dot}-{target.vector_bits}: {gemm}, gemv {32 * gemv_chunks(fmt, target)} weights/step; {fmt.act} activations"
 
 
 def qmatmul(module: ir.Module, dtype, K: int, N: int, target: Target, rows_only: bool = False) -> str:
@@ -103,8 +110,10 @@ def qmatmul(module: ir.Module, dtype, K: int, N: int, target: Target, rows_only:
                 _gemv(k, isa, fmt, lay, N, rows)
             else:
                 _scalar(k, isa, fmt, lay, N, rows, 1)
-        with many, k.row_chunks(N, k.arg["counter"]) as rows:
-            if vector_path(target):
+        with many, k.row_chunks(N, k.arg["counter"], quantum=2 * ROWS if rows_gemm(target) else ROW_CHUNK) as rows:
+            if rows_gemm(target):
+                _rows_gemm(k, isa, fmt, lay, N, rows)
+            elif vector_path(target):
                 _gemm(k, isa, fmt, lay, N, rows, *tile(target))
             else:
                 _scalar(k, isa, fmt, lay, N, rows, GROUP)
@@ -123,15 +132,11 @@ def _subs(k: Kernel, fmt: BlockFormat, c) -> list:
     return [c] if fmt.sub == 32 else [k.mul(c, 2), k.add(k.mul(c, 2), 1)]
 
 
-def _xsum(k: Kernel, fmt: BlockFormat, lay: ActLayout, L: int, base, blk, s: int, typ):
-    """Sum of the quantised activations of sub-block s of block blk (typ: i32 or <16 x i32>)."""
+def _xsum(k: Kernel, fmt: BlockFormat, lay: ActLayout, L: int, base, blk, s: int):
+    """Sum of the quantised activations of sub-block s of block blk: <L x i32>, one lane per token."""
     per = fmt.sub // lay.sum_block                   # activation sum blocks per sub-block
     first = k.add(k.mul(blk, fmt.dtype.block_size // lay.sum_block), k.mul(s, per))
-    total = None
-    for p in range(per):
-        v = k.load(typ, base, lay.sums(k, L, k.add(first, p)))
-        total = v if total is None else k.b.add(total, v)
-    return total
+    return _sum_of(k, [lay.load_sums(k, base, L, k.add(first, p), L) for p in range(per)])
 
 
 # -- gemv: T == 1 ---------------------------------------------------------------------------
@@ -228,7 +233,7 @@ def _xsums_row(k: Kernel, fmt: BlockFormat, lay: ActLayout, blk, xbase) -> ir.Va
     """Sums of the quantised activations per sub-block of block blk, one-token layout at ``xbase``: (subs,) i32."""
     subs = fmt.dtype.block_size // fmt.sub
     per = fmt.sub // lay.sum_block
-    sums = k.load(vec(i32, subs * per), xbase, lay.sums(k, 1, k.mul(blk, subs * per)))
+    sums = lay.load_sums(k, xbase, 1, k.mul(blk, subs * per), subs * per)
     if per == 1:
         return sums
     return k.b.add(k.shuffle(sums, range(0, 2 * subs, 2)), k.shuffle(sums, range(1, 2 * subs, 2)))
@@ -306,7 +311,7 @@ def _gemm_chunk(k: Kernel, isa: Isa, fmt: BlockFormat, lay: ActLayout, decs, blk
     subs = _subs(k, fmt, c)
     words = k.add(k.mul(blk, fmt.dtype.block_size // 4), k.mul(c, 8))
     for si, s in enumerate(subs):
-        xs = [_xsum(k, fmt, lay, L, xg[g], blk, s, vec(i32, L)) for g in range(G)]
+        xs = [_xsum(k, fmt, lay, L, xg[g], blk, s) for g in range(G)]
         init = [b.mul(x, ir.Constant(vec(i32, L), [-dec0.offset] * L)) if dec0.offset
                 else ir.Constant(vec(i32, L), [0] * L) for x in xs]
         dots = [[init[g] for g in range(G)] for _ in range(R)]
@@ -357,6 +362,229 @@ def _store_tile(k: Kernel, N: int, n0, R: int, g0, G: int, acc) -> None:
                 k.store(out, k.arg["y"], k.mul(k.add(k.mul(t, N), n0), 4))
 
 
+# -- rows gemm: T > 1 with VNNI ---------------------------------------------------------------
+ROWS = 16                # lanes are rows: one 64-byte vector holds the same 4 features of 16 rows
+PANEL_BYTES = 32768      # decoded weights of one tile kept at once (a K panel, in L1)
+
+
+def tile_tokens(fmt: BlockFormat) -> int:
+    """Tokens per register tile of 32 rows: 2 x tokens dot chains (vpdpbusd: 4 cycles of latency, 2
+    a cycle), each broadcast activation word used twice; super-block types (sub-blocks with scales
+    of their own) also hold an integer sum per token and vector, so fewer."""
+    return 4 if fmt.dtype.block_size > fmt.sub else 6
+
+
+@dataclass(frozen=True)
+class Panel:
+    """Where one block of a 16-row vector lies in a tile's panel buffer: for each sub-block its
+    4-byte words of 16 rows (64 bytes each) and, for super-block types, its integer scales; then
+    the block's scale (d), its negated min (dmin) where the type has mins, and the integer mins as
+    i16 pairs, one pair for each pair of activation sums (so that one vpdpwssd takes the mins of
+    two sums). ``room`` bytes per block and vector."""
+
+    fmt: BlockFormat
+    ints: bool               # sub-blocks summed in integers with integer scales (super-block types)
+    mins: bool
+
+    @property
+    def subs(self) -> int:
+        return self.fmt.dtype.block_size // self.fmt.sub
+
+    @property
+    def sub_bytes(self) -> int:
+        return 64 * (self.fmt.sub // 4 + self.ints)
+
+    def word(self, s: int, j: int) -> int:
+        return s * self.sub_bytes + 64 * j
+
+    def iscale(self, s: int) -> int:
+        return s * self.sub_bytes + 16 * self.fmt.sub
+
+    @property
+    def d(self) -> int:
+        return self.subs * self.sub_bytes
+
+    @property
+    def ndmin(self) -> int:
+        return self.d + 64
+
+    def imin(self, p: int) -> int:
+        return self.d + 128 + 64 * p
+
+    @staticmethod
+    def room(fmt: BlockFormat) -> int:
+        """Bytes per block and vector, enough for every layout of ``fmt``."""
+        widest = Panel(fmt, True, True)
+        return widest.imin(widest.subs)
+
+
+def _rows_gemm(k: Kernel, isa: Isa, fmt: BlockFormat, lay: ActLayout, N: int, rows) -> None:
+    """Tiles of 32 rows (then 16, the last one masked at the end of the rows): a K panel of the
+    tile is decoded into a private buffer with rows as lanes (``Panel``), then every token runs over
+    the panel, a few at a time, each activation word broadcast into the dot products of both
+    halves of the tile. Super-block types sum their sub-blocks in integers, times their integer
+    scales, before one float step per block, as llama.cpp does. Activations come one row per token."""
+    b = k.b
+    start, end = rows
+    nblocks = lay.K // fmt.dtype.block_size
+    room = Panel.room(fmt)
+    per_panel = max(1, min(nblocks, PANEL_BYTES // (2 * room)))
+    buf = k.scratch(i8, 2 * room * per_panel)
+    pairs_end = k.add(start, b.mul(b.sdiv(b.sub(end, start), k.i64(2 * ROWS)), k.i64(2 * ROWS)))
+    for lo, hi, vecs in ((start, pairs_end, 2), (pairs_end, end, 1)):
+        with k.loop(lo, hi, step=vecs * ROWS, name=f"tile{vecs}") as n0:
+            with k.loop(0, nblocks, step=per_panel, name="panel") as p0:
+                count = b.select(b.icmp_signed("<", k.add(p0, per_panel), k.i64(nblocks)), k.i64(per_panel),
+                                 b.sub(k.i64(nblocks), p0))
+                panel, dec = _decode_panel(k, isa, fmt, lay, N, n0, vecs, p0, count, buf, room)
+                _panel_tokens(k, isa, lay, N, n0, vecs, end, p0, count, buf, room, panel, dec)
+
+
+def _decode_panel(k: Kernel, isa: Isa, fmt: BlockFormat, lay: ActLayout, N: int, n0, vecs: int, p0, count, buf,
+                  room: int):
+    """Blocks p0..p0+count of rows n0..n0+16*vecs-1 into the buffer (rows past N repeat row N-1);
+    returns the Panel layout and one row's decoder (offsets and kinds are the same for every row)."""
+    b = k.b
+    with k.loop(0, count, name="pblk") as i:
+        at = k.mul(i, vecs * room)
+        for v in range(vecs):
+            rows = [k.add(n0, 16 * v + r) for r in range(ROWS)]
+            rows = [b.select(b.icmp_signed("<", r, k.i64(N)), r, k.i64(N - 1)) for r in rows]
+            decs = [fmt.decode(k, isa, _row(k, fmt, lay, r, k.add(p0, i))) for r in rows]
+            dec = decs[0]
+            panel = Panel(fmt, dec.ints is not None, dec.mins is not None)
+            if not panel.ints and panel.subs > 1:
+                raise ValueError(f"qmatmul {fmt.dtype.name}: sub-block scales without integer scales")
+            vat = k.add(at, v * room)
+            if panel.ints:
+                for s, col in enumerate(k.transpose([d.ints.scales for d in decs])):
+                    k.store(col, buf, k.add(vat, panel.iscale(s)))
+                k.store(k.concat(*[pack(k, [d.ints.d]) for d in decs]), buf, k.add(vat, panel.d))
+                if panel.mins:
+                    for p, col in enumerate(k.transpose([_min_pairs(k, fmt, lay, d.ints.mins) for d in decs])):
+                        k.store(col, buf, k.add(vat, panel.imin(p)))
+                    k.store(k.concat(*[pack(k, [b.fneg(d.ints.dmin)]) for d in decs]), buf, k.add(vat, panel.ndmin))
+            else:
+                k.store(k.concat(*[d.scales for d in decs]), buf, k.add(vat, panel.d))
+                if panel.mins:
+                    k.store(k.concat(*[b.fneg(d.mins) for d in decs]), buf, k.add(vat, panel.ndmin))
+            for c in range(fmt.chunks):
+                for j, col in enumerate(k.transpose([k.cast_vec(d.chunk(c), i32) for d in decs])):
+                    s, w = divmod(32 * c + 4 * j, fmt.sub)
+                    k.store(col, buf, k.add(vat, panel.word(s, w // 4)))
+    return panel, dec
+
+
+def _min_pairs(k: Kernel, fmt: BlockFormat, lay: ActLayout, mins: ir.Value) -> ir.Value:
+    """A row's integer mins as one i16 pair per pair of activation sums: (min of sum 2p's sub-block,
+    min of sum 2p+1's), as <pairs x i32>."""
+    b = k.b
+    sums = fmt.dtype.block_size // lay.sum_block
+    first = k.shuffle(mins, [2 * p * lay.sum_block // fmt.sub for p in range(sums // 2)])
+    second = k.shuffle(mins, [(2 * p + 1) * lay.sum_block // fmt.sub for p in range(sums // 2)])
+    n = sums // 2
+    return b.or_(b.and_(first, ir.Constant(vec(i32, n), [0xFFFF] * n)), b.shl(second, ir.Constant(vec(i32, n), [16] * n)))
+
+
+def _panel_tokens(k: Kernel, isa: Isa, lay: ActLayout, N: int, n0, vecs: int, end, p0, count, buf, room: int,
+                  panel: Panel, dec: Decoded) -> None:
+    """Every token over the panel: a register tile of tokens at a time, then the rest."""
+    b = k.b
+    T = k.arg["T"]
+    tt = tile_tokens(panel.fmt)
+
+    def run(t0, n):
+        _panel_run(k, isa, lay, N, n0, vecs, end, p0, count, buf, room, panel, dec, t0, n)
+
+    groups = b.sdiv(T, k.i64(tt))
+    with k.loop(0, groups, name="tt") as g:
+        run(k.mul(g, tt), tt)
+    _by_count(k, b.sub(T, k.mul(groups, tt)), range(1, tt), lambda n: run(b.sub(T, k.i64(n)), n))
+
+
+def _panel_run(k: Kernel, isa: Isa, lay: ActLayout, N: int, n0, vecs: int, end, p0, count, buf, room: int,
+               panel: Panel, dec: Decoded, t0, n: int) -> None:
+    """Tokens t0..t0+n-1 over the panel, an f32 accumulator of 16 rows per (token, vector):
+    y[t, rows] starts from zero at the first panel and goes on from its stored value after; only
+    the rows before ``end`` are stored."""
+    b = k.b
+    fmt = panel.fmt
+    v16, vi = vec(f32, ROWS), vec(i32, ROWS)
+    zero_i = ir.Constant(vi, [0] * ROWS)
+    words, per = fmt.sub // 4, fmt.sub // lay.sum_block
+    xs = [k.addr(k.arg["xq"], k.mul(k.add(t0, t), lay.group_bytes(1))) for t in range(n)]
+    ys = [[k.mul(k.add(k.mul(k.add(t0, t), N), n0, 16 * v), 4) for v in range(vecs)] for t in range(n)]
+    masks = [b.icmp_signed("<", k.add(k.splat(n0, ROWS), ir.Constant(vec(i64, ROWS), [16 * v + r for r in range(ROWS)])),
+                           k.splat(end, ROWS)) for v in range(vecs)]
+    first = b.icmp_signed("==", p0, k.i64(0))
+    zero_f = ir.Constant(v16, [0.0] * ROWS)
+    accs = [[k.var(v16, b.select(first, zero_f, k.masked_load(v16, k.arg["y"], ys[t][v], masks[v])))
+             for v in range(vecs)] for t in range(n)]
+    with k.loop(0, count, name="pblk") as i:
+        blk, at = k.add(p0, i), k.mul(i, vecs * room)
+
+        def xsum(t, s):                                   # token t's sum of quants in sub-block s
+            first_sum = k.mul(k.add(k.mul(blk, panel.subs), s), per)
+            return _sum_of(k, [lay.load_sums(k, xs[t], 1, k.add(first_sum, p)) for p in range(per)])
+
+        def sub_dots(s, sub_at):                          # each (token, vector)'s integer dot over sub-block s
+            dots = [[k.splat(b.mul(xsum(t, s), ir.Constant(i32, -dec.offset)), ROWS) if dec.offset else zero_i] * vecs
+                    for t in range(n)]
+            word0 = k.mul(k.add(k.mul(blk, panel.subs), s), words)
+            for j in range(words):
+                w = [k.load(vec(i8, 64), buf, k.add(sub_at, v * room + 64 * j)) for v in range(vecs)]
+                for t in range(n):
+                    x = k.cast_vec(k.splat(k.load(i32, xs[t], lay.qs(k, 1, k.add(word0, j))), ROWS), i8)
+                    dots[t] = [isa.dot(dots[t][v], w[v], x, False, dec.qmax) for v in range(vecs)]
+            return dots
+
+        if panel.ints:                                    # sum_s dot_s * scale_s, in i32 lanes
+            isums = [[k.var(vi, zero_i) for _ in range(vecs)] for _ in range(n)]
+            with k.loop(0, panel.subs, name="psub") as s:
+                sub_at = k.add(at, k.mul(s, panel.sub_bytes))
+                isc = [k.load(vi, buf, k.add(sub_at, v * room + 16 * fmt.sub)) for v in range(vecs)]
+                for acc_t, dot_t in zip(isums, sub_dots(s, sub_at)):
+                    for v in range(vecs):
+                        acc_t[v].set(b.add(acc_t[v].get(), b.mul(dot_t[v], isc[v])))
+            isums = [[a.get() for a in acc_t] for acc_t in isums]
+        else:
+            isums = sub_dots(0, at)
+        pairs = fmt.dtype.block_size // lay.sum_block // 2
+        for v in range(vecs):                             # the vector's block factors, loaded once for all tokens
+            vat = k.add(at, v * room)
+            d = k.load(v16, buf, k.add(vat, panel.d))
+            ndmin = k.load(v16, buf, k.add(vat, panel.ndmin)) if panel.mins else None
+            imins = [k.cast_vec(k.load(vi, buf, k.add(vat, panel.imin(p))), i16) for p in range(pairs)] \
+                if panel.ints and panel.mins else []
+            for t in range(n):
+                dx = k.splat(k.load(f32, xs[t], lay.d(k, 1, blk)), ROWS)     # activation blocks = weight blocks
+                a = isa.fma(b.sitofp(isums[t][v], v16), b.fmul(d, dx), accs[t][v].get())
+                if panel.mins:
+                    if imins:                             # sum_s min_s * xsum_s, two sums per step, four chains
+                        chains = [zero_i] * 4
+                        # each vector loads the words itself, into the instruction, rather than LLVM keeping
+                        # (and spilling) one broadcast per word for both
+                        xt = _launder(k, xs[t]) if v else xs[t]
+                        for p, im in enumerate(imins):
+                            word = k.load(i32, xt, lay.sums(k, 1, k.add(k.mul(blk, 2 * pairs), 2 * p)))
+                            chains[p % 4] = isa.dot_pairs(chains[p % 4], im, k.cast_vec(k.splat(word, ROWS), i16))
+                        m = _sum_of(k, chains)
+                    else:
+                        m = k.splat(xsum(t, 0), ROWS)
+                    a = isa.fma(b.sitofp(m, v16), b.fmul(ndmin, dx), a)
+                accs[t][v].set(a)
+    for t in range(n):
+        for v in range(vecs):
+            k.masked_store(accs[t][v].get(), k.arg["y"], ys[t][v], masks[v])
+
+
+def _sum_of(k: Kernel, values: list) -> ir.Value:
+    total = values[0]
+    for v in values[1:]:
+        total = k.b.add(total, v)
+    return total
+
+
 # -- scalar twin ----------------------------------------------------------------------------
 def _scalar(k: Kernel, isa: Isa, fmt: BlockFormat, lay: ActLayout, N: int, rows, L: int) -> None:
     """y[t, n] = sum over blocks and sub-blocks of dx * (scale * sum(q * xq) - min * sum(xq))."""
@@ -391,7 +619,4 @@ def _xsum_scalar(k: Kernel, fmt: BlockFormat, lay: ActLayout, L: int, base, blk,
     """Sum of quantised activations of sub-block s (an i64 value) for one token."""
     per = fmt.sub // lay.sum_block
     first = k.add(k.mul(blk, fmt.dtype.block_size // lay.sum_block), k.mul(s, per))
-    total = ir.Constant(i32, 0)
-    for p in range(per):
-        total = k.b.add(total, k.load(i32, base, lay.sums(k, L, k.add(first, p), lane)))
-    return total
+    return _sum_of(k, [lay.load_sums(k, base, L, k.add(first, p), lane=lane) for p in range(per)])

@@ -20,8 +20,8 @@ import math
 
 from llvmlite import ir
 
-from ggraph.backends.llvm.kernels.builder import f32, i32, splat_const, vec
-from ggraph.backends.llvm.kernels.isa import Isa, mangle
+from ggraph.backends.llvm.kernels.builder import f32, i32, mangle, splat_const, vec
+from ggraph.backends.llvm.kernels.isa import Isa
 
 _MAGIC = 12582912.0              # 1.5 * 2**23: adding it rounds |v| < 2**22 to an integer
 
