@@ -218,26 +218,11 @@ def stream_bandwidth(threads: int, mbytes: int = 1024, repeats: int = 3) -> floa
     return x.nbytes / best / 1e9
 
 
-def cpu_ghz() -> float:
-    """The nominal clock from /proc/cpuinfo (a rough figure: turbo and throttling move it)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            mhz = [float(line.split(":")[1]) for line in f if line.lower().startswith("cpu mhz")]
-        return max(mhz) / 1000 if mhz else 3.0
-    except OSError:
-        return 3.0
-
-
-def peak_gflops(target, threads: int) -> dict[str, float]:
-    """Peak compute from the feature set, in G(FL)OP/s: f32 FMAs (2 ports, 2 flops each) and int8
-    multiply-adds (2 ops each) on 2 ports: one per byte lane per instruction with a dot-product
-    instruction (vpdpbusd, sdot), one per two instructions without (pmaddubsw then pmaddwd)."""
-    vector_bytes = target.vector_bits // 8
-    ghz = threads * cpu_ghz()
-    f32_peak = ghz * 2 * (vector_bytes // 4) * 2
-    dot = target.has("avx512vnni") or target.has("avxvnni") or target.has("dotprod")
-    macs = 2 * vector_bytes // (1 if dot else 2)                     # int8 multiply-adds a cycle
-    return {"f32": f32_peak, "int8": ghz * macs * 2}
+def machine_peaks(target, threads: int) -> dict[str, float]:
+    """The core clock (GHz) and the f32 (GFLOP/s) and int8 (Gop/s) peaks of ``target``'s instructions
+    on ``threads`` cores, measured now (``ggraph.bench.peaks``): turbo and a busy neighbour count."""
+    from ggraph.bench import peaks
+    return peaks.measure(target, threads)
 
 
 def op_kind(eqn) -> str:
@@ -273,17 +258,20 @@ def profile_rows(runs, dims: dict, bandwidth: float, peaks: dict, core_hz: float
     groups = {"op": {}, "layer": {}}
     for eqn, seconds in per_eqn.values():
         flops, nbytes = eqn.cost(dims) if eqn is not None else (0, 0)
+        bound = _bound(op_kind(eqn), flops, nbytes, bandwidth, peaks)       # each op at its own limit
         layer = ".".join(eqn.scope.split(".")[:2]) if eqn is not None and eqn.scope.startswith("blk.") \
             else (eqn.scope.split(".")[0] if eqn is not None and eqn.scope else "top")
         for by, key in (("op", op_kind(eqn)), ("layer", layer)):
-            row = groups[by].setdefault(key, {"name": key, "calls": 0, "seconds": 0.0, "bytes": 0.0, "flops": 0.0})
+            row = groups[by].setdefault(key, {"name": key, "calls": 0, "seconds": 0.0, "bytes": 0.0, "flops": 0.0,
+                                              "bound": 0.0})
             row["calls"] += 1
             row["seconds"] += seconds
             row["bytes"] += nbytes
             row["flops"] += flops
+            row["bound"] += bound
     idle = min(i for _, i in runs)
     for rows in groups.values():
-        rows[IDLE] = {"name": IDLE, "calls": len(runs[0][0]), "seconds": idle, "bytes": 0.0, "flops": 0.0}
+        rows[IDLE] = {"name": IDLE, "calls": len(runs[0][0]), "seconds": idle, "bytes": 0.0, "flops": 0.0, "bound": 0.0}
     total = sum(s for _, s in per_eqn.values()) + idle or 1.0
     out = {}
     for by, rows in groups.items():
@@ -293,8 +281,7 @@ def profile_rows(runs, dims: dict, bandwidth: float, peaks: dict, core_hz: float
             r["gb_s"] = r["bytes"] / r["seconds"] / 1e9 if r["seconds"] else 0.0
             r["gflop_s"] = r["flops"] / r["seconds"] / 1e9 if r["seconds"] else 0.0
             r["ops_cycle"] = r["flops"] / r["seconds"] / core_hz if r["seconds"] and core_hz else 0.0
-            r["roofline"] = _bound(r["name"], r["flops"], r["bytes"], bandwidth, peaks) / r["seconds"] \
-                if r["seconds"] else 0.0                                    # 1.0 = at the limit
+            r["roofline"] = r.pop("bound") / r["seconds"] if r["seconds"] else 0.0     # 1.0 = at the limit
         out[by] = listed
     return out
 
@@ -342,8 +329,8 @@ def profile_ggraph(path, pp: int = 64, threads: int = 1, passes="default", ctx: 
                 profile=True, disabled=disabled, ubatch=ubatch or UBATCH)
     prog = s.program(last_only=True)
     bandwidth = stream_bandwidth(threads)
-    peaks = peak_gflops(prog.target, threads)
-    core_hz = threads * cpu_ghz() * 1e9
+    peaks = machine_peaks(prog.target, threads)
+    core_hz = threads * peaks["ghz"] * 1e9
     ids = prompt_tokens(depth + pp, s.config.n_vocab)
     s.step(ids[depth:])                                      # warm: page in the weights
     s.reset()

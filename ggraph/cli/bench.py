@@ -15,7 +15,7 @@ FLASH_ATTN = {"on": [True], "off": [False], "both": [True, False]}       # --fla
 
 def _int_list(text: str, what: str, minimum: int = 1) -> list[int]:
     try:
-        values = [int(x) for x in str(text).split(",") if x.strip()]
+        values = [int(x) for x in str(text).split(",")]      # an empty item ("1,,2", "") is a mistake too
     except ValueError:
         raise ValueError(f"{what} must be a comma-separated list of integers, got {text!r}") from None
     if not values or min(values) < minimum:
@@ -78,7 +78,8 @@ def cmd_bench(args) -> int:
         return cmd_memory(args, path, threads, cache_k, cache_v)
     if args.fill is not None or args.cache_types is not None:
         raise ValueError("--fill and --cache-types belong to --memory")
-    pps, tgs = _int_list(args.pp or "64", "--pp"), _int_list(args.tg or "32", "--tg", minimum=0)
+    pps = _int_list("64" if args.pp is None else args.pp, "--pp")
+    tgs = _int_list("32" if args.tg is None else args.tg, "--tg", minimum=0)
     depths = _int_list(args.depth, "--depth", minimum=0)
     if args.repeats < 1:
         raise ValueError(f"--repeats must be at least 1, got {args.repeats}")
@@ -156,7 +157,7 @@ def cmd_memory(args, path, threads, cache_k, cache_v) -> int:
         raise ValueError(f"--memory measures memory, not speed: {', '.join(unused)} do not apply")
     if len(threads) > 1:
         raise ValueError(f"--memory takes one --threads value, got {args.threads!r}")
-    ctxs = _int_list(args.ctx or "512,4096", "--ctx")
+    ctxs = _int_list("512,4096" if args.ctx is None else args.ctx, "--ctx")
     types = [(_cache_type(t, "--cache-types"),) * 2 for t in args.cache_types.split(",")] if args.cache_types \
         else [(cache_k, cache_v)]
     if args.fill is not None and args.fill < 1:
@@ -199,12 +200,12 @@ def _flatten(row: dict, prefix: str = "") -> dict:
 
 
 def _machine_limits(runner, threads: int) -> dict:
-    """This run's memory bandwidth (measured now) and the compute peaks of the feature set the
-    ggraph program was built for, at ``threads`` threads."""
+    """This run's memory bandwidth and the compute peaks of the feature set the ggraph program was
+    built for, at ``threads`` threads, both measured now."""
     from ggraph.backends.llvm.target import host_target
-    from ggraph.bench.measure import peak_gflops, stream_bandwidth
+    from ggraph.bench.measure import machine_peaks, stream_bandwidth
     target = getattr(runner.session.program(last_only=True), "target", None) or host_target()
-    return {"bandwidth_gb_s": stream_bandwidth(threads), "peaks": peak_gflops(target, threads), "target": target.name}
+    return {"bandwidth_gb_s": stream_bandwidth(threads), "peaks": machine_peaks(target, threads), "target": target.name}
 
 
 def roofline_table(results: list[dict]) -> str:
@@ -212,9 +213,9 @@ def roofline_table(results: list[dict]) -> str:
     lines = []
     for t in dict.fromkeys(r["threads"] for r in results):
         first = next(r for r in results if r["threads"] == t)
-        lines.append(f"\nroofline at {t} thread{'s' * (t != 1)}: {first['bandwidth_gb_s']:.1f} GB/s measured in this "
-                     f"run, {first['peak_int8_gop_s']:.0f} Gop/s int8 and {first['peak_gflop_s']:.0f} GFLOP/s f32 peak "
-                     f"({first['limit_target']}); limit = every op of the step at its bound")
+        lines.append(f"\nroofline at {t} thread{'s' * (t != 1)}: {first['bandwidth_gb_s']:.1f} GB/s, "
+                     f"{first['peak_int8_gop_s']:.0f} Gop/s int8 and {first['peak_gflop_s']:.0f} GFLOP/s f32 "
+                     f"({first['limit_target']}), all measured in this run; limit = every op of the step at its bound")
         lines.append(f"{'engine':<10} {'passes':<8} {'fa':>3} {'depth':>6} {'pp':>5} {'limit tok/s':>11} "
                      f"{'of limit':>8} {'tg':>4} {'limit tok/s':>11} {'of limit':>8}")
         for r in (r for r in results if r["threads"] == t):
@@ -233,11 +234,12 @@ def profile_report(r: dict) -> str:
     from ggraph.bench.measure import DECODE_PROFILE_STEPS, IDLE
     roof = r["roofline"]
     head = (f"\nprofile: {r['passes']} pipeline, {roof['threads']} thread(s), {roof['target']}; roofline: "
-            f"{roof['bandwidth_gb_s']:.1f} GB/s measured, {roof['peak_gflop_s']:.0f} GFLOP/s f32 and "
-            f"{roof['peak_int8_gop_s']:.0f} Gop/s int8 peak ('of roofline' = the time the limit allows / the time taken)")
+            f"{roof['bandwidth_gb_s']:.1f} GB/s, {roof['peak_gflop_s']:.0f} GFLOP/s f32 and "
+            f"{roof['peak_int8_gop_s']:.0f} Gop/s int8 peak, measured in this run ('of roofline' = the time the "
+            f"limit allows / the time taken)")
     if "ghz" in roof:
-        head += (f"\n'op/cyc': operations (a multiply-add is 2) per core per cycle at {roof['ghz']:.2f} GHz; the "
-                 f"peaks are {roof['peak_f32_ops_cycle']:.0f} f32 and {roof['peak_int8_ops_cycle']:.0f} int8")
+        head += (f"\n'op/cyc': operations (a multiply-add is 2) per core per cycle at {roof['ghz']:.2f} GHz (measured); "
+                 f"the peaks are {roof['peak_f32_ops_cycle']:.0f} f32 and {roof['peak_int8_ops_cycle']:.0f} int8")
     if "calls" in r["profile"]:
         head += (f"\n{r['profile']['calls']} kernel calls and {r['profile']['barriers']} barriers a step (profiling puts "
                  f"a barrier after every call; '{IDLE}' is the threads' mean time waiting at them)")

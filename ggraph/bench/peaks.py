@@ -1,0 +1,106 @@
+"""This machine's compute limits, measured now, as ``stream_bandwidth`` measures its memory: the
+core clock and the f32 and int8 peaks of a feature set, from native loops that do nothing else.
+
+- clock: a chain of dependent integer adds and xors (one cycle each on every x86 and Arm core),
+  so cycles per second while turbo and throttling are what they are in this run.
+- f32: independent FMA chains of the target's vector width (2 flops a lane each).
+- int8: independent u8 x s8 dot chains, the instruction the quantised matmuls use on the
+  target (vpdpbusd, pmaddubsw + pmaddwd, sdot): 2 ops per byte lane.
+
+Enough independent chains cover every latency, so each figure is the throughput of the
+instruction on all the threads at once.
+"""
+from __future__ import annotations
+
+import ctypes
+import time
+
+from llvmlite import ir
+
+CHAINS = 16                      # independent accumulators: more than latency x issue width anywhere
+UNROLL = 64                      # dependent add/xor pairs per loop pass of the clock loop
+_ABI = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_int32]
+
+
+def _lanes(target) -> int:
+    from ggraph.backends.llvm.kernels.isa import vector_path
+    return max(1, (target.vector_bits // 8 if vector_path(target) else 4) // 4)
+
+
+def module(target) -> ir.Module:
+    """The three loops for ``target``: ``peak_f32``, ``peak_int8`` and ``peak_clock(buf, n)``."""
+    from ggraph.backends.llvm.kernels.builder import Kernel, f32, i8, i32, vec
+    from ggraph.backends.llvm.kernels.isa import Isa
+
+    m = ir.Module()
+    lanes = _lanes(target)
+
+    def chains(name: str, typ, step):
+        """n iterations of CHAINS independent ``acc = step(acc, a, b)``; the sums are stored so the
+        loop stays, and the operands come from memory, so nothing folds."""
+        k = Kernel(m, name, ("buf",), sizes=("n",))
+        isa = Isa(k, target)
+        a, b = (k.load(typ["in"], k.arg["buf"], off) for off in (0, 64))
+        accs = [k.var(typ["acc"], k.load(typ["acc"], k.arg["buf"], 128)) for _ in range(CHAINS)]
+        with k.loop(0, k.arg["n"], name="it"):
+            for acc in accs:
+                acc.set(step(isa, acc.get(), a, b))
+        total = accs[0].get()
+        for acc in accs[1:]:
+            total = (k.b.fadd if typ["acc"].element == f32 else k.b.add)(total, acc.get())
+        k.store(total, k.arg["buf"], 192)
+        k.finish()
+
+    chains("peak_f32", {"in": vec(f32, lanes), "acc": vec(f32, lanes)}, lambda isa, acc, a, b: isa.fma(a, b, acc))
+    # the accumulator's own bytes are the u8 operand: without that, LLVM would hoist the multiplies of a
+    # two-instruction dot (pmaddubsw, pmaddwd) out of the loop and leave only the adds
+    chains("peak_int8", {"in": vec(i8, 4 * lanes), "acc": vec(i32, lanes)},
+           lambda isa, acc, a, b: isa.dot(acc, isa.k.cast_vec(acc, i8), b, False, 127))
+
+    k = Kernel(m, "peak_clock", ("buf",), sizes=("n",))
+    c, d = k.load(i32, k.arg["buf"], 0), k.load(i32, k.arg["buf"], 4)
+    x = k.var(i32, k.load(i32, k.arg["buf"], 8))
+    with k.loop(0, k.arg["n"], name="it"):
+        v = x.get()
+        for _ in range(UNROLL):
+            v = k.b.xor(k.b.add(v, c), d)
+        x.set(v)
+    k.store(x.get(), k.arg["buf"], 12)
+    k.finish()
+    return m
+
+
+def measure(target, threads: int = 1, seconds: float = 0.05) -> dict:
+    """{"ghz": the core clock, "f32": GFLOP/s, "int8": Gop/s} of ``threads`` cores running ``target``'s
+    loops at once (the clock from one core); a multiply-add counts 2."""
+    import numpy as np
+    from ggraph.backends.llvm.team import CallTeam
+
+    from ggraph.backends.llvm import jit
+    lib = jit.compile(module(target), target)
+    fns = {name: lib.function(name, None, _ABI) for name in ("peak_f32", "peak_int8", "peak_clock")}
+    lanes = _lanes(target)
+    ops = {"peak_f32": CHAINS * lanes * 2, "peak_int8": CHAINS * 4 * lanes * 2, "peak_clock": 2 * UNROLL}
+    bufs = [np.zeros(256, np.uint8) for _ in range(threads)]
+    for b in bufs:
+        b[:8] = 1
+    out = {}
+    team = CallTeam(threads)
+    try:
+        for name, fn in fns.items():
+            nth = 1 if name == "peak_clock" else threads
+            n = 1000
+            while True:                                    # grow the loop until a pass takes long enough
+                best = float("inf")
+                for _ in range(3):
+                    start = time.perf_counter()
+                    team.run(lambda ith: fn(bufs[ith].ctypes.data, n, ith, nth) if ith < nth else None)
+                    best = min(best, time.perf_counter() - start)
+                if best >= seconds:
+                    break
+                n *= max(2, int(seconds / max(best, 1e-6)))
+            out[name] = n * ops[name] * nth / best / 1e9
+    finally:
+        team.close()
+        del lib
+    return {"ghz": out["peak_clock"], "f32": out["peak_f32"], "int8": out["peak_int8"]}
