@@ -13,6 +13,8 @@ from typing import Mapping
 from ggraph.models.registry import architecture
 from ggraph.models.rope import SCALING_TYPES
 
+MAX_ROPE_FREQUENCY = 1e28      # radians per position: times any int32 position it stays a finite f32
+
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
@@ -78,6 +80,8 @@ def config_from_gguf(metadata: Mapping, tensor_names, embedding_rows: int = 0) -
     n_head = keys.int("attention.head_count", required=True)
     n_head_kv = keys.int("attention.head_count_kv", n_head, per_layer=True)
     n_layer = keys.int("block_count", required=True)
+    from ggraph.models.validate import check_layers
+    check_layers(arch, n_layer, names, shared_decoder=spec.forward is None)   # before flags sized by it
     if n_head % n_head_kv:
         raise ValueError(f"{arch}.attention.head_count = {n_head} is not a multiple of "
                          f"{arch}.attention.head_count_kv = {n_head_kv}")
@@ -117,6 +121,8 @@ def config_from_gguf(metadata: Mapping, tensor_names, embedding_rows: int = 0) -
     )
     try:
         flags = spec.flags(keys, names, n_layer)
+    except MetadataError:                                  # a key the file got wrong, read through Keys: say so
+        raise
     except (KeyError, TypeError, ValueError, ArithmeticError) as e:
         raise ValueError(f"architecture {arch!r} ({spec.origin}): its flags function failed: "
                          f"{type(e).__name__}: {e}") from e
@@ -134,6 +140,10 @@ def config_from_gguf(metadata: Mapping, tensor_names, embedding_rows: int = 0) -
     return cfg
 
 
+class MetadataError(ValueError):
+    """A metadata value that is missing, of the wrong type or out of range; the message names the key."""
+
+
 class Keys:
     """``<arch>.*`` metadata, read with the checks a lying file needs: ``keys("rope.freq_base", 1e4)``
     returns the raw value (what architecture flag functions call); ``int``/``float`` check it."""
@@ -146,7 +156,7 @@ class Keys:
         if full in self.metadata:
             return self.metadata[full]
         if required:
-            raise ValueError(f"{self.arch} model is missing metadata key {full!r}")
+            raise MetadataError(f"{self.arch} model is missing metadata key {full!r}")
         return default
 
     __call__ = raw
@@ -160,20 +170,23 @@ class Keys:
         if per_layer and not isinstance(v, (int, float, str, bool)):
             values = set(v) if len(v) else {None}
             if len(values) != 1:
-                raise ValueError(f"{full} varies by layer ({len(values)} different values), which is not supported")
+                raise MetadataError(f"{full} varies by layer ({len(values)} different values), which is not supported")
             v = values.pop()
         if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
-            raise ValueError(f"{full} = {v!r}: must be an integer of at least {minimum}")
+            raise MetadataError(f"{full} = {v!r}: must be an integer of at least {minimum}")
         return v
 
-    def float(self, k: str, default: float, *, zero_means_default: bool = False) -> float:
-        """A finite number greater than 0 (a factor, a base, an epsilon)."""
+    def float(self, k: str, default: float, *, zero_means_default: bool = False, zero_ok: bool = False) -> float:
+        """A finite number greater than 0 (a factor, a base, an epsilon); with ``zero_ok``, 0 too (a
+        softcap of 0 is none)."""
         v = self.raw(k, default)
         if zero_means_default and v == 0:
             v = default
         full = f"{self.arch}.{k}"
+        if zero_ok and not isinstance(v, (bool, str)) and v == 0:
+            return 0.0
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
-            raise ValueError(f"{full} = {v!r}: must be a finite number greater than 0")
+            raise MetadataError(f"{full} = {v!r}: must be a finite number greater than 0")
         return float(v)
 
 
@@ -181,8 +194,21 @@ def _check_flags(cfg: ModelConfig) -> None:
     """The numbers an architecture's flags set, checked like the ones read above."""
     for name in ("attn_softcap", "final_softcap", "embed_scale", "rope_base_local", "rope_scale_local", "attn_scale"):
         v = getattr(cfg, name)
-        if v is not None and v != 0 and not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
+        none = v is None or (name in ("attn_softcap", "final_softcap", "attn_scale") and not isinstance(v, str)
+                             and v == 0)                # 0: no softcap, the default scale; a base of 0 is a lie
+        if not none and not (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0):
             raise ValueError(f"{cfg.arch}: {name} = {v!r} must be a finite number greater than 0")
+    for key, base in (("rope.freq_base", cfg.rope_base), ("rope.freq_base_swa", cfg.rope_base_local)):
+        if base is None:
+            continue
+        # theta_i = pos * base^(-2i/n): a base far below 1 makes the top pair's frequency overflow f32 (NaN
+        # logits), and yarn's ramp divides by log(base)
+        top = math.exp(-math.log(base) * (cfg.rope_dims - 2) / cfg.rope_dims) if cfg.rope_dims > 2 else 1.0
+        if top > MAX_ROPE_FREQUENCY:
+            raise ValueError(f"{cfg.arch}.{key} = {base!r}: too small, its rope frequencies overflow "
+                             f"({top:.3g} radians per position)")
+        if cfg.rope_scaling_type == "yarn" and base == 1:
+            raise ValueError(f"{cfg.arch}.{key} = {base!r}: yarn scaling needs a rope base other than 1")
     if cfg.swa_layers and len(cfg.swa_layers) != cfg.n_layer:
         raise ValueError(f"{cfg.arch}: {len(cfg.swa_layers)} sliding-window flags for {cfg.n_layer} layers")
     if cfg.rope_style not in ("neox", "interleaved"):

@@ -18,7 +18,9 @@ from __future__ import annotations
 import re
 from typing import Mapping
 
-from ggraph.models.config import ModelConfig
+import numpy as np
+
+from ggraph.models.config import MAX_ROPE_FREQUENCY, ModelConfig
 
 _BLOCK = re.compile(r"blk\.(\d+)\.")
 
@@ -27,16 +29,22 @@ def _fmt(shape) -> str:
     return "[" + ",".join(map(str, shape)) + "]"
 
 
+def check_layers(arch: str, n_layer: int, names, shared_decoder: bool = True) -> None:
+    """The block count against the blk.N tensors, before anything sized by it (per-layer flags, caches)
+    is made: a lying ``block_count = 2**32 - 1`` is one line, not a tuple of four billion flags."""
+    layers = sorted({int(m.group(1)) for n in names if (m := _BLOCK.match(n))})
+    if layers and (layers[-1] >= n_layer or len(layers) != n_layer):
+        have = f"blk.{layers[0]}..blk.{layers[-1]}" + ("" if len(layers) == layers[-1] - layers[0] + 1
+                                                         else f" ({len(layers)} of them)")
+        raise ValueError(f"{arch}.block_count = {n_layer} but the file has {have}")
+    if not layers and shared_decoder and n_layer:
+        raise ValueError(f"{arch}.block_count = {n_layer} but the file has no blk.N tensors")
+
+
 def check(cfg: ModelConfig, tensors: Mapping, metadata: Mapping, shared_decoder: bool = True) -> None:
     """Raise ValueError naming the key and tensor unless the metadata and the tensors agree."""
     a = cfg.arch
-    layers = sorted({int(m.group(1)) for n in tensors if (m := _BLOCK.match(n))})
-    if layers and (layers[-1] >= cfg.n_layer or len(layers) != cfg.n_layer):
-        have = f"blk.{layers[0]}..blk.{layers[-1]}" + ("" if len(layers) == layers[-1] - layers[0] + 1
-                                                         else f" ({len(layers)} of them)")
-        raise ValueError(f"{a}.block_count = {cfg.n_layer} but the file has {have}")
-    if not layers and shared_decoder and cfg.n_layer:
-        raise ValueError(f"{a}.block_count = {cfg.n_layer} but the file has no blk.N tensors")
+    check_layers(a, cfg.n_layer, tensors, shared_decoder)
     emb = tuple(tensors["token_embd.weight"].shape)
     tokens = metadata.get("tokenizer.ggml.tokens")
     if tokens is not None and len(tokens) != emb[0]:
@@ -46,9 +54,21 @@ def check(cfg: ModelConfig, tensors: Mapping, metadata: Mapping, shared_decoder:
             raise ValueError(f"{k} = {v} is outside the vocabulary of {emb[0]} tokens (token_embd.weight rows)")
     eog = metadata.get("tokenizer.ggml.eog_token_ids")
     if eog is not None:
-        bad = [int(i) for i in eog if not (isinstance(i, int) and 0 <= i < emb[0])]
+        if isinstance(eog, (str, bytes, int, float)) or not hasattr(eog, "__iter__"):
+            raise ValueError(f"tokenizer.ggml.eog_token_ids = {eog!r}: must be an array of token ids")
+        bad = [i for i in eog if isinstance(i, bool) or not isinstance(i, (int, np.integer)) or not 0 <= i < emb[0]]
         if bad:
-            raise ValueError(f"tokenizer.ggml.eog_token_ids holds {bad[0]}, outside the vocabulary of {emb[0]} tokens")
+            what = "outside the vocabulary of" if isinstance(bad[0], (int, np.integer)) else "not a token id; the vocabulary has"
+            raise ValueError(f"tokenizer.ggml.eog_token_ids holds {bad[0]!r}, {what} {emb[0]} tokens")
+    types = metadata.get("tokenizer.ggml.token_type")
+    if types is not None and not isinstance(types, (str, bytes, int, float)):
+        tt = np.asarray(types if isinstance(types, np.ndarray) else list(types))
+        if tt.size and (tt.dtype.kind not in "iu" or tt.min() < 0 or tt.max() > MAX_TOKEN_TYPE):
+            first = tt.reshape(-1)[np.flatnonzero(~np.isin(tt, np.arange(MAX_TOKEN_TYPE + 1)))[0]] \
+                if tt.dtype.kind in "iu" else tt.reshape(-1)[0]
+            first = first.item() if isinstance(first, np.generic) else first
+            raise ValueError(f"tokenizer.ggml.token_type holds {first!r}, which is not a token type "
+                             f"(0..{MAX_TOKEN_TYPE}: undefined, normal, unknown, control, user-defined, unused, byte)")
     if cfg.n_vocab != emb[0]:
         raise ValueError(f"the vocabulary has {cfg.n_vocab} tokens ({a}.vocab_size or tokenizer.ggml.tokens) but "
                          f"token_embd.weight has {emb[0]} rows")
@@ -59,6 +79,29 @@ def check(cfg: ModelConfig, tensors: Mapping, metadata: Mapping, shared_decoder:
             got = tuple(tensors[name].shape)
             if got != want:
                 raise ValueError(f"tensor {name} is {_fmt(got)}, but {why} say {_fmt(want)}")
+            dt = tensors[name].dtype
+            if not (dt.np_dtype is None or dt.is_float):
+                raise ValueError(f"tensor {name} is {dt.name}: the {a} decoder reads float or quantised weights")
+    for name in ROPE_FACTOR_TENSORS:
+        if cfg.rope_freq_factors and name in tensors:
+            _check_rope_factors(name, tensors[name])
+
+
+ROPE_FACTOR_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
+MAX_TOKEN_TYPE = 6             # llama.cpp's llama_token_type: 0 undefined .. 6 byte
+
+
+def _check_rope_factors(name: str, t) -> None:
+    """Rope frequency factors divide each pair's frequency: each must be finite and greater than 0
+    (a 0 or a NaN would make every logit NaN), and not so small that a frequency overflows."""
+    from ggraph.gguf import quants
+    if t.dtype.name != "f32":                            # llama.cpp's rope asserts f32 factors
+        raise ValueError(f"tensor {name} is {t.dtype.name}: rope frequency factors must be f32")
+    values = np.asarray(quants.dequantize(t.data, t.dtype, t.shape), np.float64).reshape(-1)
+    bad = values[~(np.isfinite(values) & (values >= 1.0 / MAX_ROPE_FREQUENCY))]
+    if bad.size:
+        raise ValueError(f"tensor {name} holds {float(bad[0])!r}: rope frequency factors must be finite and "
+                         f"at least {1 / MAX_ROPE_FREQUENCY:g}")
 
 
 def expected_shapes(cfg: ModelConfig, names: set) -> dict[str, tuple[tuple, str]]:

@@ -158,6 +158,58 @@ def test_lying_and_corrupt_files(corpus, name):
         assert_clean_error(rc, out, err, LYING[name])
 
 
+# Lies an independent hostile corpus found after the first fuzz suite: a block count that sized gemma's
+# per-layer window flags (5 GB before any check), a local rope base of 0 and rope factors of 0 or NaN (NaN
+# logits, exit 0), a string softcap read as a number, a scalar EOG list (a leaked TypeError), token types
+# outside llama.cpp's enum (empty text, exit 0), a base so small its frequencies overflow, yarn over a base
+# of 1, integer-typed weights and f16 rope factors (op errors that named no tensor: "dequant: i32[64,64] is not
+# a weight type", "div: dtypes differ").
+MORE_LIES = {  # name: (base arch or None for the q8_0 llama, edits, what the one error line must say)
+    "gemma2_block_count_huge": ("gemma2", dict(keys={"gemma2.block_count": 2 ** 32 - 1}),
+                                "gemma2.block_count = 4294967295 but the file has blk.0..blk.3"),
+    "gemma3_block_count_huge": ("gemma3", dict(keys={"gemma3.block_count": Typed(2 ** 40, "u64")}),
+                                "gemma3.block_count = 1099511627776 but the file has blk.0..blk.5"),
+    "gemma2_local_base_zero": ("gemma2", dict(keys={"gemma2.rope.freq_base_swa": Typed(0.0, "f32")}),
+                               "gemma2.rope.freq_base_swa = 0.0: must be a finite number greater than 0"),
+    "gemma3_local_base_zero": ("gemma3", dict(keys={"gemma3.rope.freq_base_swa": Typed(0.0, "f32")}),
+                               "gemma3.rope.freq_base_swa = 0.0: must be a finite number greater than 0"),
+    "gemma2_softcap_string": ("gemma2", dict(keys={"gemma2.final_logit_softcapping": Typed("30", "str")}),
+                              "gemma2.final_logit_softcapping = '30': must be a finite number greater than 0"),
+    "eog_scalar": (None, dict(keys={"tokenizer.ggml.eog_token_ids": Typed(2, "u32")}),
+                   "tokenizer.ggml.eog_token_ids = 2: must be an array of token ids"),
+    "token_type_99": (None, dict(keys={"tokenizer.ggml.token_type": Typed([99] * 32000, "i32")}),
+                      "tokenizer.ggml.token_type holds 99, which is not a token type"),
+    "rope_freqs_zero": (None, dict(tensors={"rope_freqs.weight": np.zeros(8, np.float32)}),
+                        "tensor rope_freqs.weight holds 0.0: rope frequency factors must be finite"),
+    "rope_freqs_nan": (None, dict(tensors={"rope_freqs.weight": np.full(8, np.nan, np.float32)}),
+                       "tensor rope_freqs.weight holds nan"),
+    "rope_base_tiny": (None, dict(keys={"llama.rope.freq_base": 1e-45}),
+                       "llama.rope.freq_base = 1.401298464324817e-45: too small, its rope frequencies overflow"),
+    "yarn_over_base_one": (None, dict(keys={"llama.rope.freq_base": 1.0, "llama.rope.scaling.type": Typed("yarn", "str"),
+                                            "llama.rope.scaling.factor": Typed(4.0, "f32"),
+                                            "llama.rope.scaling.original_context_length": Typed(32, "u32")}),
+                           "llama.rope.freq_base = 1.0: yarn scaling needs a rope base other than 1"),
+    "integer_weight": (None, dict(tensors={"blk.0.attn_norm.weight": np.ones(64, np.int8)}),
+                       "tensor blk.0.attn_norm.weight is i8: the llama decoder reads float or quantised weights"),
+    "rope_freqs_f16": (None, dict(tensors={"rope_freqs.weight": np.ones(8, np.float16)}),
+                       "tensor rope_freqs.weight is f16: rope frequency factors must be f32"),
+}
+
+
+@pytest.fixture(scope="module")
+def more_lies(base, tmp_path_factory):
+    d = tmp_path_factory.mktemp("fuzz-more")
+    return {name: edited(zoo.cached_model(arch, "f32") if arch else base, d / f"{name}.gguf", **edits)
+            for name, (arch, edits, _) in MORE_LIES.items()}
+
+
+@pytest.mark.parametrize("name", sorted(MORE_LIES))
+def test_more_lying_files(more_lies, name):
+    for verb in (["run", "-p", "hi", "-n", 2, "--ctx", 32], ["dump", "--layer", 0, "--ctx", 32]):
+        rc, out, err = run([verb[0], more_lies[name], *verb[1:]], timeout=60)
+        assert_clean_error(rc, out, err, MORE_LIES[name][2])
+
+
 def test_inspect_survives_odd_but_valid_files(corpus):
     for name in ("zero_element_tensor", "array_file_type", "nan_metadata"):
         rc, out, err = run(["inspect", corpus[name]])
