@@ -210,6 +210,14 @@ def test_more_lying_files(more_lies, name):
         assert_clean_error(rc, out, err, MORE_LIES[name][2])
 
 
+def test_nan_logits_are_an_error_not_empty_text(base, tmp_path):
+    """NaN weights (a damaged file, or a flipped bit in an f16 tensor) gave NaN logits, which sampled to
+    token 0 and printed nothing with exit 0."""
+    model = edited(base, tmp_path / "nan.gguf", tensors={"output_norm.weight": np.full(64, np.nan, np.float32)})
+    rc, out, err = run(["run", model, "-p", "hi", "-n", 2, "--ctx", 32])
+    assert_clean_error(rc, out, err, "the model's logits are not finite (NaN or infinite) at generated token 0")
+
+
 def test_inspect_survives_odd_but_valid_files(corpus):
     for name in ("zero_element_tensor", "array_file_type", "nan_metadata"):
         rc, out, err = run(["inspect", corpus[name]])

@@ -11,6 +11,10 @@ import numpy as np
 from ggraph.runtime.tokenizer import Detokenizer
 
 
+class NonFiniteLogits(ValueError):
+    """A step gave NaN or infinite logits: there is no token to sample (a damaged or lying file)."""
+
+
 class Generation:
     """Sampling, the grammar mask, stop strings held back until they cannot match, and why it ended."""
 
@@ -30,6 +34,9 @@ class Generation:
             raise RuntimeError("this generation has finished")
         if 0 <= self.max_tokens <= self.generated:
             return self._finish("length")
+        if not np.isfinite(logits).all():              # before the grammar mask, which writes -inf
+            raise NonFiniteLogits(f"the model's logits are not finite (NaN or infinite) at generated token "
+                                  f"{self.generated}: the file's weights hold numbers out of range")
         if self.matcher is not None:
             logits = self.matcher.mask(logits)
         tok = self.sampler(logits, self.history, self.rng)
