@@ -374,6 +374,14 @@ def tile_tokens(fmt: BlockFormat) -> int:
     return 4 if fmt.dtype.block_size > fmt.sub else 6
 
 
+def chain_split(fmt: BlockFormat) -> int:
+    """Dot chains per (token, vector) in a sub-block, taking its words in turn: with 8 chains of 8
+    dependent vpdpbusd (super-block types with 32-weight sub-blocks) the latency is the whole
+    sub-block's time, so two per pair halve it (q4_k 1.07x at T=512); shorter sub-blocks and the
+    6-token tiles of the other types have enough already (and the registers are spoken for)."""
+    return 2 if 2 * tile_tokens(fmt) < 12 and fmt.sub // 4 >= 8 else 1
+
+
 @dataclass(frozen=True)
 class Panel:
     """Where one block of a 16-row vector lies in a tile's panel buffer: for each sub-block its
@@ -528,15 +536,18 @@ def _panel_run(k: Kernel, isa: Isa, lay: ActLayout, N: int, n0, vecs: int, end, 
             return _sum_of(k, [lay.load_sums(k, xs[t], 1, k.add(first_sum, p)) for p in range(per)])
 
         def sub_dots(s, sub_at):                          # each (token, vector)'s integer dot over sub-block s
-            dots = [[k.splat(b.mul(xsum(t, s), ir.Constant(i32, -dec.offset)), ROWS) if dec.offset else zero_i] * vecs
+            init = [k.splat(b.mul(xsum(t, s), ir.Constant(i32, -dec.offset)), ROWS) if dec.offset else zero_i
                     for t in range(n)]
+            split = chain_split(fmt)
+            dots = [[[init[t] if c == 0 else zero_i for c in range(split)] for _ in range(vecs)] for t in range(n)]
             word0 = k.mul(k.add(k.mul(blk, panel.subs), s), words)
             for j in range(words):
                 w = [k.load(vec(i8, 64), buf, k.add(sub_at, v * room + 64 * j)) for v in range(vecs)]
                 for t in range(n):
                     x = k.cast_vec(k.splat(k.load(i32, xs[t], lay.qs(k, 1, k.add(word0, j))), ROWS), i8)
-                    dots[t] = [isa.dot(dots[t][v], w[v], x, False, dec.qmax) for v in range(vecs)]
-            return dots
+                    for v in range(vecs):
+                        dots[t][v][j % split] = isa.dot(dots[t][v][j % split], w[v], x, False, dec.qmax)
+            return [[_sum_of(k, dots[t][v]) for v in range(vecs)] for t in range(n)]
 
         if panel.ints:                                    # sum_s dot_s * scale_s, in i32 lanes
             isums = [[k.var(vi, zero_i) for _ in range(vecs)] for _ in range(n)]
