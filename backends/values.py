@@ -79,6 +79,51 @@ def as_value(aval, x, what: str = "input"):
     return x
 
 
+def written_inputs(graph: Graph) -> set:
+    """The inputs the graph updates in place (a KV cache): operands an op with effects writes, through
+    any views of them and through composite bodies."""
+    from ggraph.ir.primitive import aliases
+
+    def walk(g: Graph) -> set:
+        root: dict = {}                                    # a view -> the value it views
+        written = set()
+        find = lambda a: root.get(a, a)                    # noqa: E731
+        for e in g.eqns:
+            al = aliases(e)
+            if e.prim.effects:
+                written.update(find(e.inputs[i]) for i in al.values() if isinstance(e.inputs[i], Var))
+            if e.body is not None:
+                body_args = e.body.invars + e.body.params
+                for k in walk(e.body):
+                    j = body_args.index(k)
+                    if j < len(e.inputs) and isinstance(e.inputs[j], Var):
+                        written.add(find(e.inputs[j]))
+            for o, i in al.items():
+                if isinstance(e.inputs[i], Var) and o < len(e.outputs):
+                    root[e.outputs[o]] = find(e.inputs[i])
+        return {v for v in g.invars + g.params if v in written}
+    return walk(graph)
+
+
+def as_written(aval, x, what: str):
+    """``as_value`` for an input the program updates in place: the caller's own array, never a converted
+    copy (the update would land in the copy), and one that may be written."""
+    dt = aval.dtype
+    want = dt.np_dtype if dt.np_dtype is not None else np.dtype(np.uint8)
+    if isinstance(x, np.ndarray) and dt.np_dtype is not None and all(isinstance(d, int) for d in aval.shape) \
+            and x.shape != aval.shape:
+        raise ValueError(f"{what}: expected shape {aval} = {aval.shape}, got {x.shape}")
+    if not isinstance(x, np.ndarray) or x.dtype != want:
+        got = x.dtype if isinstance(x, np.ndarray) else type(x).__name__
+        raise TypeError(f"{what} is updated in place: give an array of {want} ({aval}), got {got}; a converted "
+                        f"copy would not see the update")
+    if not x.flags.writeable:
+        raise ValueError(f"{what} is updated in place, but the array given is read-only")
+    if dt.np_dtype is None and not x.flags.c_contiguous:
+        raise ValueError(f"{what} is updated in place: its block bytes must be one contiguous array")
+    return as_value(aval, x, what)
+
+
 def weight_value(aval, weights):
     """A weight's value, checked against its aval: a view of its tensor in a GGUFFile's mmap,
     or the array a ``{name: array}`` mapping holds under its source name."""
@@ -138,7 +183,7 @@ class Program:
                 elif v not in self.bound:
                     raise KeyError(f"no value for weight {v.aval.source!r}")
             else:
-                values[v] = as_value(v.aval, x, f"input {v.hint or g.invars.index(v)}")
+                values[v] = self._input(v, x, f"input {v.hint or g.invars.index(v)}")
         outs = self.run(values)
         return tree_unflatten(g.out_tree, outs) if g.out_tree is not None else outs
 
@@ -147,7 +192,13 @@ class Program:
         g = self.graph
         if len(inputs) != len(g.invars):
             raise TypeError(f"{g.name or 'graph'} has {len(g.invars)} inputs, got {len(inputs)}")
-        return self.run({v: as_value(v.aval, x, f"input {v.hint or i}") for i, (v, x) in enumerate(zip(g.invars, inputs))})
+        return self.run({v: self._input(v, x, f"input {v.hint or i}") for i, (v, x) in enumerate(zip(g.invars, inputs))})
+
+    def _input(self, v: Var, x, what: str):
+        written = self.__dict__.get("_written")
+        if written is None:
+            written = self.__dict__["_written"] = written_inputs(self.graph)
+        return as_written(v.aval, x, what) if v in written else as_value(v.aval, x, what)
 
     def bind_weights(self, weights) -> None:
         """Bind every param by its source name from a GGUFFile or a {name: array} mapping."""

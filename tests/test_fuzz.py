@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import random
 import resource
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -218,6 +219,20 @@ def test_nan_logits_are_an_error_not_empty_text(base, tmp_path):
     assert_clean_error(rc, out, err, "the model's logits are not finite (NaN or infinite) at generated token 0")
 
 
+def test_files_differing_in_an_unused_tensor_do_not_share_a_program(base, tmp_path):
+    """The program cache was keyed by the graph's signature, which leaves tensor names out: a file with an
+    extra tensor loaded the program cached for another file's names (KeyError, or 'Var#27:f32[4]')."""
+    env = {"GGRAPH_CACHE": str(tmp_path / "cache")}
+    files = [base, edited(base, tmp_path / "a.gguf", tensors={"extra.a": np.ones(4, np.float32)}),
+             edited(base, tmp_path / "b.gguf", tensors={"extra.b": np.ones(4, np.float32)})]
+    texts = []
+    for f in files + files[::-1]:
+        rc, out, err = run(["run", f, "-p", "Hello", "-n", 4, "--temp", 0, "--ctx", 32], env=env)
+        assert rc == 0 and "Traceback" not in err, (f, err[-1000:])
+        texts.append(out)
+    assert len(set(texts)) == 1, texts
+
+
 def test_inspect_survives_odd_but_valid_files(corpus):
     for name in ("zero_element_tensor", "array_file_type", "nan_metadata"):
         rc, out, err = run(["inspect", corpus[name]])
@@ -280,6 +295,12 @@ API = {  # python snippet (with `s`, a Session of the base model, and np): the e
     "context_full": ("s.step(list(range(2, 40)))", "ContextFullError: context full"),
     "cache_of_wrong_shape": ("s.program(True).run_inputs([np.array([2], np.int32), 0, "
                              "*[np.zeros((8, 2, 16), np.float32)] * 4])", "expected shape"),
+    "read_only_cache": ("kc = [c.copy() for c in s.k_cache]; [c.setflags(write=False) for c in kc]; "
+                        "s.program(True).run_inputs([np.array([2], np.int32), 0, *kc, *s.v_cache])",
+                        "is updated in place, but the array given is read-only"),
+    "converted_cache": ("s.program(True).run_inputs([np.array([2], np.int32), 0, "
+                        "*[c.astype(np.float64) for c in s.k_cache], *s.v_cache])",
+                        "is updated in place: give an array of float16"),
 }
 
 
@@ -335,6 +356,73 @@ def test_damaged_compile_caches_heal(tmp_path):
         assert "is damaged" in err, (path.name, how, err)
         rc, out, err = _run_text(env)                      # healed: the next run is quiet
         assert rc == 0 and out == want and "warning" not in err, (path.name, how, err)
+
+
+def test_odd_cache_entries_heal(tmp_path):
+    """A FIFO at an entry's name blocked the run forever; a folder there, or a file where kernels/ belongs,
+    warned on every run and never healed; another entry's intact bytes copied over a program's or a linked
+    library's name passed the digest and ran the wrong code (wrong text; SIGABRT for a library)."""
+    cache = tmp_path / "cache"
+    env = {"GGRAPH_CACHE": str(cache)}
+    rc, want, err = _run_text(env)
+    assert rc == 0, err
+    (prog,), libs = list(cache.glob("*.program")), list(cache.glob("libs/*.so"))
+    rc, _, err = run(["run", zoo.cached_model("llama", "f32"), "-p", "Hello", "-n", 2, "--ctx", 32], env=env)
+    assert rc == 0, err                                       # another program (and library) in the cache
+    (other,) = [p for p in cache.glob("*.program") if p != prog]
+    other_libs = [p for p in cache.glob("libs/*.so") if p not in libs]
+
+    def swap(a, b):
+        x, y = a.read_bytes(), b.read_bytes()
+        a.write_bytes(y)
+        b.write_bytes(x)
+    damages = {"fifo": lambda: (prog.unlink(), os.mkfifo(prog)), "folder": lambda: (prog.unlink(), prog.mkdir()),
+               "symlink loop": lambda: (prog.unlink(), prog.symlink_to(prog)),
+               "kernels/ is a file": lambda: (shutil.rmtree(cache / "kernels"), (cache / "kernels").write_text("x")),
+               "programs swapped": lambda: swap(prog, other)}
+    if libs and other_libs:                                   # the system linker made them
+        damages["libraries swapped"] = lambda: swap(libs[0], other_libs[0])
+    for how, damage in damages.items():
+        damage()
+        rc, out, err = _run_text(env)
+        assert rc == 0 and out == want and "Traceback" not in err, (how, rc, err[-1500:])
+        rc, out, err = _run_text(env)                          # healed: the next run is quiet
+        assert rc == 0 and out == want and "warning" not in err, (how, err)
+
+
+BATCH_API = {  # python snippet (with `b`, a Batch of 2 slots of 32 rows, and np): what it must print
+    "n_past_is_a_copy": ("b.n_past[0] = -1000; print('n_past', b.n_past)", "n_past [0, 0]"),
+    "n_past_is_read_only": ("b.n_past = None", "AttributeError"),
+    "slot_out_of_range": ("b.program().run_inputs([t, np.array([7], np.int32), np.array([0], np.int32), p, *kv])",
+                          "holds sequence slots, 0..1, got 7"),
+    "slot_negative": ("b.program().run_inputs([t, np.array([-1], np.int32), np.array([0], np.int32), p, *kv])",
+                      "holds sequence slots, 0..1, got -1"),
+    "position_negative": ("b.program().run_inputs([t, np.array([0], np.int32), np.array([-100000], np.int32), p, *kv])",
+                          "holds positions in a slot of 32 rows, 0..31, got -100000"),
+    "position_past_the_slot": ("b.program().run_inputs([t, np.array([0], np.int32), np.array([32], np.int32), p, *kv])",
+                               "holds positions in a slot of 32 rows, 0..31, got 32"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BATCH_API))
+def test_batch_misuse(base, name):
+    """Batch.n_past was a public list: b.n_past[0] = -1000 wrote the cache out of bounds (SIGSEGV), as did a
+    slot or position out of range given to the batch program (or, at the slot's end, wrote the next slot)."""
+    code, expect = BATCH_API[name]
+    snippet = textwrap.dedent(f"""
+        import numpy as np
+        from ggraph.runtime.batch import Batch
+        b = Batch({str(base)!r}, slots=2, ctx=32, threads=1)
+        t, p, kv = np.array([2], np.int32), np.array([0], np.int32), [*b.k_cache, *b.v_cache]
+        try:
+            {code}
+        except Exception as e:
+            print(f"{{type(e).__name__}}: {{e}}")
+        print("still runs:", b.step({{0: [2, 3]}})[0].shape)
+    """)
+    rc, out, err = run([snippet], python=True, timeout=60)
+    assert rc == 0 and "Traceback" not in err, (rc, err[-2000:])
+    assert expect in out and "still runs: (32000,)" in out, out
 
 
 def test_an_unwritable_cache_compiles_in_memory(tmp_path):

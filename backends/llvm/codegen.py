@@ -45,6 +45,7 @@ class ProgramSpec:
     checks: list[str]                      # what each status slot reports when a kernel sets it
     bounds: list[tuple]                    # (rows, capacity, what) checked before every run
     name: str = "ggraph_program"
+    ranges: list = dataclasses.field(default_factory=list)   # (invar index, lo, hi, what): lo <= x < hi per run
 
 
 def lower(graph: Graph, target: Target, profile: bool = False, compiler: jit.Compiler | None = None,
@@ -63,7 +64,7 @@ def lower(graph: Graph, target: Target, profile: bool = False, compiler: jit.Com
         # as each barrier opens, and (the program binds one more row per thread) as each thread finishes
         lw._add(Buffer("profile", "cycles", Bytes("fixed", (8 * (len(lw.calls) + 1),))))
     spec = ProgramSpec(ir.Module(name=graph.name or "ggraph"), lw.buffers, lw.calls, outputs, lw.input_index,
-                       lw.param_index, list(lw.units.values()), lw.checks, lw.bounds)
+                       lw.param_index, list(lw.units.values()), lw.checks, lw.bounds, ranges=lw.ranges)
     emit_program(spec, target, profile)
     return spec
 

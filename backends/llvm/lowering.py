@@ -133,6 +133,7 @@ class Lowering:
         self._status: int | None = None
         self._counters: int | None = None                     # the "counters" buffer, once a kernel asks
         self.bounds: list[tuple] = []                         # (rows, capacity, what): rows <= capacity per run
+        self.ranges: list[tuple] = []                         # (invar index, lo, hi, what): lo <= x < hi per run
 
     def _add(self, buf: Buffer) -> int:
         self.buffers.append(buf)
@@ -191,6 +192,13 @@ class Lowering:
         """Require ``rows`` (a dim expression, e.g. P+T) <= ``capacity`` on every run, before the call:
         the kernels write and read those rows without checking."""
         self.bounds.append((rows, int(capacity), what))
+
+    def value_range(self, v, lo: int, hi: int, what: str) -> None:
+        """Require every element of input ``v`` (integer data, e.g. cache rows) in ``lo <= x < hi`` on every
+        run, before the call: the kernels index with it without checking. A value computed inside the
+        graph is the graph's to keep in range."""
+        if isinstance(v, Var) and v in self.input_index:
+            self.ranges.append((self.graph.invars.index(v), int(lo), int(hi), what))
 
     def kernel(self, emitter: Callable, *args):
         """The name of the kernel ``emitter(module, *args)`` builds (a tuple if it builds several)."""

@@ -221,6 +221,12 @@ def _rope_attention(lw, e):
             "positions": lw.ref(positions), "T": q.aval.shape[0]}
     if attn.slot_rows:
         refs["seq"], refs["P"] = lw.ref(pos), 0
+        slots = kc.aval.shape[0] // attn.slot_rows
+        lw.value_range(pos, 0, slots, f"attention at {e.scope or 'top'}: input {pos.hint or 'seq'} holds sequence "
+                                      f"slots, 0..{slots - 1}")
+        lw.value_range(positions, 0, attn.slot_rows, f"attention at {e.scope or 'top'}: input "
+                                                     f"{positions.hint or 'positions'} holds positions in a slot "
+                                                     f"of {attn.slot_rows} rows, 0..{attn.slot_rows - 1}")
     elif not isinstance(pos, Var) or not isinstance(pos.aval, DimAval) or pos.aval.symbol != "P":
         raise LoweringError("llvm backend: rope_attention needs the past length as the dim input P")
     else:

@@ -115,8 +115,11 @@ def _planner_source() -> bytes:
 
 
 def program_key(graph, target, profile: bool, rows_only: bool = False) -> str:
-    """What decides a compiled program: the graph's signature, the target, the code, profiling."""
+    """What decides a compiled program: the graph's signature, the target, the code, profiling, and the
+    names of the weights it binds (the signature leaves names out: two files whose graphs differ only
+    in a tensor's name, or in one the program does not read, must not share a cached program)."""
     h = hashlib.sha256(graph.signature().encode())
+    h.update("\0".join(v.aval.source for v in graph.params).encode("utf-8", "surrogatepass"))
     for part in (target.name, target.cpu, target.features, str(profile), str(rows_only)):
         h.update(part.encode())
     h.update(jit.code_digest())
@@ -127,7 +130,7 @@ def program_key(graph, target, profile: bool, rows_only: bool = False) -> str:
 def _spec_state(spec, graph, program_object: bytes) -> dict:
     index = {id(e): i for i, e in enumerate(graph.eqns)}
     return {"buffers": spec.buffers, "outputs": spec.outputs, "name": spec.name, "object": program_object,
-            "units": [u.key for u in spec.units], "checks": spec.checks, "bounds": spec.bounds,
+            "units": [u.key for u in spec.units], "checks": spec.checks, "bounds": spec.bounds, "ranges": spec.ranges,
             "calls": [(c.kernel, c.args, c.writes, index.get(id(c.eqn))) for c in spec.calls],
             "inputs": [(graph.invars.index(v), b) for v, b in spec.input_index.items()],
             "params": [(v.aval.source, b) for v, b in spec.param_index.items()]}
@@ -139,7 +142,7 @@ def _spec_from_state(state: dict, graph, units) -> ProgramSpec:
     return ProgramSpec(None, state["buffers"], calls, state["outputs"],
                        {graph.invars[i]: b for i, b in state["inputs"]},
                        {by_source[src]: b for src, b in state["params"]}, units, state["checks"], state["bounds"],
-                       state["name"])
+                       state["name"], ranges=state["ranges"])
 
 
 def lifetimes(spec: ProgramSpec) -> dict[int, tuple[int, int]]:
@@ -308,6 +311,12 @@ class LLVMProgram(Program):
             if n > capacity:
                 raise ValueError(f"{what}, but this step needs rows up to {n} "
                                  f"({', '.join(f'{k}={v}' for k, v in sorted(dims.items()))})")
+        for index, lo, hi, what in self.spec.ranges:
+            x = values[g.invars[index]]
+            data = x.data if isinstance(x, Blocks) else x
+            if data.size and (data.min() < lo or data.max() >= hi):
+                bad = data.min() if data.min() < lo else data.max()
+                raise ValueError(f"{what}, got {int(bad)}")
         for v, i in self.spec.input_index.items():
             self._bind(i, values[v])
         self._layout(dims)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 
 from ggraph.backends.llvm.team import check_threads
-from ggraph.runtime.session import UBATCH, cache_dtype, kv_caches, token_ids
+from ggraph.runtime.session import UBATCH, cache_dtype, check_passes, kv_caches, token_ids
 
 
 class Batch:
@@ -31,6 +31,7 @@ class Batch:
             if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
                 raise ValueError(f"{name} must be a positive whole number, got {v!r}")
         self.threads = check_threads(threads)
+        passes, disabled = check_passes(passes, disabled)
         self.max_memory = memory.parse_size(max_memory) if max_memory is not None else None
         self.model = model or load(path)
         self.config = self.model.config
@@ -40,8 +41,13 @@ class Batch:
         self.cache_types = (cache_dtype(cache_type_k, "cache_type_k"), cache_dtype(cache_type_v, "cache_type_v"))
         self.k_cache, self.v_cache = kv_caches(self.model, self.slots * self.ctx, self.cache_types, self.max_memory,
                                                f"{self.slots} slots × ctx {self.ctx}")
-        self.n_past = [0] * self.slots
+        self._n_past = [0] * self.slots
         self._program = None
+
+    @property
+    def n_past(self) -> list[int]:
+        """Tokens each slot holds (a copy: ``reset(slot)`` and ``truncate(slot, n)`` change them)."""
+        return list(self._n_past)
 
     def program(self):
         """The compiled batched step, built once."""
@@ -57,14 +63,14 @@ class Batch:
     def reset(self, slot: int) -> None:
         """Forget slot ``slot``'s sequence (its rows are overwritten later)."""
         self._check_slot(slot)
-        self.n_past[slot] = 0
+        self._n_past[slot] = 0
 
     def truncate(self, slot: int, n: int) -> None:
         """Keep the first ``n`` tokens of slot ``slot``'s sequence."""
         self._check_slot(slot)
-        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or not 0 <= n <= self.n_past[slot]:
-            raise ValueError(f"truncate: n must be in 0..{self.n_past[slot]} (slot {slot}'s tokens), got {n!r}")
-        self.n_past[slot] = int(n)
+        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or not 0 <= n <= self._n_past[slot]:
+            raise ValueError(f"truncate: n must be in 0..{self._n_past[slot]} (slot {slot}'s tokens), got {n!r}")
+        self._n_past[slot] = int(n)
 
     def step(self, work: dict) -> dict[int, np.ndarray]:
         """Run ``work`` ({slot: token ids}) in one step; returns {slot: logits (V,) of its last token}.
@@ -77,20 +83,20 @@ class Batch:
             ids = token_ids(ids, self.config.n_vocab)
             if ids.size == 0:
                 raise ValueError(f"slot {slot}: no tokens")
-            if self.n_past[slot] + ids.size > self.ctx:
-                raise ValueError(f"slot {slot}: {self.n_past[slot]} tokens + {ids.size} new > ctx={self.ctx}")
+            if self._n_past[slot] + ids.size > self.ctx:
+                raise ValueError(f"slot {slot}: {self._n_past[slot]} tokens + {ids.size} new > ctx={self.ctx}")
             parts.append((slot, ids))
             total += ids.size
         if total > self.ubatch:
             raise ValueError(f"a step takes at most ubatch={self.ubatch} tokens, got {total}")
         tokens = np.concatenate([ids for _, ids in parts]).astype(np.int32)
         seq = np.concatenate([np.full(ids.size, s, np.int32) for s, ids in parts])
-        positions = np.concatenate([self.n_past[s] + np.arange(ids.size, dtype=np.int32) for s, ids in parts])
+        positions = np.concatenate([self._n_past[s] + np.arange(ids.size, dtype=np.int32) for s, ids in parts])
         pick = (np.cumsum([ids.size for _, ids in parts]) - 1).astype(np.int32)    # each slot's last token
         logits, *_ = self.program().run_inputs([tokens, seq, positions, pick,
                                                 *self.k_cache, *self.v_cache])
         for s, ids in parts:
-            self.n_past[s] += ids.size
+            self._n_past[s] += ids.size
         return {s: np.asarray(row, dtype=np.float32) for (s, _), row in zip(parts, logits)}
 
     def _check_slot(self, slot) -> None:
