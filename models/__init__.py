@@ -111,5 +111,8 @@ class Model:
 
 def load(path) -> Model:
     """Open a GGUF model (zero-copy) and read its config."""
+    import os
     from ggraph.gguf import GGUFFile
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"a model is a GGUF file's path (str or os.PathLike), got {type(path).__name__} {path!r}"[:200])
     return Model(GGUFFile(str(Path(path))))

@@ -301,6 +301,17 @@ API = {  # python snippet (with `s`, a Session of the base model, and np): the e
     "converted_cache": ("s.program(True).run_inputs([np.array([2], np.int32), 0, "
                         "*[c.astype(np.float64) for c in s.k_cache], *s.v_cache])",
                         "is updated in place: give an array of float16"),
+    "none_ids": ("s.step(None)", "TypeError: token ids must be an integer or a sequence of integers, got NoneType"),
+    "none_prompt": ("s.generate(None)", "TypeError: token ids must be an integer or a sequence of integers"),
+    "stop_of_ints": ("s.generate('hi', max_tokens=2, stop=[1])", "TypeError: stop must be a string or a list of strings"),
+    "grammar_not_a_grammar": ("s.generate('hi', grammar='root ::= x')",
+                              "TypeError: grammar must be a ggraph.runtime.grammar.Grammar, got str"),
+    "embed_none": ("s.embed(None)", "TypeError: texts must be a string"),
+    "decode_strings": ("s.tokenizer.decode(['a'])", "TypeError: token ids must be integers, got str 'a'"),
+    "token_text_negative": ("s.tokenizer.token_text(-1)", "token id -1 is outside the vocabulary"),
+    "message_not_a_dict": ("s.chat([None], max_tokens=2)", "TypeError: message 0 must be a dict with a string 'role'"),
+    "prompt_too_long_to_encode": ("s.generate('a' * 10 ** 7, max_tokens=2)",
+                                  "ContextFullError: context full: the prompt is 10000000 characters"),
 }
 
 
@@ -323,6 +334,31 @@ def test_api_misuse(base, name, backend):
     rc, out, err = run([snippet], python=True, timeout=60)
     assert rc == 0 and "Traceback" not in err, (rc, err[-2000:])
     assert expect in out and "still runs: (1, 32000)" in out, out
+
+
+def test_session_arguments_are_checked(base):
+    """passes=123 leaked "'int' object is not iterable"; disabled=['nope'] (or the string 'dce', read as
+    'd', 'c', 'e') was ignored; Session(None) gave open()'s message; stop='ab' meant 'a' or 'b'."""
+    snippet = textwrap.dedent(f"""
+        from ggraph.runtime import Session
+        from ggraph.runtime.session import stop_strings
+        print("stops:", stop_strings(None), stop_strings("ab"))
+        for kw in (dict(passes=123), dict(passes="nope"), dict(disabled=["nope"]), dict(disabled="dce")):
+            try:
+                Session({str(base)!r}, ctx=32, **kw)
+            except Exception as e:
+                print(f"{{type(e).__name__}}: {{e}}")
+        try:
+            Session(None)
+        except Exception as e:
+            print(f"{{type(e).__name__}}: {{e}}")
+    """)
+    rc, out, err = run([snippet], python=True, timeout=60)
+    assert rc == 0 and "Traceback" not in err, err[-2000:]
+    for expect in ("stops: () ('ab',)", "TypeError: passes must be a pipeline name", "ValueError: unknown pipeline 'nope'",
+                   "ValueError: unknown pass(es) nope", "TypeError: disabled must be a list of pass names",
+                   "TypeError: a model is a GGUF file's path (str or os.PathLike), got NoneType"):
+        assert expect in out, (expect, out)
 
 
 def _run_text(env):

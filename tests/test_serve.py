@@ -141,6 +141,20 @@ def test_bad_requests_get_openai_errors_naming_the_field(server):
     assert complete(server, "Still", 4)[0]                            # and it keeps serving
 
 
+def test_hostile_requests_are_400s_not_500s(server):
+    """Deep JSON raised RecursionError (a 500 and a traceback in the log); "stream": "yes" streamed; a 20 MB
+    prompt was encoded (gigabytes of merges, in the event loop) before its length was checked."""
+    r = server.post("/v1/completions", b'{"prompt": ' + b"[" * 100000 + b"]" * 100000 + b"}")
+    assert r.status_code == 400 and "nests JSON deeper" in r.json()["error"]["message"], r.text
+    r = server.post("/v1/completions", {"prompt": "hi", "max_tokens": 2, "stream": "yes"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "stream", r.text
+    t0 = time.monotonic()
+    r = server.post("/v1/completions", {"prompt": "a" * (20 << 20), "max_tokens": 1})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
+    assert time.monotonic() - t0 < 30
+    assert complete(server, "Still", 4)[0]                            # and it keeps serving
+
+
 def test_a_client_that_leaves_mid_stream_frees_its_slot(server):
     before = server.metric("requests_cancelled_total")
     stream = server.client.completions.create(model=MODEL, prompt="Far away", max_tokens=200, temperature=0, stream=True)

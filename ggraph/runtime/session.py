@@ -45,6 +45,7 @@ class Session:
         if profile and backend != "llvm":
             raise ValueError("profile=True needs backend='llvm' (it times the native program's kernels)")
         self.threads = check_threads(threads)             # before any slow work
+        passes, disabled = check_passes(passes, disabled)
         self.max_memory = memory.parse_size(max_memory) if max_memory is not None else None
         self.cache_types = (cache_dtype(cache_type_k, "cache_type_k"), cache_dtype(cache_type_v, "cache_type_v"))
         self.model = load(path)
@@ -146,6 +147,8 @@ class Session:
             raise ValueError(f"pooling must be one of {', '.join(POOLINGS)}, got {pooling!r}")
         if isinstance(texts, str) or (isinstance(texts, (list, tuple)) and texts and isinstance(texts[0], (int, np.integer))):
             texts = [texts]
+        if not isinstance(texts, (list, tuple)):
+            raise TypeError(f"texts must be a string, a list of token ids, or a list of those, got {type(texts).__name__}")
         prog = self.program(last_only=False, output="hidden")
         out = np.zeros((len(texts), self.config.n_embd), dtype=np.float32)
         for i, text in enumerate(texts):
@@ -187,6 +190,14 @@ class Session:
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, (int, np.integer)) or max_tokens < -1:
             raise ValueError(f"max_tokens must be a whole number >= -1 (-1: until the end of text), got {max_tokens!r}")
         sampler = Sampler(temperature, top_k, top_p, min_p, repeat_penalty)
+        stop = stop_strings(stop)
+        if grammar is not None and not hasattr(grammar, "matcher"):
+            raise TypeError(f"grammar must be a ggraph.runtime.grammar.Grammar, got {type(grammar).__name__}")
+        if isinstance(prompt, str):
+            try:
+                self.tokenizer.check_fits(prompt, self.ctx)
+            except ValueError as e:
+                raise ContextFullError(f"{e}; start a new Session with a larger ctx") from None
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else token_ids(prompt, self.config.n_vocab).tolist()
         if not ids:
             raise ValueError("the prompt encodes to no tokens")
@@ -233,6 +244,7 @@ class Session:
 
     def chat_ids(self, messages: list[dict], add_generation_prompt: bool = True, **template_vars) -> list[int]:
         """The token ids of ``messages`` rendered by the model's chat template (one BOS, as the model wants)."""
+        check_messages(messages)
         prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
                                                     **template_vars)
         return self.tokenizer.encode(prompt, add_special=not _starts_with_bos(prompt, self.tokenizer))
@@ -279,6 +291,8 @@ def token_ids(tokens, n_vocab: int) -> np.ndarray:
         if bad.size:
             raise ValueError(f"token id {flat[bad[0]]} is outside the vocabulary (n_vocab={n_vocab})")
         return flat.astype(np.int32)
+    if not isinstance(tokens, (int, np.integer)) and not hasattr(tokens, "__iter__"):
+        raise TypeError(f"token ids must be an integer or a sequence of integers, got {type(tokens).__name__}")
     items = [tokens] if isinstance(tokens, (int, np.integer)) else list(tokens)
     for t in items:
         if isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, np.integer)):
@@ -286,6 +300,50 @@ def token_ids(tokens, n_vocab: int) -> np.ndarray:
         if not 0 <= int(t) < n_vocab:
             raise ValueError(f"token id {int(t)} is outside the vocabulary (n_vocab={n_vocab})")
     return np.array(items, np.int32).reshape(-1)
+
+
+def check_messages(messages) -> None:
+    """A chat is a list of messages, each a dict with a string ``role`` (its content is the template's to read)."""
+    if not isinstance(messages, (list, tuple)):
+        raise TypeError(f"messages must be a list of {{'role': ..., 'content': ...}} dicts, got {type(messages).__name__}")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise TypeError(f"message {i} must be a dict with a string 'role', got {m!r}"[:200])
+
+
+def stop_strings(stop) -> tuple[str, ...]:
+    """``stop`` as a tuple of strings: None is none, and one string is one stop string (not its characters)."""
+    if stop is None:
+        return ()
+    if isinstance(stop, str):
+        return (stop,)
+    if not hasattr(stop, "__iter__") or not all(isinstance(x, str) for x in stop):
+        raise TypeError(f"stop must be a string or a list of strings, got {stop!r}"[:200])
+    return tuple(stop)
+
+
+def check_passes(passes, disabled) -> tuple:
+    """``passes`` (a pipeline name or a list of pass names) and ``disabled`` (pass names), every name known."""
+    from ggraph.passes import PASSES
+    from ggraph.passes.pipeline import PIPELINES
+    if isinstance(disabled, str) or not hasattr(disabled, "__iter__"):
+        raise TypeError(f"disabled must be a list of pass names, got {disabled!r}")
+    disabled = tuple(disabled)
+    if isinstance(passes, str):
+        if passes not in PIPELINES:
+            raise ValueError(f"unknown pipeline {passes!r}; named pipelines: {', '.join(PIPELINES)} (or give a list "
+                             f"of pass names)")
+        names = []
+    elif hasattr(passes, "__iter__"):
+        passes = list(passes)
+        names = passes
+    else:
+        raise TypeError(f"passes must be a pipeline name ({', '.join(PIPELINES)}) or a list of pass names, "
+                        f"got {passes!r}")
+    unknown = [n for n in (*names, *disabled) if not isinstance(n, str) or n not in PASSES]
+    if unknown:
+        raise ValueError(f"unknown pass(es) {', '.join(map(str, unknown))}; available: {', '.join(PASSES)}")
+    return passes, disabled
 
 
 def _starts_with_bos(text: str, tok) -> bool:

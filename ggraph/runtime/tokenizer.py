@@ -795,6 +795,19 @@ class Tokenizer:
 
     # -- properties
 
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """The most characters of text one token can stand for (its vocabulary entry is at least as long):
+        a text longer than ``ctx * max_token_chars`` cannot fit ``ctx`` tokens, which is known without
+        encoding it (a 50 MB prompt is refused at once, not after gigabytes of merges)."""
+        return max((len(t) for t in self._tokens), default=1) or 1
+
+    def check_fits(self, text: str, ctx: int, what: str = "the prompt") -> None:
+        """Raise ValueError when ``text`` is too long to fit ``ctx`` tokens, whatever it encodes to."""
+        if len(text) > ctx * self.max_token_chars:
+            raise ValueError(f"context full: {what} is {len(text)} characters, more than {ctx} tokens of at most "
+                             f"{self.max_token_chars} characters each can hold (ctx={ctx})")
+
     @property
     def n_vocab(self) -> int:
         return len(self._tokens)
@@ -811,7 +824,16 @@ class Tokenizer:
 
     def token_text(self, token_id: int) -> str:
         """The raw vocabulary entry, e.g. '▁Hello' or '<0x0A>'."""
-        return self._tokens[token_id]
+        return self._tokens[self._id(token_id)]
+
+    def _id(self, i) -> int:
+        """``i`` as a checked token id: an integer in the vocabulary (Python's negative indexing would give
+        the last tokens' text for -1, -2, ...)."""
+        if isinstance(i, (bool, np.bool_)) or not isinstance(i, (int, np.integer)):
+            raise TypeError(f"token ids must be integers, got {type(i).__name__} {i!r}")
+        if not 0 <= i < self.n_vocab:
+            raise ValueError(f"token id {int(i)} is outside the vocabulary (n_vocab={self.n_vocab})")
+        return int(i)
 
     def token_attr(self, token_id: int) -> int:
         """llama.cpp attribute bits of a token (NORMAL, CONTROL, USER_DEFINED, BYTE, ...)."""
@@ -957,7 +979,9 @@ class Tokenizer:
 
     def detokenize(self, ids, remove_special: bool = False, unparse_special: bool = False) -> bytes:
         """Bytes of ``ids``, as llama_detokenize(remove_special, unparse_special)."""
-        ids = [int(i) for i in ids]
+        if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
+            raise TypeError(f"token ids must be a sequence of integers, got {type(ids).__name__}")
+        ids = [self._id(i) for i in ids]
         remove_space = self.add_space_prefix
         if remove_special and self.add_bos and ids and ids[0] == self.bos_id:
             remove_space = False

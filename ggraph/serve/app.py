@@ -61,6 +61,8 @@ def create_app(engine: Engine, model_id: str, api_key: str | None = None, poolin
             body = json.loads(await request.body())
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise APIError(400, f"the request body is not valid JSON: {e}")
+        except RecursionError:
+            raise APIError(400, "the request body nests JSON deeper than Python's recursion limit")
         if not isinstance(body, dict):
             raise APIError(400, "the request body must be a JSON object")
         model = body.get("model")
@@ -68,6 +70,14 @@ def create_app(engine: Engine, model_id: str, api_key: str | None = None, poolin
             raise APIError(404, f"the model {model!r} does not exist; this server serves {model_id!r}", "model",
                            code="model_not_found")
         return body
+
+    def encode(text: str, param: str) -> list[int]:
+        """``text``'s token ids; a text too long for a slot's context is refused before it is encoded."""
+        try:
+            engine.tokenizer.check_fits(text, engine.ctx, f"the {param}")
+        except ValueError as e:
+            raise APIError(400, f"{e} (start the server with a larger --ctx)", param, code="context_length_exceeded")
+        return engine.tokenizer.encode(text)
 
     def submit(ids, options: dict, kind: str = "generate"):
         """Queue a job on the engine; (job, the asyncio queue its pieces arrive on). 503 when full."""
@@ -91,7 +101,7 @@ def create_app(engine: Engine, model_id: str, api_key: str | None = None, poolin
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
             prompt = prompt[0]
         if isinstance(prompt, str):
-            ids = engine.tokenizer.encode(prompt)
+            ids = encode(prompt, "prompt")
         elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             ids = _token_ids(prompt, engine.tokenizer.n_vocab)
         else:
@@ -109,6 +119,8 @@ def create_app(engine: Engine, model_id: str, api_key: str | None = None, poolin
 
     async def run(request: Request, body: dict, ids: list[int], default_max: int | None, chat: bool) -> Response:
         options = _options(body, default_max)
+        if body.get("stream") is not None and not isinstance(body.get("stream"), bool):
+            raise APIError(400, f"'stream' must be true or false, got {body.get('stream')!r}", "stream")
         constraint = _constraint(body)
         if constraint is not None:
             build, param = constraint
@@ -157,7 +169,7 @@ def create_app(engine: Engine, model_id: str, api_key: str | None = None, poolin
         ids = []
         for i, t in enumerate(texts):
             if isinstance(t, str) and t:
-                ids.append(engine.tokenizer.encode(t))
+                ids.append(encode(t, "input"))
             elif isinstance(t, list) and t and all(isinstance(x, int) and not isinstance(x, bool) for x in t):
                 ids.append(_token_ids(t, engine.tokenizer.n_vocab))
             else:
