@@ -26,13 +26,23 @@ def parse_size(text) -> int:
     if isinstance(text, int) and not isinstance(text, bool) and text > 0:
         return text
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
-    if not m or m.group(2).lower() not in _UNITS or float(m.group(1)) <= 0:
-        raise ValueError(f"memory size {text!r}: give a positive number of bytes, optionally with K, M, G or T")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    if not m or m.group(2).lower() not in _UNITS or not 0 < float(m.group(1)) * _UNITS[m.group(2).lower()] < 2 ** 63:
+        raise ValueError(f"memory size {text!r}: give a positive number of bytes below 8 EiB, optionally with K, M, "
+                         f"G or T")
+    n = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    if n < 1:
+        raise ValueError(f"memory size {text!r}: that is less than one byte")
+    return n
 
 
 def available() -> int:
-    """Bytes this process could allocate now: MemAvailable, else physical memory."""
+    """Bytes this process could allocate now: MemAvailable (else physical memory), and no more than its
+    cgroup's memory.max leaves or its address-space limit (RLIMIT_AS) leaves: a container or a
+    ``ulimit -v`` is the machine this process has."""
+    return min(_system_available(), _cgroup_left(), _rlimit_left())
+
+
+def _system_available() -> int:
     try:
         with open("/proc/meminfo") as f:
             for line in f:
@@ -44,6 +54,38 @@ def available() -> int:
         return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):
         return 1 << 62                                     # unknown: no limit but the user's
+
+
+def _cgroup_left() -> int:
+    """cgroup v2 memory.max - memory.current of this process's cgroup (unlimited: a huge number)."""
+    try:
+        with open("/proc/self/cgroup") as f:
+            rel = next((ln.split(":", 2)[2].strip() for ln in f if ln.startswith("0::")), None)
+        if rel is None:
+            return 1 << 62
+        folder = os.path.join("/sys/fs/cgroup", rel.lstrip("/"))
+        with open(os.path.join(folder, "memory.max")) as f:
+            limit = f.read().strip()
+        if limit == "max":
+            return 1 << 62
+        with open(os.path.join(folder, "memory.current")) as f:
+            return max(int(limit) - int(f.read().strip()), 0)
+    except (OSError, ValueError, IndexError):
+        return 1 << 62
+
+
+def _rlimit_left() -> int:
+    """RLIMIT_AS less the address space this process maps now (unlimited: a huge number)."""
+    try:
+        import resource
+        soft = resource.getrlimit(resource.RLIMIT_AS)[0]
+        if soft == resource.RLIM_INFINITY:
+            return 1 << 62
+        with open("/proc/self/status") as f:
+            vm = next(int(ln.split()[1]) * 1024 for ln in f if ln.startswith("VmSize:"))
+        return max(soft - vm, 0)
+    except (OSError, ValueError, StopIteration, ImportError):
+        return 1 << 62
 
 
 def check(nbytes: int, what: str, limit: int | None = None) -> None:

@@ -44,7 +44,7 @@ def load_file(path) -> types.ModuleType:
     sys.modules[name] = module
     try:
         spec.loader.exec_module(module)
-    except Exception as e:
+    except (Exception, SystemExit) as e:       # a plugin's sys.exit() is its failure, not ggraph's exit
         sys.modules.pop(name, None)
         raise PluginError(f"plugin {path} failed to import: {type(e).__name__}: {e}") from e
     _loaded[key] = module

@@ -261,6 +261,13 @@ ARGS = {  # argv after the model: what the one error line must say
     "dump_png_no_file": (["dump", "--format", "png"], "give -o FILE"),
     "diff_bad_tokens": (["diff", "--tokens", "1,x"], "--tokens must be comma-separated integers"),
     "diff_tokens_range": (["diff", "--tokens", "5,99999999"], "need token ids in [0, 32000)"),
+    "max_memory_overflow": (["run", "-p", "hi", "--max-memory", "1e400"], "memory size '1e400'"),
+    "max_memory_half_byte": (["run", "-p", "hi", "--max-memory", "0.5"], "that is less than one byte"),
+    "bench_pp_empty_item": (["bench", "-p", "1,,2"], "--pp must be a comma-separated list of integers"),
+    "bench_pp_empty": (["bench", "-p", ""], "--pp must be a comma-separated list of integers"),
+    "diff_tokens_empty": (["diff", "--tokens", ""], "--tokens must be comma-separated integers"),
+    "diff_tokens_empty_item": (["diff", "--tokens", "1,,2"], "--tokens must be comma-separated integers"),
+    "diff_tokens_beyond_memory": (["diff", "--tokens", ",".join(["5"] * 8000)], "diff of 8000 tokens"),
 }
 
 
@@ -278,6 +285,38 @@ def test_missing_and_odd_paths(tmp_path):
         assert_clean_error(rc, out, err, expect)
     rc, out, err = run(["run", "--plugin", tmp_path / "nope.py", "--demo", "-p", "hi"])
     assert_clean_error(rc, out, err, "no such file")
+
+
+def test_fifo_inputs_and_exiting_plugins_are_one_line(base, tmp_path):
+    """--grammar or --json-schema naming a FIFO blocked forever; a plugin calling sys.exit() ended ggraph
+    silently with its code."""
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    for flag in ("--grammar", "--json-schema"):
+        rc, out, err = run(["run", base, "-p", "hi", flag, fifo], timeout=60)
+        assert_clean_error(rc, out, err, "not a regular file")
+    plugin = tmp_path / "exits.py"
+    plugin.write_text("import sys\nsys.exit(3)\n")
+    rc, out, err = run(["run", base, "-p", "hi", "--plugin", plugin])
+    assert_clean_error(rc, out, err, "failed to import: SystemExit: 3")
+
+
+def test_an_unbudgeted_allocation_failure_is_one_line():
+    snippet = textwrap.dedent("""
+        import sys
+        import ggraph.cli.inspect as verb
+        verb.cmd_inspect = lambda args: (_ for _ in ()).throw(MemoryError("no room"))
+        import ggraph.cli
+        sys.exit(ggraph.cli.main(["inspect", "x.gguf"]))
+    """)
+    rc, out, err = run([snippet], python=True)
+    assert_clean_error(rc, out, err, "ggraph inspect: error: out of memory: no room")
+
+
+def test_the_memory_budget_sees_an_address_space_limit():
+    """A process under ulimit -v (or a cgroup) has less than MemAvailable: the budget says so."""
+    rc, out, err = run(["from ggraph import memory; print(memory.available() < 6 << 30)"], python=True)
+    assert rc == 0 and out.strip() == "True", (out, err)
 
 
 API = {  # python snippet (with `s`, a Session of the base model, and np): the exception it must raise

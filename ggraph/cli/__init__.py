@@ -56,6 +56,9 @@ def main(argv=None) -> int:
             f"{e.filename}: {e.strerror}" if isinstance(e, OSError) and e.filename and e.strerror else e
         print(f"ggraph {args.command}: error: {msg}", file=sys.stderr)
         return 1
+    except MemoryError as e:                    # an allocation nothing budgeted: one line, not a traceback
+        print(f"ggraph {args.command}: error: out of memory{f': {e}' if str(e) else ''}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         return 130
 

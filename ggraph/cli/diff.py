@@ -43,9 +43,9 @@ def compare(a: np.ndarray, b: np.ndarray) -> tuple[float, float]:
 
 
 def _tokens(args, model) -> list[int]:
-    if args.tokens:
+    if args.tokens is not None:
         try:
-            ids = [int(t) for t in args.tokens.split(",") if t.strip()]
+            ids = [int(t) for t in args.tokens.split(",")]      # an empty item ("1,,2", "") is a mistake too
         except ValueError:
             raise ValueError(f"--tokens must be comma-separated integers, got {args.tokens!r}") from None
     else:
@@ -57,6 +57,17 @@ def _tokens(args, model) -> list[int]:
     return ids
 
 
+def _check_memory(model, T: int) -> None:
+    """What two numpy runs of ``T`` tokens hold at their peak, roughly, against the memory there is: both
+    pipelines' logits (and their float64 comparison), a layer's attention scores, the KV caches."""
+    from ggraph import memory
+    c = model.config
+    need = T * c.n_vocab * (4 * 2 + 8 * 3) + T * T * c.n_head * 4 * 4 + \
+        2 * c.n_layer * T * c.n_head_kv * (c.head_dim + c.head_dim_v) * 4
+    memory.check(need, f"diff of {T} tokens on the numpy backend (logits of {c.n_vocab} per token in both pipelines, "
+                       f"{c.n_head} heads of {T}×{T} attention scores)")
+
+
 def cmd_diff(args) -> int:
     """Run two pipelines on the numpy backend and print the max relative error per layer and for the logits."""
     from ggraph.models import load
@@ -64,6 +75,7 @@ def cmd_diff(args) -> int:
         pipeline_names(args, text)                             # validate names before the slow part
     model = load(model_path(args))
     tokens = _tokens(args, model)
+    _check_memory(model, len(tokens))
     graph = model.graph(ctx=len(tokens))
     n = model.config.n_layer
     marked = graph.replace(outvars=graph.outvars + tuple(layer_outputs(graph, n)), out_tree=None)

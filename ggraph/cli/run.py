@@ -46,16 +46,16 @@ def cmd_run(args) -> int:
 def _read_constraint(args):
     """The --grammar / --json-schema file, read and parsed now; returns tokenizer -> Grammar, or None."""
     import json
-    from pathlib import Path
     from ggraph.runtime.grammar import Grammar, GrammarError
     if args.grammar and args.json_schema:
         raise ValueError("give --grammar or --json-schema, not both")
+    from ggraph.cli.perplexity import read_text           # refuses a FIFO (it would block) and non-UTF-8 bytes
     if args.grammar:
-        text = Path(args.grammar).read_text(encoding="utf-8")
+        text = read_text(args.grammar)
         return lambda tok: Grammar.gbnf(tok, text)
     if args.json_schema:
         try:
-            schema = json.loads(Path(args.json_schema).read_text(encoding="utf-8"))
+            schema = json.loads(read_text(args.json_schema))
         except json.JSONDecodeError as e:
             raise GrammarError(f"{args.json_schema}: not valid JSON: {e}") from e
         return lambda tok: Grammar.json_schema(tok, schema)
