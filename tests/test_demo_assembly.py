@@ -95,3 +95,29 @@ def test_a_chunk_that_is_not_its_stated_size_fails_and_leaves_nothing(tmp_path):
     with pytest.raises(OSError, match=rf"assembling {NAME}: wrote \d+ bytes, but its 1 chunks add up to 0"):
         demo.assemble([Path("/proc/self/status")], target)
     assert sorted(p.name for p in target.parent.iterdir()) == [NAME + ".lock"]
+
+
+def test_a_model_damaged_in_place_is_made_again(chunks, tmp_path, monkeypatch, capsys):
+    """The right size but other bytes (a flipped byte, zeros): the size check passed it, so every run failed
+    (or answered wrongly) from then on. The package's sha256 catches it, once; a stamp saves the hash later."""
+    import hashlib
+    sha = hashlib.sha256(joined(chunks)).hexdigest()
+    target = tmp_path / "models" / NAME
+    demo.assemble(chunks, target, sha)
+    assert (target.parent / (NAME + ".sha256")).is_file()
+    for damage in (lambda b: b[:100] + bytes([b[100] ^ 0xFF]) + b[101:], lambda b: bytes(len(b))):
+        target.write_bytes(damage(target.read_bytes()))
+        demo.assemble(chunks, target, sha)
+        assert target.read_bytes() == joined(chunks)
+    assert "does not match its sha256" in capsys.readouterr().err         # said once: warnings are not repeated
+    hashed = []
+    monkeypatch.setattr(demo, "_sha256_of", lambda p: hashed.append(p) or sha)
+    demo.assemble(chunks, target, sha)                   # unchanged since it was stamped: not hashed again
+    assert hashed == []
+
+
+def test_chunks_that_do_not_make_the_model_fail_and_leave_nothing(chunks, tmp_path):
+    target = tmp_path / "models" / NAME
+    with pytest.raises(OSError, match="sha256 differs"):
+        demo.assemble(chunks, target, "0" * 64)
+    assert sorted(p.name for p in target.parent.iterdir()) == [NAME + ".lock"]
