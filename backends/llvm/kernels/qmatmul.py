@@ -81,8 +81,9 @@ def variant(dtype, target: Target) -> str:
 
 def qmatmul(module: ir.Module, dtype, K: int, N: int, target: Target, rows_only: bool = False) -> str:
     """Emit (once) the quantised matmul for weights (N, K) of `dtype`; returns its name. With
-    ``rows_only`` (act_quant's rows_only layout) every token is computed as gemv computes one
-    token alone, at any T: a token's result does not depend on what else is in the step."""
+    ``rows_only`` (act_quant's rows_only layout) every token is computed the same way at any T (the
+    rows gemm's arithmetic with AVX-512 VNNI, gemv's elsewhere): a token's result does not depend on
+    what else is in the step."""
     fmt = block_format(dtype)
     if K % fmt.dtype.block_size:
         raise ValueError(f"qmatmul {fmt.dtype.name}: K={K} is not a multiple of {fmt.dtype.block_size}")
@@ -93,6 +94,10 @@ def qmatmul(module: ir.Module, dtype, K: int, N: int, target: Target, rows_only:
     isa = Isa(k, target)
     lay = ActLayout(fmt.act, K)
     T = k.arg["T"]
+    if rows_only and rows_gemm(target):                  # its arithmetic per token does not depend on T
+        with k.row_chunks(N, k.arg["counter"], quantum=2 * ROWS) as rows:
+            _rows_gemm(k, isa, fmt, lay, N, rows)
+        return k.finish()
     if rows_only:
         with k.row_chunks(N, k.arg["counter"]) as rows:
             if not vector_path(target):
@@ -364,6 +369,7 @@ def _store_tile(k: Kernel, N: int, n0, R: int, g0, G: int, acc) -> None:
 
 # -- rows gemm: T > 1 with VNNI ---------------------------------------------------------------
 ROWS = 16                # lanes are rows: one 64-byte vector holds the same 4 features of 16 rows
+AHEAD = 1
 PANEL_BYTES = 32768      # decoded weights of one tile kept at once (a K panel, in L1)
 
 
@@ -453,7 +459,16 @@ def _decode_panel(k: Kernel, isa: Isa, fmt: BlockFormat, lay: ActLayout, N: int,
     """Blocks p0..p0+count of rows n0..n0+16*vecs-1 into the buffer (rows past N repeat row N-1);
     returns the Panel layout and one row's decoder (offsets and kinds are the same for every row)."""
     b = k.b
+    row_bytes = fmt.dtype.row_bytes(lay.K)
+    nblocks = lay.K // fmt.dtype.block_size
+    lines = -(-vecs * ROWS * row_bytes // 64 // nblocks)           # of the next tile, per block decoded
     with k.loop(0, count, name="pblk") as i:
+        # the next tile's rows are one contiguous stretch: ask for a block's share of it now, so that
+        # a small T, which does little more than decode, streams from memory instead of waiting on it
+        # (prefetches never fault past the end)
+        ahead = k.add(k.mul(k.add(n0, AHEAD * vecs * ROWS), row_bytes), k.mul(k.add(p0, i), 64 * lines))
+        for line in range(lines):
+            k.prefetch(k.addr(k.arg["w"], k.add(ahead, 64 * line)))
         at = k.mul(i, vecs * room)
         for v in range(vecs):
             rows = [k.add(n0, 16 * v + r) for r in range(ROWS)]
