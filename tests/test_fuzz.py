@@ -233,6 +233,13 @@ def test_files_differing_in_an_unused_tensor_do_not_share_a_program(base, tmp_pa
     assert len(set(texts)) == 1, texts
 
 
+def test_quantize_refuses_a_lying_block_count(corpus, tmp_path):
+    """quantize's mix counts layers (which attn_v and ffn_down get more bits): a block count that lies moved
+    it silently, and the output lied the same way."""
+    rc, out, err = run(["quantize", corpus["block_count_long"], tmp_path / "out.gguf", "Q8_0"])
+    assert_clean_error(rc, out, err, "llama.block_count = 3 but the file has blk.0..blk.1")
+    assert not (tmp_path / "out.gguf").exists()
+
 def test_inspect_survives_odd_but_valid_files(corpus):
     for name in ("zero_element_tensor", "array_file_type", "nan_metadata"):
         rc, out, err = run(["inspect", corpus[name]])
