@@ -369,7 +369,6 @@ def _store_tile(k: Kernel, N: int, n0, R: int, g0, G: int, acc) -> None:
 
 # -- rows gemm: T > 1 with VNNI ---------------------------------------------------------------
 ROWS = 16                # lanes are rows: one 64-byte vector holds the same 4 features of 16 rows
-AHEAD = 1
 PANEL_BYTES = 32768      # decoded weights of one tile kept at once (a K panel, in L1)
 
 
@@ -433,8 +432,8 @@ class Panel:
 
 
 def _rows_gemm(k: Kernel, isa: Isa, fmt: BlockFormat, lay: ActLayout, N: int, rows) -> None:
-    """Tiles of 32 rows (then 16, the last one masked at the end of the rows): a K panel of the
-    tile is decoded into a private buffer with rows as lanes (``Panel``), then every token runs over
+    """Tiles of 32 rows (the last one masked at the end of the rows): a K panel of the tile is
+    decoded into a private buffer with rows as lanes (``Panel``), then every token runs over
     the panel, a few at a time, each activation word broadcast into the dot products of both
     halves of the tile. Super-block types sum their sub-blocks in integers, times their integer
     scales, before one float step per block, as llama.cpp does. Activations come one row per token."""
@@ -444,57 +443,67 @@ def _rows_gemm(k: Kernel, isa: Isa, fmt: BlockFormat, lay: ActLayout, N: int, ro
     room = Panel.room(fmt)
     per_panel = max(1, min(nblocks, PANEL_BYTES // (2 * room)))
     buf = k.scratch(i8, 2 * room * per_panel)
-    pairs_end = k.add(start, b.mul(b.sdiv(b.sub(end, start), k.i64(2 * ROWS)), k.i64(2 * ROWS)))
-    for lo, hi, vecs in ((start, pairs_end, 2), (pairs_end, end, 1)):
-        with k.loop(lo, hi, step=vecs * ROWS, name=f"tile{vecs}") as n0:
-            with k.loop(0, nblocks, step=per_panel, name="panel") as p0:
-                count = b.select(b.icmp_signed("<", k.add(p0, per_panel), k.i64(nblocks)), k.i64(per_panel),
-                                 b.sub(k.i64(nblocks), p0))
-                panel, dec = _decode_panel(k, isa, fmt, lay, N, n0, vecs, p0, count, buf, room)
-                _panel_tokens(k, isa, lay, N, n0, vecs, end, p0, count, buf, room, panel, dec)
+    vecs = 2
+    with k.loop(start, end, step=vecs * ROWS, name="tile") as n0:
+        with k.loop(0, nblocks, step=per_panel, name="panel") as p0:
+            count = b.select(b.icmp_signed("<", k.add(p0, per_panel), k.i64(nblocks)), k.i64(per_panel),
+                             b.sub(k.i64(nblocks), p0))
+            panel, dec = _decode_panel(k, isa, fmt, lay, N, n0, vecs, p0, count, buf, room)
+            _panel_tokens(k, isa, lay, N, n0, vecs, end, p0, count, buf, room, panel, dec)
 
 
 def _decode_panel(k: Kernel, isa: Isa, fmt: BlockFormat, lay: ActLayout, N: int, n0, vecs: int, p0, count, buf,
                   room: int):
-    """Blocks p0..p0+count of rows n0..n0+16*vecs-1 into the buffer (rows past N repeat row N-1);
-    returns the Panel layout and one row's decoder (offsets and kinds are the same for every row)."""
+    """Blocks p0..p0+count of rows n0..n0+16*vecs-1 into the buffer (rows past N repeat row N-1),
+    a 16-row vector of a block at a time (run-time loops over vectors and chunk groups keep the code
+    small); returns the Panel layout and one row's decoder (offsets and kinds are the same for every
+    row)."""
     b = k.b
     row_bytes = fmt.dtype.row_bytes(lay.K)
     nblocks = lay.K // fmt.dtype.block_size
-    lines = -(-vecs * ROWS * row_bytes // 64 // nblocks)           # of the next tile, per block decoded
-    with k.loop(0, count, name="pblk") as i:
-        # the next tile's rows are one contiguous stretch: ask for a block's share of it now, so that
-        # a small T, which does little more than decode, streams from memory instead of waiting on it
+    lines = -(-vecs * ROWS * row_bytes // 64 // (nblocks * vecs))   # of the next tile, per vector decoded
+    with k.loop(0, k.mul(count, vecs), name="pvec") as iv:
+        i, v = b.sdiv(iv, k.i64(vecs)), b.srem(iv, k.i64(vecs))
+        # the next tile's rows are one contiguous stretch: ask for a share of it now, so that a small
+        # T, which does little more than decode, streams from memory instead of waiting on it
         # (prefetches never fault past the end)
-        ahead = k.add(k.mul(k.add(n0, AHEAD * vecs * ROWS), row_bytes), k.mul(k.add(p0, i), 64 * lines))
+        ahead = k.add(k.mul(k.add(n0, vecs * ROWS), row_bytes), k.mul(k.add(k.mul(p0, vecs), iv), 64 * lines))
         for line in range(lines):
             k.prefetch(k.addr(k.arg["w"], k.add(ahead, 64 * line)))
-        at = k.mul(i, vecs * room)
-        for v in range(vecs):
-            rows = [k.add(n0, 16 * v + r) for r in range(ROWS)]
-            rows = [b.select(b.icmp_signed("<", r, k.i64(N)), r, k.i64(N - 1)) for r in rows]
-            decs = [fmt.decode(k, isa, _row(k, fmt, lay, r, k.add(p0, i))) for r in rows]
-            dec = decs[0]
-            panel = Panel(fmt, dec.ints is not None, dec.mins is not None)
-            if not panel.ints and panel.subs > 1:
-                raise ValueError(f"qmatmul {fmt.dtype.name}: sub-block scales without integer scales")
-            vat = k.add(at, v * room)
-            if panel.ints:
-                for s, col in enumerate(k.transpose([d.ints.scales for d in decs])):
-                    k.store(col, buf, k.add(vat, panel.iscale(s)))
-                k.store(k.concat(*[pack(k, [d.ints.d]) for d in decs]), buf, k.add(vat, panel.d))
-                if panel.mins:
-                    for p, col in enumerate(k.transpose([_min_pairs(k, fmt, lay, d.ints.mins) for d in decs])):
-                        k.store(col, buf, k.add(vat, panel.imin(p)))
-                    k.store(k.concat(*[pack(k, [b.fneg(d.ints.dmin)]) for d in decs]), buf, k.add(vat, panel.ndmin))
-            else:
-                k.store(k.concat(*[d.scales for d in decs]), buf, k.add(vat, panel.d))
-                if panel.mins:
-                    k.store(k.concat(*[b.fneg(d.mins) for d in decs]), buf, k.add(vat, panel.ndmin))
-            for c in range(fmt.chunks):
-                for j, col in enumerate(k.transpose([k.cast_vec(d.chunk(c), i32) for d in decs])):
-                    s, w = divmod(32 * c + 4 * j, fmt.sub)
-                    k.store(col, buf, k.add(vat, panel.word(s, w // 4)))
+        rows = [k.add(n0, k.mul(v, ROWS), r) for r in range(ROWS)]
+        rows = [b.select(b.icmp_signed("<", r, k.i64(N)), r, k.i64(N - 1)) for r in rows]
+        decs = [fmt.decode(k, isa, _row(k, fmt, lay, r, k.add(p0, i))) for r in rows]
+        dec = decs[0]
+        panel = Panel(fmt, dec.ints is not None, dec.mins is not None)
+        if not panel.ints and panel.subs > 1:
+            raise ValueError(f"qmatmul {fmt.dtype.name}: sub-block scales without integer scales")
+        vat = k.add(k.mul(i, vecs * room), k.mul(v, room))
+        if panel.ints:
+            for s, col in enumerate(k.transpose([d.ints.scales for d in decs])):
+                k.store(col, buf, k.add(vat, panel.iscale(s)))
+            k.store(k.concat(*[pack(k, [d.ints.d]) for d in decs]), buf, k.add(vat, panel.d))
+            if panel.mins:
+                for p, col in enumerate(k.transpose([_min_pairs(k, fmt, lay, d.ints.mins) for d in decs])):
+                    k.store(col, buf, k.add(vat, panel.imin(p)))
+                k.store(k.concat(*[pack(k, [b.fneg(d.ints.dmin)]) for d in decs]), buf, k.add(vat, panel.ndmin))
+        else:
+            k.store(k.concat(*[d.scales for d in decs]), buf, k.add(vat, panel.d))
+            if panel.mins:
+                k.store(k.concat(*[b.fneg(d.mins) for d in decs]), buf, k.add(vat, panel.ndmin))
+        U = fmt.unroll
+        per_chunk = 32 // fmt.sub                            # sub-blocks per 32-weight chunk (1 or 2)
+
+        def chunk(c, chunk_at):
+            for j, col in enumerate(k.transpose([k.cast_vec(d.chunk(c), i32) for d in decs])):
+                k.store(col, buf, k.add(chunk_at, panel.word(4 * j // fmt.sub, j % (fmt.sub // 4))))
+        if fmt.chunks == U:
+            for c in range(U):
+                chunk(c, k.add(vat, c * per_chunk * panel.sub_bytes))
+        else:
+            with k.loop(0, fmt.chunks // U, name="pchunk") as cg:
+                for u in range(U):
+                    c = k.add(k.mul(cg, U), u)
+                    chunk(c, k.add(vat, k.mul(c, per_chunk * panel.sub_bytes)))
     return panel, dec
 
 
@@ -511,32 +520,28 @@ def _min_pairs(k: Kernel, fmt: BlockFormat, lay: ActLayout, mins: ir.Value) -> i
 
 def _panel_tokens(k: Kernel, isa: Isa, lay: ActLayout, N: int, n0, vecs: int, end, p0, count, buf, room: int,
                   panel: Panel, dec: Decoded) -> None:
-    """Every token over the panel: a register tile of tokens at a time, then the rest."""
-    b = k.b
-    T = k.arg["T"]
+    """Every token over the panel, a register tile of tokens at a time (the last tile repeats the last
+    token where T runs out, and stores only the real ones: one copy of the code for any T)."""
     tt = tile_tokens(panel.fmt)
-
-    def run(t0, n):
-        _panel_run(k, isa, lay, N, n0, vecs, end, p0, count, buf, room, panel, dec, t0, n)
-
-    groups = b.sdiv(T, k.i64(tt))
-    with k.loop(0, groups, name="tt") as g:
-        run(k.mul(g, tt), tt)
-    _by_count(k, b.sub(T, k.mul(groups, tt)), range(1, tt), lambda n: run(b.sub(T, k.i64(n)), n))
+    with k.loop(0, k.arg["T"], step=tt, name="tt") as t0:
+        _panel_run(k, isa, lay, N, n0, vecs, end, p0, count, buf, room, panel, dec, t0, tt)
 
 
 def _panel_run(k: Kernel, isa: Isa, lay: ActLayout, N: int, n0, vecs: int, end, p0, count, buf, room: int,
                panel: Panel, dec: Decoded, t0, n: int) -> None:
-    """Tokens t0..t0+n-1 over the panel, an f32 accumulator of 16 rows per (token, vector):
-    y[t, rows] starts from zero at the first panel and goes on from its stored value after; only
-    the rows before ``end`` are stored."""
+    """Tokens t0..t0+n-1 (those past T repeat token T-1, unstored) over the panel, an f32 accumulator
+    of 16 rows per (token, vector): y[t, rows] starts from zero at the first panel and goes on from
+    its stored value after; only the rows before ``end`` are stored."""
     b = k.b
     fmt = panel.fmt
     v16, vi = vec(f32, ROWS), vec(i32, ROWS)
     zero_i = ir.Constant(vi, [0] * ROWS)
     words, per = fmt.sub // 4, fmt.sub // lay.sum_block
-    xs = [k.addr(k.arg["xq"], k.mul(k.add(t0, t), lay.group_bytes(1))) for t in range(n)]
-    ys = [[k.mul(k.add(k.mul(k.add(t0, t), N), n0, 16 * v), 4) for v in range(vecs)] for t in range(n)]
+    last = b.sub(k.arg["T"], k.i64(1))
+    real = [b.icmp_signed("<", k.add(t0, t), k.arg["T"]) for t in range(n)]
+    tokens = [b.select(r, k.add(t0, t), last) for t, r in enumerate(real)]
+    xs = [k.addr(k.arg["xq"], k.mul(tok, lay.group_bytes(1))) for tok in tokens]
+    ys = [[k.mul(k.add(k.mul(tok, N), n0, 16 * v), 4) for v in range(vecs)] for tok in tokens]
     masks = [b.icmp_signed("<", k.add(k.splat(n0, ROWS), ir.Constant(vec(i64, ROWS), [16 * v + r for r in range(ROWS)])),
                            k.splat(end, ROWS)) for v in range(vecs)]
     first = b.icmp_signed("==", p0, k.i64(0))
@@ -600,8 +605,9 @@ def _panel_run(k: Kernel, isa: Isa, lay: ActLayout, N: int, n0, vecs: int, end, 
                     a = isa.fma(b.sitofp(m, v16), b.fmul(ndmin, dx), a)
                 accs[t][v].set(a)
     for t in range(n):
-        for v in range(vecs):
-            k.masked_store(accs[t][v].get(), k.arg["y"], ys[t][v], masks[v])
+        with k.if_then(real[t]):
+            for v in range(vecs):
+                k.masked_store(accs[t][v].get(), k.arg["y"], ys[t][v], masks[v])
 
 
 def _sum_of(k: Kernel, values: list) -> ir.Value:
