@@ -454,8 +454,8 @@ def _rows_gemm(k: Kernel, isa: Isa, fmt: BlockFormat, lay: ActLayout, N: int, ro
 
 def _decode_panel(k: Kernel, isa: Isa, fmt: BlockFormat, lay: ActLayout, N: int, n0, vecs: int, p0, count, buf,
                   room: int):
-    """Blocks p0..p0+count of rows n0..n0+16*vecs-1 into the buffer (rows past N repeat row N-1),
-    a 16-row vector of a block at a time (run-time loops over vectors and chunk groups keep the code
+    """Blocks p0..p0+count of the tile's 16*vecs rows into the buffer (``_tile_rows``; in a matrix of
+    fewer rows, rows past N repeat row N-1), a 16-row vector of a block at a time (run-time loops over vectors and chunk groups keep the code
     small); returns the Panel layout and one row's decoder (offsets and kinds are the same for every
     row)."""
     b = k.b
@@ -470,9 +470,13 @@ def _decode_panel(k: Kernel, isa: Isa, fmt: BlockFormat, lay: ActLayout, N: int,
         ahead = k.add(k.mul(k.add(n0, vecs * ROWS), row_bytes), k.mul(k.add(k.mul(p0, vecs), iv), 64 * lines))
         for line in range(lines):
             k.prefetch(k.addr(k.arg["w"], k.add(ahead, 64 * line)))
-        rows = [k.add(n0, k.mul(v, ROWS), r) for r in range(ROWS)]
-        rows = [b.select(b.icmp_signed("<", r, k.i64(N)), r, k.i64(N - 1)) for r in rows]
-        decs = [fmt.decode(k, isa, _row(k, fmt, lay, r, k.add(p0, i))) for r in rows]
+        if N >= vecs * ROWS:                              # rows at fixed distances from the tile's first
+            first = _row(k, fmt, lay, k.add(_tile_rows(k, N, n0, vecs), k.mul(v, ROWS)), k.add(p0, i))
+            decs = [fmt.decode(k, isa, k.addr(first, r * row_bytes)) for r in range(ROWS)]
+        else:                                             # a matrix smaller than a tile: rows past N repeat N-1
+            rows = [k.add(n0, k.mul(v, ROWS), r) for r in range(ROWS)]
+            rows = [b.select(b.icmp_signed("<", r, k.i64(N)), r, k.i64(N - 1)) for r in rows]
+            decs = [fmt.decode(k, isa, _row(k, fmt, lay, r, k.add(p0, i))) for r in rows]
         dec = decs[0]
         panel = Panel(fmt, dec.ints is not None, dec.mins is not None)
         if not panel.ints and panel.subs > 1:
@@ -518,6 +522,12 @@ def _min_pairs(k: Kernel, fmt: BlockFormat, lay: ActLayout, mins: ir.Value) -> i
     return b.or_(b.and_(first, ir.Constant(vec(i32, n), [0xFFFF] * n)), b.shl(second, ir.Constant(vec(i32, n), [16] * n)))
 
 
+def _tile_rows(k: Kernel, N: int, n0, vecs: int):
+    """The first row a tile starting at n0 decodes: n0, or N - 32 for the last tile of the matrix, whose
+    32 rows are then all real (the rows before n0 are decoded again but not stored). N >= 32."""
+    return k.b.select(k.b.icmp_signed("<", n0, k.i64(N - vecs * ROWS)), n0, k.i64(N - vecs * ROWS))
+
+
 def _panel_tokens(k: Kernel, isa: Isa, lay: ActLayout, N: int, n0, vecs: int, end, p0, count, buf, room: int,
                   panel: Panel, dec: Decoded) -> None:
     """Every token over the panel, a register tile of tokens at a time (the last tile repeats the last
@@ -541,9 +551,12 @@ def _panel_run(k: Kernel, isa: Isa, lay: ActLayout, N: int, n0, vecs: int, end, 
     real = [b.icmp_signed("<", k.add(t0, t), k.arg["T"]) for t in range(n)]
     tokens = [b.select(r, k.add(t0, t), last) for t, r in enumerate(real)]
     xs = [k.addr(k.arg["xq"], k.mul(tok, lay.group_bytes(1))) for tok in tokens]
-    ys = [[k.mul(k.add(k.mul(tok, N), n0, 16 * v), 4) for v in range(vecs)] for tok in tokens]
-    masks = [b.icmp_signed("<", k.add(k.splat(n0, ROWS), ir.Constant(vec(i64, ROWS), [16 * v + r for r in range(ROWS)])),
-                           k.splat(end, ROWS)) for v in range(vecs)]
+    r0 = _tile_rows(k, N, n0, vecs) if N >= vecs * ROWS else n0     # the panel's lane 0 is row r0
+    ys = [[k.mul(k.add(k.mul(tok, N), r0, 16 * v), 4) for v in range(vecs)] for tok in tokens]
+    lane_rows = [k.add(k.splat(r0, ROWS), ir.Constant(vec(i64, ROWS), [16 * v + r for r in range(ROWS)]))
+                 for v in range(vecs)]
+    masks = [b.and_(b.icmp_signed(">=", rows, k.splat(n0, ROWS)), b.icmp_signed("<", rows, k.splat(end, ROWS)))
+             for rows in lane_rows]
     first = b.icmp_signed("==", p0, k.i64(0))
     zero_f = ir.Constant(v16, [0.0] * ROWS)
     accs = [[k.var(v16, b.select(first, zero_f, k.masked_load(v16, k.arg["y"], ys[t][v], masks[v])))
