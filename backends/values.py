@@ -39,6 +39,9 @@ def bind_symbols(graph: Graph, values: dict[Var, object]) -> dict[str, int]:
         shape = _logical_shape(values[v])
         for d, n in zip(v.aval.shape, shape):
             if isinstance(d, Sym) and len(d.terms) == 1 and d.terms[0][1] == 1 and d.const == 0:
+                if n == 0 and d.terms[0][0] not in env:     # the llvm program would read row -1 of nothing
+                    raise ValueError(f"input {v.hint or graph.invars.index(v)}: {d.terms[0][0]} = 0; a step takes "
+                                     f"at least one row ({v.aval})")
                 env.setdefault(d.terms[0][0], n)
     for v in graph.invars:
         shape = v.aval.shape

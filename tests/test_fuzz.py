@@ -295,13 +295,15 @@ def test_missing_and_odd_paths(tmp_path):
 
 
 def test_fifo_inputs_and_exiting_plugins_are_one_line(base, tmp_path):
-    """--grammar or --json-schema naming a FIFO blocked forever; a plugin calling sys.exit() ended ggraph
-    silently with its code."""
+    """--grammar, --json-schema or quantize --imatrix naming a FIFO blocked forever; a plugin calling
+    sys.exit() ended ggraph silently with its code."""
     fifo = tmp_path / "fifo"
     os.mkfifo(fifo)
     for flag in ("--grammar", "--json-schema"):
         rc, out, err = run(["run", base, "-p", "hi", flag, fifo], timeout=60)
         assert_clean_error(rc, out, err, "not a regular file")
+    rc, out, err = run(["quantize", base, tmp_path / "q.gguf", "IQ4_XS", "--imatrix", fifo], timeout=60)
+    assert_clean_error(rc, out, err, "not a regular file")
     plugin = tmp_path / "exits.py"
     plugin.write_text("import sys\nsys.exit(3)\n")
     rc, out, err = run(["run", base, "-p", "hi", "--plugin", plugin])
@@ -356,6 +358,8 @@ API = {  # python snippet (with `s`, a Session of the base model, and np): the e
     "decode_strings": ("s.tokenizer.decode(['a'])", "TypeError: token ids must be integers, got str 'a'"),
     "token_text_negative": ("s.tokenizer.token_text(-1)", "token id -1 is outside the vocabulary"),
     "message_not_a_dict": ("s.chat([None], max_tokens=2)", "TypeError: message 0 must be a dict with a string 'role'"),
+    "zero_tokens": ("s.program(True).run_inputs([np.zeros(0, np.int32), 0, *s.k_cache, *s.v_cache])",
+                    "input tokens: T = 0; a step takes at least one row"),
     "prompt_too_long_to_encode": ("s.generate('a' * 10 ** 7, max_tokens=2)",
                                   "ContextFullError: context full: the prompt is 10000000 characters"),
 }
@@ -513,6 +517,13 @@ def test_an_unwritable_cache_compiles_in_memory(tmp_path):
     rc, out, err = _run_text({"GGRAPH_CACHE": str(blocker / "cache")})
     assert rc == 0 and "Hello" in out and "Traceback" not in err
     assert "cannot write the compile cache" in err and err.count("cannot write the compile cache") == 1
+
+
+def test_a_cache_path_too_long_is_one_warning(tmp_path):
+    """Past PATH_MAX every entry's read failed on its own: one warning per entry, then one for the write."""
+    rc, out, err = _run_text({"GGRAPH_CACHE": str(tmp_path / "/".join(["d" * 200] * 25))})
+    assert rc == 0 and "Hello" in out and "Traceback" not in err
+    assert err.count("warning") == 1 and "File name too long" in err, err[-1000:]
 
 
 def test_a_hostile_chat_template_is_stopped(base, tmp_path):

@@ -52,6 +52,14 @@ def write(path: Path, magic: bytes, payload: bytes) -> None:
         _unwritable.append(path)
 
 
+def _unusable(e: OSError) -> None:
+    """The cache folder itself cannot be read (a path too long, no access): one warning for reads and
+    writes alike."""
+    if not _unwritable:
+        warn(f"cannot write the compile cache in {cache_dir()} ({e.strerror or e}); compiling in memory")
+    _unwritable.append(None)
+
+
 def read(path: Path, magic: bytes) -> bytes | None:
     """The verified payload of ``path``, or None (missing; or damaged, which is deleted and said)."""
     try:
@@ -62,7 +70,7 @@ def read(path: Path, magic: bytes) -> bytes | None:
         if e.errno == errno.ELOOP:                         # the entry is a symlink loop
             discard(path, f"it cannot be read: {e.strerror or e}")
         else:                                              # the folder itself (a name too long, no access): once
-            warn(f"cannot read the compile cache in {cache_dir()} ({e.strerror or e}); compiling in memory")
+            _unusable(e)
         return None
     if not stat.S_ISREG(st.st_mode):                       # a FIFO would block the read, a folder fail it forever
         discard(path, "it is not a regular file")

@@ -30,6 +30,9 @@ def _load_imatrix(path: str):
     """(per-tensor importance vectors, the quantize.imatrix.* keys to record) from an imatrix file."""
     from ggraph import imatrix
     from ggraph.quantize import imatrix_keys
+    if not os.path.isfile(path):                  # a FIFO would block the read forever
+        raise ValueError(f"--imatrix {path}: no such file" if not os.path.exists(path) else
+                         f"--imatrix {path}: not a regular file")
     data = imatrix.read(path)
     return data.vectors(), imatrix_keys(path, data.datasets, len(data.sums), data.chunk_count)
 
