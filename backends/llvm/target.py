@@ -74,7 +74,7 @@ def _host_arch() -> str:
 
 # LLVM's name for each feature the sets above use -> the flag Linux prints for it in /proc/cpuinfo
 _CPUINFO_FLAGS = {
-    "sse": "sse", "sse2": "sse2", "ssse3": "ssse3", "sse4.1": "sse4_1", "avx": "avx", "avx2": "avx2",
+    "sse": "sse", "sse2": "sse2", "ssse3": "ssse3", "sse4.1": "sse4_1", "sse4.2": "sse4_2", "avx": "avx", "avx2": "avx2",
     "fma": "fma", "f16c": "f16c", "bmi2": "bmi2", "avx512f": "avx512f", "avx512bw": "avx512bw",
     "avx512vl": "avx512vl", "avx512dq": "avx512dq", "avx512vnni": "avx512_vnni", "avxvnni": "avx_vnni",
     "amx-tile": "amx_tile", "amx-int8": "amx_int8",

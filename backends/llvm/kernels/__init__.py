@@ -14,7 +14,7 @@ Sizing: `act_bytes(act_format(wtype), T, K)` bytes of scratch for the activation
 from ggraph.ir import dtypes
 from ggraph.backends.llvm.kernels import fmatmul as _fmatmul
 from ggraph.backends.llvm.kernels import qmatmul as _qmatmul
-from ggraph.backends.llvm.kernels.act_quant import GROUP, ActLayout, act_bytes, act_quant
+from ggraph.backends.llvm.kernels.act_quant import GROUP, ActLayout, act_bytes, act_quant, rows_gemm
 from ggraph.backends.llvm.kernels.fmatmul import fmatmul, float_weight
 from ggraph.backends.llvm.kernels.get_rows import dequant_rows, get_rows
 from ggraph.backends.llvm.kernels.kv_rows import kv_store
@@ -29,7 +29,8 @@ FLOAT_TYPES = (dtypes.f32, dtypes.f16, dtypes.bf16)
 def describe(target: Target) -> dict[str, str]:
     """Which kernel variant each op gets on `target`, e.g. {"qmatmul q4_k": "vpdpbusd-512: ..."}."""
     how = "vector" if vector_path(target) else "scalar (generic twin)"
-    out = {f"act_quant {fmt}": f"{how}; tokens in groups of {GROUP}" for fmt in ("q8_0", "q8_k")}
+    layout = "one row per token" if rows_gemm(target) else f"tokens in groups of {GROUP}"
+    out = {f"act_quant {fmt}": f"{how}; {layout}" for fmt in ("q8_0", "q8_k")}
     out.update({f"qmatmul {dt.name}": _qmatmul.variant(dt, target) for dt in QUANT_TYPES})
     out.update({f"fmatmul {dt.name}": _fmatmul.variant(dt, target) for dt in FLOAT_TYPES})
     out.update({f"get_rows {dt.name}": how for dt in QUANT_TYPES + FLOAT_TYPES})
