@@ -68,9 +68,9 @@ def test_batch_refuses_bad_steps():
                         ({0: [1] * 9}, "ctx=8"), ({0: [1] * 4, 1: [1] * 3}, "ubatch=6"), ({0: [10 ** 7]}, "vocabulary")):
         with pytest.raises(ValueError, match=match):
             b.step(work)
-    assert b.n_past == [0, 0]                                        # nothing ran
+    assert b.n_past == (0, 0)                                        # nothing ran
     b.step({0: [1, 2, 3], 1: [4]})
     b.truncate(0, 1)
-    assert b.n_past == [1, 1]
+    assert b.n_past == (1, 1)
     with pytest.raises(ValueError, match="truncate"):
         b.truncate(1, 5)

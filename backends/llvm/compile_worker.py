@@ -7,11 +7,15 @@ how kernels compile in parallel: llvmlite serialises every call within one proce
 """
 from __future__ import annotations
 
+import os
 import pickle
 import sys
 
 
 def main() -> int:
+    import signal
+    signal.signal(signal.SIGINT, signal.SIG_IGN)     # Ctrl-C reaches the whole process group: the parent
+    #                                                  decides, and closes stdin (EOF) or goes away
     from ggraph.backends.llvm.jit import emit_object
     inp, out = sys.stdin.buffer, sys.stdout.buffer
     target = pickle.load(inp)
@@ -24,8 +28,11 @@ def main() -> int:
             result = emit_object(text, target)
         except Exception as e:                          # reported by the parent, naming the kernel
             result = f"{type(e).__name__}: {e}"
-        pickle.dump((index, result), out, protocol=pickle.HIGHEST_PROTOCOL)
-        out.flush()
+        try:
+            pickle.dump((index, result), out, protocol=pickle.HIGHEST_PROTOCOL)
+            out.flush()
+        except BrokenPipeError:                        # the parent is gone: nobody to answer (and no flush at exit)
+            os._exit(0)
 
 
 if __name__ == "__main__":

@@ -45,9 +45,9 @@ class Batch:
         self._program = None
 
     @property
-    def n_past(self) -> list[int]:
-        """Tokens each slot holds (a copy: ``reset(slot)`` and ``truncate(slot, n)`` change them)."""
-        return list(self._n_past)
+    def n_past(self) -> tuple[int, ...]:
+        """Tokens each slot holds (read-only: ``reset(slot)`` and ``truncate(slot, n)`` change them)."""
+        return tuple(self._n_past)
 
     def program(self):
         """The compiled batched step, built once."""
