@@ -311,6 +311,18 @@ def test_fifo_inputs_and_exiting_plugins_are_one_line(base, tmp_path):
     assert_clean_error(rc, out, err, "failed to import: SystemExit: 3")
 
 
+def test_dump_to_a_fifo_waits_for_no_one(base, tmp_path):
+    """dump -o naming a FIFO that no process reads blocked forever; with a reader it still streams there."""
+    fifo = tmp_path / "out.fifo"
+    os.mkfifo(fifo)
+    rc, out, err = run(["dump", base, "--layer", 0, "--ctx", 32, "-o", fifo], timeout=60)
+    assert_clean_error(rc, out, err, "a FIFO that no process reads")
+    reader = subprocess.Popen(["cat", str(fifo)], stdout=subprocess.PIPE)
+    time.sleep(0.5)                                       # cat waits in open() for a writer
+    rc, out, err = run(["dump", base, "--layer", 0, "--ctx", 32, "-o", fifo], timeout=60)
+    text = reader.communicate(timeout=60)[0].decode()
+    assert rc == 0 and "blk.0" in text, (rc, err[-500:], text[:200])
+
 def test_an_unbudgeted_allocation_failure_is_one_line():
     snippet = textwrap.dedent("""
         import sys

@@ -8,6 +8,9 @@
 """
 from __future__ import annotations
 
+import errno
+import os
+import stat
 import sys
 
 from ggraph.cli.common import add_cache_type_args, add_model_arg, add_pass_args, model_path, pipeline_names
@@ -21,13 +24,38 @@ from ggraph.units import fmt_bytes
 def cmd_dump(args) -> int:
     """Print a model's graph after the passes, as text, DOT, PNG or SVG; or explain the fusions and buffers."""
     from ggraph.models import load
-    from ggraph.passes import RewriteLog, run
     names = pipeline_names(args)
     if args.format in ("png", "svg") and not args.output:
         raise ValueError(f"--format {args.format} writes a picture: give -o FILE")
     if args.ctx < 1:
         raise ValueError(f"--ctx must be at least 1, got {args.ctx}")
-    model = load(model_path(args))
+    held = _fifo_reader(args.output) if args.output else None
+    try:
+        return _dump(args, names, load(model_path(args)))
+    finally:
+        if held is not None:
+            os.close(held)
+
+
+def _fifo_reader(path: str) -> int | None:
+    """For an output that is a FIFO: a write end held open while dump works (so that its reader does not see
+    the end of input before the output is written), or an error when no process reads it (the write would
+    block forever). None for anything else."""
+    try:
+        if not stat.S_ISFIFO(os.stat(path).st_mode):
+            return None
+    except OSError:
+        return None
+    try:
+        return os.open(path, os.O_WRONLY | os.O_NONBLOCK)
+    except OSError as e:
+        if e.errno == errno.ENXIO:
+            raise ValueError(f"-o {path}: a FIFO that no process reads (writing to it would block)") from None
+        raise
+
+
+def _dump(args, names, model) -> int:
+    from ggraph.passes import RewriteLog, run
     n = model.config.n_layer
     if args.layer is not None and not 0 <= args.layer < n:
         raise ValueError(f"--layer {args.layer}: the model has layers 0..{n - 1}")
