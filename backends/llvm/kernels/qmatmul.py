@@ -157,7 +157,12 @@ def _gemv(k: Kernel, isa: Isa, fmt: BlockFormat, lay: ActLayout, N: int, rows) -
 def _gemv_step(k: Kernel, isa: Isa, fmt: BlockFormat, dec, w, blk, c: int, P: int, init, scales, acc, xbase) -> None:
     """Chunks c..c+P of block ``dec``, decoded in ``w``: acc += float(dot(w, x) - offset*sum(x)) * scale*dx,
     per lane, x the token row at ``xbase``."""
-    b = k.b
+    dot, lane_sub = _gemv_dot(k, isa, fmt, dec, w, blk, c, P, init, xbase)
+    acc.set(isa.fma(k.b.sitofp(dot, vec(f32, 8 * P)), k.shuffle(scales, lane_sub), acc.get()))
+
+
+def _gemv_dot(k: Kernel, isa: Isa, fmt: BlockFormat, dec, w, blk, c: int, P: int, init, xbase):
+    """(dot(w, x) - offset*sum(x) per i32 lane, each lane's sub-block) for chunks c..c+P."""
     lanes = 8 * P
     lane_sub = [(32 * c + 4 * j) // fmt.sub for j in range(lanes)]            # each i32 lane's sub-block
     if init is None:
@@ -167,8 +172,7 @@ def _gemv_step(k: Kernel, isa: Isa, fmt: BlockFormat, dec, w, blk, c: int, P: in
         first = [s if j == 0 or s != lane_sub[j - 1] else subs for j, s in enumerate(lane_sub)]
         start = k.shuffle(init, first, ir.Constant(vec(i32, subs), [0] * subs))
     xv = k.load(vec(i8, 4 * lanes), xbase, k.add(k.mul(blk, fmt.dtype.block_size), 32 * c))
-    dot = isa.dot(start, w, xv, dec.signed, dec.qmax)                           # (lanes,) i32
-    acc.set(isa.fma(b.sitofp(dot, vec(f32, lanes)), k.shuffle(scales, lane_sub), acc.get()))
+    return isa.dot(start, w, xv, dec.signed, dec.qmax), lane_sub                # (lanes,) i32
 
 
 SMALL_T = 8                        # tokens whose accumulators a rows_only step keeps in registers at once
@@ -204,8 +208,10 @@ def _by_count(k: Kernel, count, counts, body) -> None:
 
 def _gemv_n_row(k: Kernel, isa: Isa, fmt: BlockFormat, lay: ActLayout, N: int, row, n: int, t0) -> None:
     """Output row ``row`` for exactly n tokens from token t0 (rows of xq ``group_bytes(1)`` apart):
-    integer dots per step of P chunks, scaled into f32 lanes, the K-quant mins in a separate
-    (subs,) accumulator, the same arithmetic for each token whatever n is."""
+    integer dots per step of P chunks, scaled into f32 lanes (super-block types first sum their
+    sub-blocks in i32 lanes times their integer scales, as llama.cpp does, and take one f32 step per
+    block: shorter dependency chains, 1.04-1.22x), the K-quant mins in a separate (subs,)
+    accumulator, the same arithmetic for each token whatever n is."""
     b = k.b
     P = gemv_chunks(fmt, isa.t)
     subs = fmt.dtype.block_size // fmt.sub
@@ -224,11 +230,23 @@ def _gemv_n_row(k: Kernel, isa: Isa, fmt: BlockFormat, lay: ActLayout, N: int, r
             if dec.mins is not None:
                 macc.set(isa.fma(b.fmul(dec.mins, dx), b.sitofp(xs, vec(f32, subs)), macc.get()))
             init = b.mul(xs, ir.Constant(vec(i32, subs), [-dec.offset] * subs)) if dec.offset else None
-            terms.append((init, b.fmul(dec.scales, dx)))                         # (subs,) f32 scales
-        for c in range(0, fmt.chunks, P):                  # each chunk decoded once, for every token
-            w = k.concat(*[dec.chunk(c + p) for p in range(P)])
-            for xt, acc, (init, scales) in zip(xts, accs, terms):
-                _gemv_step(k, isa, fmt, dec, w, blk, c, P, init, scales, acc, xt)
+            terms.append((init, None if dec.ints is not None else b.fmul(dec.scales, dx)))   # (subs,) f32 scales
+        if dec.ints is not None:                           # super-block types: sub-blocks summed in i32
+            isums = [None] * n
+            for c in range(0, fmt.chunks, P):
+                w = k.concat(*[dec.chunk(c + p) for p in range(P)])
+                for t, (xt, (init, _)) in enumerate(zip(xts, terms)):
+                    dot, lane_sub = _gemv_dot(k, isa, fmt, dec, w, blk, c, P, init, xt)
+                    scaled = b.mul(dot, k.shuffle(dec.ints.scales, lane_sub))
+                    isums[t] = scaled if isums[t] is None else b.add(isums[t], scaled)
+            for t, (xt, acc) in enumerate(zip(xts, accs)):
+                dd = k.splat(b.fmul(dec.ints.d, k.load(f32, xt, lay.d(k, 1, blk))), lanes)
+                acc.set(isa.fma(b.sitofp(isums[t], vec(f32, lanes)), dd, acc.get()))
+        else:
+            for c in range(0, fmt.chunks, P):              # each chunk decoded once, for every token
+                w = k.concat(*[dec.chunk(c + p) for p in range(P)])
+                for xt, acc, (init, scales) in zip(xts, accs, terms):
+                    _gemv_step(k, isa, fmt, dec, w, blk, c, P, init, scales, acc, xt)
     for t, (acc, macc) in enumerate(zip(accs, maccs)):
         at = k.mul(k.add(k.mul(k.add(t0, t), N), row), 4)
         k.store(b.fsub(isa.hsum(acc.get()), isa.hsum(macc.get())), k.arg["y"], at)
