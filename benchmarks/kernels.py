@@ -67,7 +67,8 @@ def timed(fn, args_for, reps: int, nth: int) -> float:
         team.close()
 
 
-def bench_shape(target, wtype: str, K: int, N: int, threads: list[int], rng, hot: bool = False) -> dict:
+def bench_shape(target, wtype: str, K: int, N: int, threads: list[int], rng, hot: bool = False,
+                tokens: int = 64) -> dict:
     dt = dtypes.from_name(wtype)
     fmt = kernels.act_format(dt)
     m = ir.Module()
@@ -81,7 +82,7 @@ def bench_shape(target, wtype: str, K: int, N: int, threads: list[int], rng, hot
     pool = np.empty((copies, raw.nbytes), np.uint8)
     pool[:] = raw.reshape(1, -1)
     out = {}
-    for T in (1, 64):
+    for T in (1, tokens):
         x = rng.standard_normal((T, K)).astype(np.float32)
         xq = np.zeros(kernels.act_bytes(fmt, T, K), np.uint8)
         aq(x.ctypes.data, xq.ctypes.data, T, 0, 1)
@@ -104,6 +105,7 @@ def main() -> None:
     ap.add_argument("--types", default="", help="only these weight types")
     ap.add_argument("--hot", action="store_true", help="GEMV on one cached copy: the compute ceiling")
     ap.add_argument("--shapes", default="", help="comma list of TYPE:K:N to run instead of Gemma 3's shapes")
+    ap.add_argument("--tokens", type=int, default=64, help="T of the GEMM columns (a prefill's length)")
     args = ap.parse_args()
     shapes = SHAPES
     if args.shapes:
@@ -118,14 +120,14 @@ def main() -> None:
     cols = " ".join(f"{'gemv ' + str(n) + 't':>10}" for n in threads) + " " + \
         " ".join(f"{'gemm ' + str(n) + 't':>10}" for n in threads)
     print(f"{'type':6} {'K':>5} {'N':>7} {'target':12} {cols}   (GEMV: GB/s of weights, T=1; "
-          f"GEMM: GFLOP/s, T=64)")
+          f"GEMM: GFLOP/s, T={args.tokens})")
     for wtype, K, N, what in shapes:
         if args.types and wtype not in args.types.split(","):
             continue
         for target in targets:
-            r = bench_shape(target, wtype, K, N, threads, rng, args.hot)
+            r = bench_shape(target, wtype, K, N, threads, rng, args.hot, args.tokens)
             gemv = " ".join(f"{r[(1, n)]:10.2f}" for n in threads)
-            gemm = " ".join(f"{r[(64, n)]:10.1f}" for n in threads)
+            gemm = " ".join(f"{r[(args.tokens, n)]:10.1f}" for n in threads)
             print(f"{wtype:6} {K:5} {N:7} {target.name:12} {gemv} {gemm}   {what}", flush=True)
 
 

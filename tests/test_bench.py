@@ -91,13 +91,19 @@ def test_peaks_are_measured_with_the_feature_sets_instructions():
     from ggraph.backends.llvm import jit
     from ggraph.backends.llvm.target import host_target, named_target
     from ggraph.bench import peaks
-    got = peaks.measure(host_target(), 1, seconds=0.01)
-    assert set(got) == {"ghz", "f32", "int8"} and all(0 < v < float("inf") for v in got.values())
+    host = host_target()
+    got = peaks.measure(host, 1, seconds=0.01)
+    tiles = {"tiles"} if host.has("amx-int8") else set()
+    assert set(got) == {"ghz", "f32", "int8"} | tiles and all(0 < v < float("inf") for v in got.values())
     assert 0.3 < got["ghz"] < 10                                            # a clock, not a rate of something else
-    for name, dot in (("avx512_vnni", "vpdpbusd"), ("avx2", "vpmaddubsw")):     # assembly only: any host
+    if tiles:
+        assert got["tiles"] > 2 * got["int8"], "a tile multiply does 16x16x64 multiply-adds"
+    for name, dot in (("avx512_vnni", "vpdpbusd"), ("avx2", "vpmaddubsw"), ("amx", "vpdpbusd")):   # assembly only
         asm = jit.emit_assembly(peaks.module(named_target(name)), named_target(name))
-        int8 = asm.split("peak_int8:")[1].split("peak_clock:")[0]      # none hoisted out of the loop as one
+        int8 = asm.split("peak_int8:")[1].split("peak_")[0]             # none hoisted out of the loop as one
         assert int8.count(dot) >= peaks.CHAINS, f"{name}: the int8 loop must run {peaks.CHAINS} {dot} an iteration"
+    asm = jit.emit_assembly(peaks.module(named_target("amx")), named_target("amx"))
+    assert asm.split("peak_tiles:")[1].split("peak_")[0].count("tdpbssd") >= 4          # four independent tiles
 
 
 def test_roofline_bounds_every_engine_by_the_same_work(model, capsys):

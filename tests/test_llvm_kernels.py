@@ -21,7 +21,7 @@ from ggraph.backends.llvm.kernels.act_quant import ActLayout, rows_gemm, tokens_
 from ggraph.backends.llvm.kernels.qmatmul import ROWS  # noqa: E402
 from ggraph.backends.llvm.target import X86_NAMES, named_target, runnable_targets  # noqa: E402
 
-TARGETS = X86_NAMES                       # generic, avx2, avx512, avx512_vnni
+TARGETS = X86_NAMES                       # generic, avx2, avx512, avx512_vnni, amx
 TOKENS = (1, 3, 17, 40, 64)               # 40 = one full 2-group tile plus a tail group
 N, V, FK = 37, 50, 100                    # odd rows; table rows; float-weight K (a K tail)
 K_OF_BLOCK = {32: 96, 256: 512}
@@ -268,6 +268,30 @@ def test_qmatmul_at_the_extremes_of_its_integer_sums(target, dt, sign):
         w[:, off:off + 2] = np.frombuffer(np.float16(0.01).tobytes(), np.uint8)
     check_qmatmul(target, dt, K, N, w.reshape(N, -1), tokens=(16, 33),
                   x_of=lambda T: np.full((T, K), sign, np.float32))
+
+
+@pytest.mark.parametrize("dt", [d for d in kernels.QUANT_TYPES if d.block_size == 256], ids=lambda d: d.name)
+def test_amx_tiles_give_the_bits_of_the_rows_gemm(dt):
+    """The tiled GEMM sums each block in integers and takes the same float steps in the same order as
+    its AVX-512 VNNI twin, so every output is the same bits, in several K panels and with the last
+    tiles of rows and tokens shifted back over earlier ones."""
+    amx = runnable_target("amx", _LIBS, _build)
+    vnni = runnable_target("avx512_vnni", _LIBS, _build)
+    rng = np.random.default_rng(6)
+    for K, n in ((k_of(dt), N), (LONG_K, LONG_N)):
+        w = random_blocks(dt, n, K, rng)
+        counter = np.zeros(16, np.int32)
+        for T in (32, 33, 64, 75):
+            x = rng.standard_normal((T, K)).astype(np.float32)
+            buf = quantize_acts(vnni, x, kernels.act_format(dt))
+            ys = []
+            for name in (amx, vnni):
+                y = np.full((T, n), np.nan, np.float32)
+                counter[:] = 0
+                run(fn(name, f"qmatmul_{dt.name}_k{K}_n{n}", MATMUL_ABI),
+                    (w.ctypes.data, buf.ctypes.data, y.ctypes.data, counter.ctypes.data), T, 2, threads=True)
+                ys.append(y)
+            np.testing.assert_array_equal(ys[0], ys[1], err_msg=f"K={K} T={T}")
 
 
 @pytest.mark.parametrize("dt", kernels.QUANT_TYPES, ids=lambda d: d.name)

@@ -54,18 +54,18 @@ def test_thread_counts_give_identical_logits():
     np.testing.assert_array_equal(outs[0], outs[2])
 
 
-@pytest.mark.parametrize("target", ["generic", "avx2", "avx512", "avx512_vnni"])
+@pytest.mark.parametrize("target", ["generic", "avx2", "avx512", "avx512_vnni", "amx"])
 def test_every_feature_set_runs_a_model(target, monkeypatch):
     from ggraph.backends.llvm.target import missing_features
     if missing_features(target):
         pytest.skip(f"this host cannot run {target}")
     monkeypatch.setenv("GGRAPH_TARGET", target)
     path = zoo.cached_model("llama", "q4_k_m", **zoo.K_QUANT_DIMS)
-    ids = prompt_ids(12)
-    s = Session(path, backend="llvm", threads=2, ctx=32, **EXACT)
+    ids = prompt_ids(40)                             # 32 tokens and more: the tiled GEMM on amx
+    s = Session(path, backend="llvm", threads=2, ctx=64, **EXACT)
     assert s.program(False).target.name == target
     got = s.logits(ids)
-    want = oracle.llama_logits(path, ids, n_ctx=32)
+    want = oracle.llama_logits(path, ids, n_ctx=64)
     cos, top1 = agreement(got, want)
     assert cos > 0.9999 and top1 == 1.0, (target, cos, top1)
 

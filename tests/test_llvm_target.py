@@ -15,7 +15,7 @@ HOST = target.host_features()
 
 
 def runnable(name: str) -> bool:
-    return not target.missing_features(name, HOST)
+    return not target.missing_features(name)
 
 
 def needs(name: str):
@@ -54,6 +54,28 @@ def test_detection_trusts_the_feature_map_not_the_cpu_name(monkeypatch):
     only_avx2 = frozenset({"sse", "sse2", "ssse3", "sse4.1", "avx", "avx2", "fma", "f16c", "bmi2"})
     monkeypatch.setattr(target, "host_features", lambda: only_avx2)
     assert target.host_target().name == "avx2"
+
+
+AMX_HOST = frozenset(target._SETS["amx"][2])
+
+
+def test_amx_is_chosen_only_with_linux_tile_permission(monkeypatch):
+    monkeypatch.delenv("GGRAPH_TARGET", raising=False)
+    monkeypatch.setattr(target, "host_features", lambda: AMX_HOST)
+    monkeypatch.setattr(target, "tile_permission", lambda: False)
+    assert target.host_target().name == "avx512_vnni"
+    assert "amx" not in [t.name for t in target.runnable_targets()]
+    assert any("permission" in m for m in target.missing_features("amx"))
+    assert not target.named_target("amx").executable
+    m = ir.Module()
+    q4_k_matmul(m, target.named_target("amx"))
+    with pytest.raises(ValueError, match="AMX tiles and Linux refused"):
+        jit.compile(m, target.named_target("amx"))
+    with pytest.raises(ValueError, match="GGRAPH_TARGET=amx.*permission"):
+        target.host_target("amx")
+    monkeypatch.setattr(target, "tile_permission", lambda: True)
+    assert target.host_target().name == "amx"
+    assert target.host_target("avx512_vnni").name == "avx512_vnni"      # the old path can still be forced
 
 
 def test_cpuinfo_features_agree_with_llvms_feature_map():
@@ -151,6 +173,15 @@ def test_avx512_uses_zmm_without_vnni():
 def test_avx512_vnni_uses_vpdpbusd_on_zmm():
     asm = asm_of(q8_0_matmul, q4_k_matmul, name="avx512_vnni")
     assert re.search(r"vpdpbusd\s+[^\n]*zmm", asm)
+
+
+def test_amx_tiles_take_super_block_types_only():
+    asm = asm_of(q4_k_matmul, name="amx")
+    assert "ldtilecfg" in asm and re.search(r"tdpbssd\s+%tmm", asm) and "tilerelease" in asm
+    assert "vpdpbusd" in asm                              # gemv and the rows gemm below 32 tokens
+    assert "tdpbssd" not in asm_of(q8_0_matmul, name="amx")
+    d = kernels.describe(target.named_target("amx"))
+    assert "AMX tiles" in d["qmatmul q4_k"] and "AMX" not in d["qmatmul q8_0"]
 
 
 def test_generic_stays_in_sse2():

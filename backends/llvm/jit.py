@@ -37,7 +37,7 @@ import llvmlite
 from llvmlite import ir
 
 from ggraph.backends.llvm import cache
-from ggraph.backends.llvm.target import Target, init_llvm, target_machine
+from ggraph.backends.llvm.target import Target, host_arch, init_llvm, target_machine
 from ggraph.demo import cache_dir          # one cache root for models and object code
 from ggraph.ir.dims import Sym
 from ggraph.ir.dtypes import Aval, DType
@@ -369,8 +369,10 @@ class Library:
 def compile(module, target: Target) -> Library:
     """Compile (or fetch from the cache) and load `module` for `target` in this process."""
     if not target.executable:
-        raise ValueError(f"target '{target.name}' is {target.arch} code and this host cannot "
-                         f"execute it; use jit.emit_assembly() to inspect it")
+        why = "uses AMX tiles and Linux refused this process the tile data" if target.arch == host_arch() \
+            else f"is {target.arch} code"
+        raise ValueError(f"target '{target.name}' {why}, so this process cannot execute it; "
+                         f"use jit.emit_assembly() to inspect it")
     text = str(module)
     names = defined_functions(text)
     if not names:

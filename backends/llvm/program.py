@@ -44,6 +44,9 @@ _LOADED: dict[str, tuple[dict, list, jit.Library]] = {}     # program key -> (st
 def _load_or_build(graph, target, profile: bool, rows_only: bool = False):
     """The lowered program for ``graph`` and its loaded code: already loaded in this process, from the
     program cache (no IR is built then), or lowered, compiled (new kernels only) and saved."""
+    if not target.executable:
+        raise ValueError(f"llvm backend: target '{target.name}' cannot run in this process (another "
+                         f"architecture, or AMX tiles without Linux's permission)")
     key = program_key(graph, target, profile, rows_only)
     if key not in _LOADED:
         path = jit.cache_dir() / f"{key}.program"

@@ -24,13 +24,15 @@ _SETS = {
     "avx2":         (X86,     "x86-64-v3", _AVX2,                              256),
     "avx512":       (X86,     "x86-64-v4", _AVX512,                            512),
     "avx512_vnni":  (X86,     "x86-64-v4", _AVX512 + ("avx512vnni",),          512),
+    "amx":          (X86,     "x86-64-v4", _AVX512 + ("avx512vnni", "amx-tile", "amx-int8"), 512),
     "neon":         (AARCH64, "generic",   ("neon",),                          128),
     "neon_dotprod": (AARCH64, "generic",   ("neon", "dotprod"),                128),
 }
 NAMES = tuple(_SETS)
 X86_NAMES = tuple(n for n, s in _SETS.items() if s[0] == X86)
-_PREFERENCE = ("avx512_vnni", "avx512", "avx2", "generic")   # best first
-_OPTIONAL = {"avx512_vnni": ("avxvnni",)}                    # added when the host has them
+_PREFERENCE = ("amx", "avx512_vnni", "avx512", "avx2", "generic")   # best first
+_OPTIONAL = {"avx512_vnni": ("avxvnni",), "amx": ("avxvnni",)}      # added when the host has them
+_TILES = ("amx-tile", "amx-int8")             # usable only once Linux grants the process tile data
 
 
 @dataclass(frozen=True)
@@ -63,11 +65,14 @@ class Target:
 
     @property
     def executable(self) -> bool:
-        """True if code for this target can run in this process (same architecture)."""
-        return self.arch == _host_arch()
+        """True if code for this target can run in this process: the host's architecture and, for a set
+        with AMX tiles, Linux's permission for tile data (asked for here, once per process)."""
+        if self.arch != host_arch():
+            return False
+        return not any(self.has(f) for f in _TILES) or tile_permission()
 
 
-def _host_arch() -> str:
+def host_arch() -> str:
     machine = platform.machine().lower()
     return {"amd64": "x86_64", "arm64": "aarch64"}.get(machine, machine)
 
@@ -114,11 +119,33 @@ def named_target(name: str, extra: tuple = ()) -> Target:
     return Target(name, triple, cpu, ",".join("+" + f for f in feats + tuple(extra)), bits)
 
 
+ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA, SYS_ARCH_PRCTL = 0x1023, 18, 158
+
+
+@functools.cache
+def tile_permission() -> bool:
+    """Ask Linux, once per process, for the AMX tile data state (arch_prctl(ARCH_REQ_XCOMP_PERM,
+    XFEATURE_XTILEDATA)); True if granted. Without it the first tile instruction kills the process."""
+    if platform.system() != "Linux" or host_arch() != "x86_64":
+        return False
+    import ctypes
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.syscall(SYS_ARCH_PRCTL, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0
+    except (OSError, AttributeError):
+        return False
+
+
 def missing_features(name: str, features: frozenset | None = None) -> list[str]:
-    """The features set `name` needs that `features` (default: the host's) lacks."""
+    """The features set `name` needs that `features` (default: the host's) lacks. For the host, AMX
+    counts as missing unless Linux granted this process the tile data (``tile_permission``)."""
     named_target(name)                                  # validates the name
-    features = host_features() if features is None else features
-    return [f for f in _SETS[name][2] if f not in features]
+    host = features is None
+    features = host_features() if host else features
+    missing = [f for f in _SETS[name][2] if f not in features]
+    if host and not missing and any(f in _TILES for f in _SETS[name][2]) and not tile_permission():
+        missing.append("AMX tile permission (arch_prctl ARCH_REQ_XCOMP_PERM was refused)")
+    return missing
 
 
 def _with_host_extras(name: str, features: frozenset) -> Target:
@@ -131,17 +158,17 @@ def host_target(env: str | None = None) -> Target:
     features = host_features()
     if forced:
         target = named_target(forced.strip())
-        if target.arch != _host_arch():
+        if target.arch != host_arch():
             return target            # allowed for assembly only; jit refuses to run it
-        missing = missing_features(target.name, features)
+        missing = missing_features(target.name)
         if missing:
             raise ValueError(f"GGRAPH_TARGET={forced}: this host lacks {', '.join(missing)}")
         return _with_host_extras(target.name, features)
-    if _host_arch() != "x86_64":
-        raise ValueError(f"no native feature set for host architecture {_host_arch()}; "
+    if host_arch() != "x86_64":
+        raise ValueError(f"no native feature set for host architecture {host_arch()}; "
                          f"known sets: {', '.join(NAMES)}")
     for name in _PREFERENCE:
-        if not missing_features(name, features):
+        if not missing_features(name):
             return _with_host_extras(name, features)
     raise ValueError("host lacks even SSE2, the x86-64 baseline")
 
@@ -150,7 +177,7 @@ def runnable_targets() -> list[Target]:
     """Every x86 feature set this host can execute, best last."""
     features = host_features()
     return [_with_host_extras(n, features) for n in reversed(_PREFERENCE)
-            if _host_arch() == "x86_64" and not missing_features(n, features)]
+            if host_arch() == "x86_64" and not missing_features(n)]
 
 
 @functools.cache

@@ -258,7 +258,7 @@ def profile_rows(runs, dims: dict, bandwidth: float, peaks: dict, core_hz: float
     groups = {"op": {}, "layer": {}}
     for eqn, seconds in per_eqn.values():
         flops, nbytes = eqn.cost(dims) if eqn is not None else (0, 0)
-        bound = _bound(op_kind(eqn), flops, nbytes, bandwidth, peaks)       # each op at its own limit
+        bound = _bound(op_kind(eqn), flops, nbytes, bandwidth, peaks, dims.get("T", 1))   # each op at its own limit
         layer = ".".join(eqn.scope.split(".")[:2]) if eqn is not None and eqn.scope.startswith("blk.") \
             else (eqn.scope.split(".")[0] if eqn is not None and eqn.scope else "top")
         for by, key in (("op", op_kind(eqn)), ("layer", layer)):
@@ -286,11 +286,20 @@ def profile_rows(runs, dims: dict, bandwidth: float, peaks: dict, core_hz: float
     return out
 
 
-def _bound(kind: str, flops: float, nbytes: float, bandwidth: float, peaks: dict) -> float:
+def _bound(kind: str, flops: float, nbytes: float, bandwidth: float, peaks: dict, tokens: int) -> float:
     """The least time an op of this kind can take: its bytes at the measured bandwidth, or its
-    flops at the peak (int8 for quantised matmuls), whichever is longer."""
-    peak = peaks["int8"] if kind.startswith("qmatmul") and "f32" not in kind else peaks["f32"]
-    return max(nbytes / (bandwidth * 1e9), flops / (peak * 1e9))
+    flops at the peak (int8 for quantised matmuls, the AMX tiles' where they take the matmul),
+    whichever is longer."""
+    return max(nbytes / (bandwidth * 1e9), flops / (_peak(kind, peaks, tokens) * 1e9))
+
+
+def _peak(kind: str, peaks: dict, tokens: int) -> float:
+    if not kind.startswith("qmatmul") or "f32" in kind:
+        return peaks["f32"]
+    from ggraph.backends.llvm.kernels import amx
+    if "tiles" in peaks and tokens >= amx.MIN_T and amx.on_tiles(kind.split()[-1]):
+        return peaks["tiles"]
+    return peaks["int8"]
 
 
 def step_bound(program, dims: dict, bandwidth: float, peaks: dict) -> float:
@@ -298,7 +307,7 @@ def step_bound(program, dims: dict, bandwidth: float, peaks: dict) -> float:
     total = 0.0
     for eqn in program.graph.eqns:
         flops, nbytes = eqn.cost(dims)
-        total += _bound(op_kind(eqn), flops, nbytes, bandwidth, peaks)
+        total += _bound(op_kind(eqn), flops, nbytes, bandwidth, peaks, dims["T"])
     return total
 
 
@@ -347,7 +356,9 @@ def profile_ggraph(path, pp: int = 64, threads: int = 1, passes="default", ctx: 
     decode = profile_rows(steps, {"T": 1, "P": depth + pp}, bandwidth, peaks, core_hz)
     return {"roofline": {"bandwidth_gb_s": bandwidth, "peak_gflop_s": peaks["f32"], "peak_int8_gop_s": peaks["int8"],
                          "target": prog.target.name, "threads": threads, "ghz": core_hz / threads / 1e9,
-                         "peak_int8_ops_cycle": peaks["int8"] * 1e9 / core_hz, "peak_f32_ops_cycle": peaks["f32"] * 1e9 / core_hz},
+                         "peak_int8_ops_cycle": peaks["int8"] * 1e9 / core_hz, "peak_f32_ops_cycle": peaks["f32"] * 1e9 / core_hz,
+                         **({"peak_tiles_gop_s": peaks["tiles"], "peak_tiles_ops_cycle": peaks["tiles"] * 1e9 / core_hz}
+                            if "tiles" in peaks else {})},
             "prefill": prefill, "decode": decode, "prefill_step": step,
             "calls": len(prog.spec.calls), "barriers": sum(barriers_needed(prog.spec.calls))}
 

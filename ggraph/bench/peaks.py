@@ -6,6 +6,8 @@ core clock and the f32 and int8 peaks of a feature set, from native loops that d
 - f32: independent FMA chains of the target's vector width (2 flops a lane each).
 - int8: independent u8 x s8 dot chains, the instruction the quantised matmuls use on the
   target (vpdpbusd, pmaddubsw + pmaddwd, sdot): 2 ops per byte lane.
+- tiles (AMX sets only): four independent tdpbssd tile multiplies, 16 x 16 x 64 multiply-adds
+  each, as the tiled quantised GEMM issues them.
 
 Enough independent chains cover every latency, so each figure is the throughput of the
 instruction on all the threads at once.
@@ -28,7 +30,8 @@ def _lanes(target) -> int:
 
 
 def module(target) -> ir.Module:
-    """The three loops for ``target``: ``peak_f32``, ``peak_int8`` and ``peak_clock(buf, n)``."""
+    """The loops for ``target``: ``peak_f32``, ``peak_int8``, ``peak_clock(buf, n)``, and ``peak_tiles``
+    on sets with AMX."""
     from ggraph.backends.llvm.kernels.builder import Kernel, f32, i8, i32, vec
     from ggraph.backends.llvm.kernels.isa import Isa
 
@@ -57,6 +60,19 @@ def module(target) -> ir.Module:
     chains("peak_int8", {"in": vec(i8, 4 * lanes), "acc": vec(i32, lanes)},
            lambda isa, acc, a, b: isa.dot(acc, isa.k.cast_vec(acc, i8), b, False, 127))
 
+    if target.has("amx-int8"):
+        from ggraph.backends.llvm.kernels import amx
+        k = Kernel(m, "peak_tiles", ("buf",), sizes=("n",))
+        amx.tile_op(k, "ldtilecfg", amx.config(k))
+        for t in range(8):
+            amx.tile_op(k, "tilezero", t)
+        with k.loop(0, k.arg["n"], name="it"):
+            for c, (a, b) in enumerate(((4, 6), (4, 7), (5, 6), (5, 7))):
+                amx.tile_op(k, "tdpbssd", c, a, b)
+        amx.tile_op(k, "tilestored64", 0, k.arg["buf"], k.i64(64))       # 1 KB: the loop's result stays
+        amx.tile_op(k, "tilerelease")
+        k.finish()
+
     k = Kernel(m, "peak_clock", ("buf",), sizes=("n",))
     c, d = k.load(i32, k.arg["buf"], 0), k.load(i32, k.arg["buf"], 4)
     x = k.var(i32, k.load(i32, k.arg["buf"], 8))
@@ -71,17 +87,21 @@ def module(target) -> ir.Module:
 
 
 def measure(target, threads: int = 1, seconds: float = 0.05) -> dict:
-    """{"ghz": the core clock, "f32": GFLOP/s, "int8": Gop/s} of ``threads`` cores running ``target``'s
-    loops at once (the clock from one core); a multiply-add counts 2."""
+    """{"ghz": the core clock, "f32": GFLOP/s, "int8": Gop/s, and "tiles": Gop/s on AMX sets} of
+    ``threads`` cores running ``target``'s loops at once (the clock from one core); a multiply-add
+    counts 2."""
     import numpy as np
     from ggraph.backends.llvm.team import CallTeam
 
     from ggraph.backends.llvm import jit
     lib = jit.compile(module(target), target)
-    fns = {name: lib.function(name, None, _ABI) for name in ("peak_f32", "peak_int8", "peak_clock")}
+    tiles = target.has("amx-int8")
+    names = ("peak_f32", "peak_int8", "peak_clock") + (("peak_tiles",) if tiles else ())
+    fns = {name: lib.function(name, None, _ABI) for name in names}
     lanes = _lanes(target)
-    ops = {"peak_f32": CHAINS * lanes * 2, "peak_int8": CHAINS * 4 * lanes * 2, "peak_clock": 2 * UNROLL}
-    bufs = [np.zeros(256, np.uint8) for _ in range(threads)]
+    ops = {"peak_f32": CHAINS * lanes * 2, "peak_int8": CHAINS * 4 * lanes * 2, "peak_clock": 2 * UNROLL,
+           "peak_tiles": 4 * 16 * 16 * 64 * 2}
+    bufs = [np.zeros(1024, np.uint8) for _ in range(threads)]
     for b in bufs:
         b[:8] = 1
     out = {}
@@ -103,4 +123,7 @@ def measure(target, threads: int = 1, seconds: float = 0.05) -> dict:
     finally:
         team.close()
         del lib
-    return {"ghz": out["peak_clock"], "f32": out["peak_f32"], "int8": out["peak_int8"]}
+    peaks = {"ghz": out["peak_clock"], "f32": out["peak_f32"], "int8": out["peak_int8"]}
+    if tiles:
+        peaks["tiles"] = out["peak_tiles"]
+    return peaks

@@ -137,6 +137,7 @@ def bench_speed(args, path, threads, depths, pps, tgs, pipelines, ctx, cache_k, 
                                 for r in rows:
                                     r.update(limits, bandwidth_gb_s=roof["bandwidth_gb_s"],
                                              peak_int8_gop_s=roof["peaks"]["int8"],
+                                             peak_tiles_gop_s=roof["peaks"].get("tiles"),
                                              peak_gflop_s=roof["peaks"]["f32"], limit_target=roof["target"])
                             results += rows
                             bar.advance()
@@ -208,13 +209,18 @@ def _machine_limits(runner, threads: int) -> dict:
     return {"bandwidth_gb_s": stream_bandwidth(threads), "peaks": machine_peaks(target, threads), "target": target.name}
 
 
+def _tiles(roof: dict) -> str:
+    """', 7141 Gop/s on AMX tiles' where the run measured a tile peak (prefill of super-block types)."""
+    return f", {roof['peak_tiles_gop_s']:.0f} Gop/s on AMX tiles" if roof.get("peak_tiles_gop_s") else ""
+
+
 def roofline_table(results: list[dict]) -> str:
     """Each result as a fraction of the fastest its machine allows (``--roofline``)."""
     lines = []
     for t in dict.fromkeys(r["threads"] for r in results):
         first = next(r for r in results if r["threads"] == t)
         lines.append(f"\nroofline at {t} thread{'s' * (t != 1)}: {first['bandwidth_gb_s']:.1f} GB/s, "
-                     f"{first['peak_int8_gop_s']:.0f} Gop/s int8 and {first['peak_gflop_s']:.0f} GFLOP/s f32 "
+                     f"{first['peak_int8_gop_s']:.0f} Gop/s int8{_tiles(first)} and {first['peak_gflop_s']:.0f} GFLOP/s f32 "
                      f"({first['limit_target']}), all measured in this run; limit = every op of the step at its bound")
         lines.append(f"{'engine':<10} {'passes':<8} {'fa':>3} {'depth':>6} {'pp':>5} {'limit tok/s':>11} "
                      f"{'of limit':>8} {'tg':>4} {'limit tok/s':>11} {'of limit':>8}")
@@ -235,11 +241,12 @@ def profile_report(r: dict) -> str:
     roof = r["roofline"]
     head = (f"\nprofile: {r['passes']} pipeline, {roof['threads']} thread(s), {roof['target']}; roofline: "
             f"{roof['bandwidth_gb_s']:.1f} GB/s, {roof['peak_gflop_s']:.0f} GFLOP/s f32 and "
-            f"{roof['peak_int8_gop_s']:.0f} Gop/s int8 peak, measured in this run ('of roofline' = the time the "
+            f"{roof['peak_int8_gop_s']:.0f} Gop/s int8{_tiles(roof)} peak, measured in this run ('of roofline' = the time the "
             f"limit allows / the time taken)")
     if "ghz" in roof:
         head += (f"\n'op/cyc': operations (a multiply-add is 2) per core per cycle at {roof['ghz']:.2f} GHz (measured); "
-                 f"the peaks are {roof['peak_f32_ops_cycle']:.0f} f32 and {roof['peak_int8_ops_cycle']:.0f} int8")
+                 f"the peaks are {roof['peak_f32_ops_cycle']:.0f} f32 and {roof['peak_int8_ops_cycle']:.0f} int8"
+                 + (f" ({roof['peak_tiles_ops_cycle']:.0f} on AMX tiles)" if "peak_tiles_ops_cycle" in roof else ""))
     if "calls" in r["profile"]:
         head += (f"\n{r['profile']['calls']} kernel calls and {r['profile']['barriers']} barriers a step (profiling puts "
                  f"a barrier after every call; '{IDLE}' is the threads' mean time waiting at them)")

@@ -23,6 +23,8 @@ def target_report() -> dict:
         "llvmlite": llvmlite.__version__,
         "llvm": ".".join(map(str, llvm.llvm_version_info)),
         "features": {f: f in feats for f in FEATURES_THAT_MATTER},
+        "amx_tiles": ("granted" if T.tile_permission() else "refused by the kernel")
+                     if {"amx-tile", "amx-int8"} <= feats else "not on this CPU",
         "runnable": [t.name for t in T.runnable_targets()],
         "chosen": chosen.name,
         "forced": bool(os.environ.get("GGRAPH_TARGET")),
@@ -40,8 +42,9 @@ def cmd_target(args) -> int:
     print(f"host cpu: {info['cpu']} (as LLVM names it; ggraph trusts the feature map below)")
     print(f"llvmlite {info['llvmlite']}, LLVM {info['llvm']}")
     print("features: " + "  ".join(f"{k}{'+' if v else '-'}" for k, v in info["features"].items()))
-    print("note: AMX is never used (it crashes on these machines)" if info["features"]["amx-tile"] else "", end="")
-    print(f"\nfeature sets this host runs: {', '.join(info['runnable'])}")
+    tiled = [op for op, variant in info["kernels"].items() if "AMX" in variant]
+    print(f"AMX tile data: {info['amx_tiles']}" + (f"; tiles in {', '.join(tiled)}" if tiled else ""))
+    print(f"feature sets this host runs: {', '.join(info['runnable'])}")
     print(f"chosen: {info['chosen']}" + (" (forced by GGRAPH_TARGET)" if info["forced"] else
                                          " (best available; GGRAPH_TARGET=<set> forces one)"))
     print("kernels:")

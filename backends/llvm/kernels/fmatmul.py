@@ -23,9 +23,13 @@ FLOAT_LOADERS = {
     dtypes.f16: (2, Isa.f16_to_f32),
     dtypes.bf16: (2, Isa.bf16_to_f32),
 }
-#  target name: (rows R, tokens C) of the gemm tile
-_TILES = {"avx512_vnni": (4, 4), "avx512": (4, 4), "avx2": (2, 4)}
+#  x86 vector bits: (rows R, tokens C) of the gemm tile (32 registers with AVX-512, 16 with AVX2)
+_TILES = {512: (4, 4), 256: (2, 4)}
 _DEFAULT_TILE = (2, 2)
+
+
+def _tile_shape(target: Target) -> tuple[int, int]:
+    return _TILES.get(target.vector_bits, _DEFAULT_TILE) if target.arch == "x86_64" else _DEFAULT_TILE
 
 
 def float_weight(dtype) -> bool:
@@ -36,7 +40,7 @@ def float_weight(dtype) -> bool:
 def variant(dtype, target: Target) -> str:
     if not vector_path(target):
         return "scalar (generic twin)"
-    R, C = _TILES.get(target.name, _DEFAULT_TILE)
+    R, C = _tile_shape(target)
     return f"fma-{target.vector_bits}: gemm {R} rows x {C} tokens, gemv; f32 activations"
 
 
@@ -52,7 +56,7 @@ def fmatmul(module: ir.Module, dtype, K: int, N: int, target: Target) -> str:
     k = Kernel(module, name, ("w", "x", "y", "counter"))
     isa = Isa(k, target)
     lanes = target.vector_bits // 32 if vector_path(target) else 1
-    R, C = _TILES.get(target.name, _DEFAULT_TILE) if lanes > 1 else (1, 1)
+    R, C = _tile_shape(target) if lanes > 1 else (1, 1)
     T = k.arg["T"]
     b = k.b
     full_t = b.mul(b.sdiv(T, k.i64(C)), k.i64(C))

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from llvmlite import ir
 
 from ggraph.ir import dtypes
-from ggraph.backends.llvm.kernels import kquant_blocks, quant_blocks
+from ggraph.backends.llvm.kernels import amx, kquant_blocks, quant_blocks
 from ggraph.backends.llvm.kernels.act_quant import GROUP, ActLayout, rows_gemm
 from ggraph.backends.llvm.kernels.blocks import BlockFormat, Decoded, pack
 from ggraph.backends.llvm.kernels.builder import ROW_CHUNK, Kernel, f32, i8, i16, i32, i64, vec
@@ -76,6 +76,9 @@ def variant(dtype, target: Target) -> str:
         else ("sdot" if target.has("dotprod") else "smull")
     gemm = (f"gemm {2 * ROWS} rows (rows as lanes) x {tile_tokens(fmt)} tokens"
             if rows_gemm(target) else f"gemm {R} rows x {G * GROUP} tokens")
+    if amx.takes(fmt, target):
+        gemm = (f"AMX tiles for T >= {amx.MIN_T} (tdpbssd, {amx.TILE} rows x {amx.MIN_T} tokens, weights times "
+                f"their sub-block scales as lo/hi s8 planes), {gemm} below")
     return f"{dot}-{target.vector_bits}: {gemm}, gemv {32 * gemv_chunks(fmt, target)} weights/step; {fmt.act} activations"
 
 
@@ -115,14 +118,27 @@ def qmatmul(module: ir.Module, dtype, K: int, N: int, target: Target, rows_only:
                 _gemv(k, isa, fmt, lay, N, rows)
             else:
                 _scalar(k, isa, fmt, lay, N, rows, 1)
-        with many, k.row_chunks(N, k.arg["counter"], quantum=2 * ROWS if rows_gemm(target) else ROW_CHUNK) as rows:
-            if rows_gemm(target):
-                _rows_gemm(k, isa, fmt, lay, N, rows)
-            elif vector_path(target):
-                _gemm(k, isa, fmt, lay, N, rows, *tile(target))
+        with many:
+            if amx.takes(fmt, target) and N >= amx.TILE:
+                with k.b.if_else(k.b.icmp_signed(">=", T, k.i64(amx.MIN_T))) as (tiles, fewer):
+                    with tiles:
+                        amx.amx_gemm(k, isa, fmt, lay, N, k.row_chunks(N, k.arg["counter"], quantum=amx.TILE))
+                    with fewer:
+                        _many(k, isa, fmt, lay, N, target)
             else:
-                _scalar(k, isa, fmt, lay, N, rows, GROUP)
+                _many(k, isa, fmt, lay, N, target)
     return k.finish()
+
+
+def _many(k: Kernel, isa: Isa, fmt: BlockFormat, lay: ActLayout, N: int, target: Target) -> None:
+    """T > 1 without tiles: the rows gemm with AVX-512 VNNI, the 4-rows gemm on other vector targets."""
+    with k.row_chunks(N, k.arg["counter"], quantum=2 * ROWS if rows_gemm(target) else ROW_CHUNK) as rows:
+        if rows_gemm(target):
+            _rows_gemm(k, isa, fmt, lay, N, rows)
+        elif vector_path(target):
+            _gemm(k, isa, fmt, lay, N, rows, *tile(target))
+        else:
+            _scalar(k, isa, fmt, lay, N, rows, GROUP)
 
 
 # -- shared pieces ------------------------------------------------------------------------
