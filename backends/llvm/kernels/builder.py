@@ -122,10 +122,11 @@ class Kernel:
         self.intrinsic(f"llvm.masked.store.{mangle(value.type)}.p0", ir.VoidType(),
                        [value, self.addr(base, offset), ir.Constant(i32, 4), mask])
 
-    def prefetch(self, addr: ir.Value) -> None:
-        """Ask for the cache line at ``addr`` (for reading, into every level); a prefetch never
-        faults, so it may point past the end of a buffer."""
-        self.intrinsic("llvm.prefetch.p0", ir.VoidType(), [addr, ir.Constant(i32, 0), ir.Constant(i32, 3),
+    def prefetch(self, addr: ir.Value, level: int = 1) -> None:
+        """Ask for the cache line at ``addr``, for reading, into cache ``level`` and the ones beyond
+        it (1: every level, 2: L2 and L3); a prefetch never faults, so it may point past the end
+        of a buffer."""
+        self.intrinsic("llvm.prefetch.p0", ir.VoidType(), [addr, ir.Constant(i32, 0), ir.Constant(i32, 4 - level),
                                                             ir.Constant(i32, 1)])
 
     # -- control flow ---------------------------------------------------------------
