@@ -34,6 +34,7 @@ from ggraph.backends.llvm.kernels.act_quant import ActLayout
 from ggraph.backends.llvm.kernels.blocks import BlockFormat, pack
 from ggraph.backends.llvm.kernels.builder import Kernel, f32, i8, i16, i32, i64, vec
 from ggraph.backends.llvm.kernels.isa import Isa
+from ggraph.backends.llvm.kernels.qmatmul import _launder, _min_pairs, _row, _sum_of, _tile_rows
 from ggraph.backends.llvm.target import Target
 
 TILE = 16                  # rows of a tile, and 4-byte columns; weight rows per tile of the matrix
@@ -113,7 +114,6 @@ def tile_op(k: Kernel, op: str, *args) -> None:
 def amx_gemm(k: Kernel, isa: Isa, fmt: BlockFormat, lay: ActLayout, N: int, rows) -> None:
     """The kernel body for T >= MIN_T and N >= TILE: configure the tiles, run every 16-row tile of the
     chunks ``rows`` yields ([start, end), multiples of 16), release the tiles."""
-    from ggraph.backends.llvm.kernels.qmatmul import _tile_rows
     tp = TilePanel(fmt, fmt.dtype.block_size // lay.sum_block // 2)
     nblocks = lay.K // fmt.dtype.block_size
     per_panel = max(1, min(nblocks, PANEL_BYTES // tp.room))
@@ -133,7 +133,6 @@ def amx_gemm(k: Kernel, isa: Isa, fmt: BlockFormat, lay: ActLayout, N: int, rows
 
 def _decode(k: Kernel, isa: Isa, fmt: BlockFormat, lay: ActLayout, tp: TilePanel, r0, p0, count, buf) -> bool:
     """Blocks p0..p0+count of rows r0..r0+15 into the panel; returns whether the type has mins."""
-    from ggraph.backends.llvm.kernels.qmatmul import _min_pairs, _row
     b = k.b
     row_bytes = fmt.dtype.row_bytes(lay.K)
     with k.loop(0, count, name="ablk") as i:
@@ -182,7 +181,6 @@ def _tokens(k: Kernel, isa: Isa, lay: ActLayout, tp: TilePanel, N: int, n0, r0, 
             mins: bool) -> None:
     """Every token over the panel, 32 at a time: per block, the tile multiplies into four result
     tiles, which are stored and then scaled into y[t, rows] token by token."""
-    from ggraph.backends.llvm.kernels.qmatmul import _launder, _sum_of
     b = k.b
     T = k.arg["T"]
     stride = lay.group_bytes(1)

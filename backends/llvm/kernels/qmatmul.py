@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from llvmlite import ir
 
 from ggraph.ir import dtypes
-from ggraph.backends.llvm.kernels import amx, kquant_blocks, quant_blocks
+from ggraph.backends.llvm.kernels import kquant_blocks, quant_blocks
 from ggraph.backends.llvm.kernels.act_quant import GROUP, ActLayout, rows_gemm
 from ggraph.backends.llvm.kernels.blocks import BlockFormat, Decoded, pack
 from ggraph.backends.llvm.kernels.builder import ROW_CHUNK, Kernel, f32, i8, i16, i32, i64, vec
@@ -76,6 +76,7 @@ def variant(dtype, target: Target) -> str:
         else ("sdot" if target.has("dotprod") else "smull")
     gemm = (f"gemm {2 * ROWS} rows (rows as lanes) x {tile_tokens(fmt)} tokens"
             if rows_gemm(target) else f"gemm {R} rows x {G * GROUP} tokens")
+    from ggraph.backends.llvm.kernels import amx           # the tiled driver builds on this module's pieces
     if amx.takes(fmt, target):
         gemm = (f"AMX tiles for T >= {amx.MIN_T} (tdpbssd, {amx.TILE} rows x {amx.MIN_T} tokens, weights times "
                 f"their sub-block scales as lo/hi s8 planes), {gemm} below")
@@ -119,6 +120,7 @@ def qmatmul(module: ir.Module, dtype, K: int, N: int, target: Target, rows_only:
             else:
                 _scalar(k, isa, fmt, lay, N, rows, 1)
         with many:
+            from ggraph.backends.llvm.kernels import amx       # the tiled driver builds on this module's pieces
             if amx.takes(fmt, target) and N >= amx.TILE:
                 with k.b.if_else(k.b.icmp_signed(">=", T, k.i64(amx.MIN_T))) as (tiles, fewer):
                     with tiles:
