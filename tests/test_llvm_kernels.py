@@ -18,7 +18,8 @@ from gguf import GGMLQuantizationType  # noqa: E402
 from ggraph.ir import dtypes  # noqa: E402
 from ggraph.backends.llvm import jit, kernels  # noqa: E402
 from ggraph.backends.llvm.kernels.act_quant import ActLayout, rows_gemm, tokens_per_group  # noqa: E402
-from ggraph.backends.llvm.kernels.qmatmul import ROWS  # noqa: E402
+from ggraph.backends.llvm.kernels import amx as tiles  # noqa: E402
+from ggraph.backends.llvm.kernels.qmatmul import ROWS, block_format  # noqa: E402
 from ggraph.backends.llvm.target import X86_NAMES, named_target, runnable_targets  # noqa: E402
 
 TARGETS = X86_NAMES                       # generic, avx2, avx512, avx512_vnni, amx
@@ -270,27 +271,47 @@ def test_qmatmul_at_the_extremes_of_its_integer_sums(target, dt, sign):
                   x_of=lambda T: np.full((T, K), sign, np.float32))
 
 
+AMX_K, AMX_N = 4096, 40          # 16 blocks of 256: two K panels of the tile panel (14 q4_k blocks each)
+
+
+def _build_amx_bits(target_name: str) -> jit.Library:
+    t = named_target(target_name)
+    m = ir.Module()
+    for dt in (d for d in kernels.QUANT_TYPES if d.block_size == 256):
+        kernels.qmatmul(m, dt, AMX_K, AMX_N, t)
+    kernels.act_quant(m, "q8_k", AMX_K, t)
+    return jit.compile(m, t)
+
+
+_AMX_LIBS: dict = {}
+
+
 @pytest.mark.parametrize("dt", [d for d in kernels.QUANT_TYPES if d.block_size == 256], ids=lambda d: d.name)
 def test_amx_tiles_give_the_bits_of_the_rows_gemm(dt):
     """The tiled GEMM sums each block in integers and takes the same float steps in the same order as
-    its AVX-512 VNNI twin, so every output is the same bits, in several K panels and with the last
+    its AVX-512 VNNI twin, so every output is the same bits: one and several K panels, and the last
     tiles of rows and tokens shifted back over earlier ones."""
     amx = runnable_target("amx", _LIBS, _build)
     vnni = runnable_target("avx512_vnni", _LIBS, _build)
+    for name in (amx, vnni):
+        runnable_target(name, _AMX_LIBS, _build_amx_bits)
+    assert AMX_K // 256 * tiles.TilePanel(block_format(dt), 8).room > tiles.PANEL_BYTES, "one panel only"
     rng = np.random.default_rng(6)
-    for K, n in ((k_of(dt), N), (LONG_K, LONG_N)):
+    for K, n, lib_of in ((k_of(dt), N, lambda name: None), (LONG_K, LONG_N, lambda name: None),
+                         (AMX_K, AMX_N, _AMX_LIBS.get)):
         w = random_blocks(dt, n, K, rng)
         counter = np.zeros(16, np.int32)
         for T in (32, 33, 64, 75):
             x = rng.standard_normal((T, K)).astype(np.float32)
-            buf = quantize_acts(vnni, x, kernels.act_format(dt))
+            buf = quantize_acts(vnni, x, kernels.act_format(dt), lib_of(vnni))
             ys = []
             for name in (amx, vnni):
                 y = np.full((T, n), np.nan, np.float32)
                 counter[:] = 0
-                run(fn(name, f"qmatmul_{dt.name}_k{K}_n{n}", MATMUL_ABI),
+                run(fn(name, f"qmatmul_{dt.name}_k{K}_n{n}", MATMUL_ABI, lib_of(name)),
                     (w.ctypes.data, buf.ctypes.data, y.ctypes.data, counter.ctypes.data), T, 2, threads=True)
                 ys.append(y)
+            assert not np.isnan(ys[0]).any()
             np.testing.assert_array_equal(ys[0], ys[1], err_msg=f"K={K} T={T}")
 
 
