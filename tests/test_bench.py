@@ -106,6 +106,19 @@ def test_peaks_are_measured_with_the_feature_sets_instructions():
     assert asm.split("peak_tiles:")[1].split("peak_")[0].count("tdpbssd") >= 4          # four independent tiles
 
 
+def test_tiled_matmuls_are_bounded_by_the_tile_peak():
+    """With a tile peak measured (amx), a prefill's super-block matmuls are bounded by it; decode, and
+    32-weight block types (which stay on vpdpbusd), by the int8 peak."""
+    from ggraph.bench.measure import _bound
+    peaks = {"f32": 1.0, "int8": 10.0, "tiles": 100.0}
+    flop = 1e9
+    assert _bound("qmatmul q4_k", flop, 0, 1e9, peaks, 512) == flop / 100e9
+    assert _bound("qmatmul q4_k", flop, 0, 1e9, peaks, 1) == flop / 10e9
+    assert _bound("qmatmul q8_0", flop, 0, 1e9, peaks, 512) == flop / 10e9
+    assert _bound("qmatmul q4_k", flop, 0, 1e9, {"f32": 1.0, "int8": 10.0}, 512) == flop / 10e9
+    assert _bound("rope_attention", flop, 0, 1e9, peaks, 512) == flop / 1e9
+
+
 def test_roofline_bounds_every_engine_by_the_same_work(model, capsys):
     from ggraph.bench.measure import roofline_limits
     from ggraph.runtime.session import Session
