@@ -115,16 +115,16 @@ def _scale_k4(k, isa, blk, s):
 
 
 def _k4_scales_vector(k: Kernel, isa: Isa, blk) -> IntScales:
-    """All 8 scales and mins of a q4_k / q5_k block, unpacked four bytes at a time."""
+    """All 8 scales and mins of a q4_k / q5_k block, unpacked four bytes at a time in the lanes of one
+    vector (words u0, u1, u2 of the 12 scale bytes): scales 0..3 = u0 & 0x3f.., 4..7 = (u2 & 0x0f..) |
+    ((u0 >> 6) & 3..) << 4, mins 0..3 = u1 & 0x3f.., 4..7 = ((u2 >> 4) & 0x0f..) | ((u1 >> 6) & 3..) << 4."""
     b = k.b
-    u0, u1, u2 = (k.load(i32, blk, off) for off in (4, 8, 12))
-    m6, m4, m2 = _c32(0x3F3F3F3F), _c32(0x0F0F0F0F), _c32(0x03030303)
-    sc_lo = b.and_(u0, m6)                                                       # scales 0..3
-    sc_hi = b.or_(b.and_(u2, m4), b.shl(b.and_(b.lshr(u0, _c32(6)), m2), _c32(4)))  # scales 4..7
-    mn_lo = b.and_(u1, m6)                                                       # mins 0..3
-    mn_hi = b.or_(b.and_(b.lshr(u2, _c32(4)), m4), b.shl(b.and_(b.lshr(u1, _c32(6)), m2), _c32(4)))
-    words = b.insert_element(b.insert_element(ir.Constant(vec(i32, 4), None), sc_lo, _c32(0)), sc_hi, _c32(1))
-    words = b.insert_element(b.insert_element(words, mn_lo, _c32(2)), mn_hi, _c32(3))
+    v4 = vec(i32, 4)
+    u = k.load(v4, blk, 4)                                                       # u0 u1 u2 (d of qs: unused)
+    low = b.lshr(k.shuffle(u, [0, 2, 1, 2]), vec_const(i32, [0, 0, 0, 4]))
+    low = b.and_(low, vec_const(i32, [0x3F3F3F3F, 0x0F0F0F0F, 0x3F3F3F3F, 0x0F0F0F0F]))
+    high = b.and_(b.lshr(k.shuffle(u, [0, 0, 1, 1]), vec_const(i32, [6] * 4)), vec_const(i32, [0, 0x03030303, 0, 0x03030303]))
+    words = b.or_(low, b.shl(high, vec_const(i32, [4] * 4)))                 # sc 0..3, sc 4..7, mn 0..3, mn 4..7
     six = b.zext(k.cast_vec(words, i8), vec(i32, 16))                          # (16,) i32
     return IntScales(k.shuffle(six, range(8)), half(k, isa, blk, 0), k.shuffle(six, range(8, 16)), half(k, isa, blk, 2))
 
