@@ -16,8 +16,8 @@ chain, as the rows gemm does.
 
 Four result tiles (2 token tiles x lo, hi), 2 activation tiles and 2 weight tiles use all
 eight tile registers. The last tile of rows starts at N - 16 and the last pair of token
-tiles at T - 32, so every tile row is real; what an earlier tile already added is masked
-out of the float step.
+tiles at T - 32, so every tile row is real; rows an earlier tile owns are masked out of the
+stores to y, and tokens an earlier pass did are skipped.
 
 Types with a float scale per 32 weights stay on the rows gemm: each 32 features would need
 their own result tiles stored and scaled, and storing a tile and reading it back costs more
@@ -31,10 +31,11 @@ from llvmlite import ir
 
 from ggraph.ir import dtypes
 from ggraph.backends.llvm.kernels.act_quant import ActLayout
-from ggraph.backends.llvm.kernels.blocks import BlockFormat, pack
-from ggraph.backends.llvm.kernels.builder import Kernel, f32, i8, i16, i32, i64, vec
+from ggraph.backends.llvm.kernels.blocks import BlockFormat
+from ggraph.backends.llvm.kernels.builder import Kernel, f32, i8, i16, i32, vec
 from ggraph.backends.llvm.kernels.isa import Isa
-from ggraph.backends.llvm.kernels.qmatmul import _launder, _min_pairs, _row, _sum_of, _tile_rows
+from ggraph.backends.llvm.kernels.qmatmul import (_launder, _panel_count, _row, _row_mask, _store_int_factors,
+                                                   _sum_of, _tile_rows)
 from ggraph.backends.llvm.target import Target
 
 TILE = 16                  # rows of a tile, and 4-byte columns; weight rows per tile of the matrix
@@ -119,13 +120,11 @@ def amx_gemm(k: Kernel, isa: Isa, fmt: BlockFormat, lay: ActLayout, N: int, rows
     per_panel = max(1, min(nblocks, PANEL_BYTES // tp.room))
     buf = k.scratch(i8, tp.room * per_panel)
     cbuf = k.scratch(i8, 4 * C_BYTES)
-    b = k.b
     tile_op(k, "ldtilecfg", config(k))
     with rows as (start, end), k.loop(start, end, step=TILE, name="atile") as n0:
         r0 = _tile_rows(k, N, n0, 1)
         with k.loop(0, nblocks, step=per_panel, name="apanel") as p0:
-            count = b.select(b.icmp_signed("<", k.add(p0, per_panel), k.i64(nblocks)), k.i64(per_panel),
-                             b.sub(k.i64(nblocks), p0))
+            count = _panel_count(k, p0, per_panel, nblocks)
             mins = _decode(k, isa, fmt, lay, tp, r0, p0, count, buf)
             _tokens(k, isa, lay, tp, N, n0, r0, end, p0, count, buf, cbuf, mins)
     tile_op(k, "tilerelease")
@@ -133,7 +132,6 @@ def amx_gemm(k: Kernel, isa: Isa, fmt: BlockFormat, lay: ActLayout, N: int, rows
 
 def _decode(k: Kernel, isa: Isa, fmt: BlockFormat, lay: ActLayout, tp: TilePanel, r0, p0, count, buf) -> bool:
     """Blocks p0..p0+count of rows r0..r0+15 into the panel; returns whether the type has mins."""
-    b = k.b
     row_bytes = fmt.dtype.row_bytes(lay.K)
     with k.loop(0, count, name="ablk") as i:
         at = k.mul(i, tp.room)
@@ -142,11 +140,7 @@ def _decode(k: Kernel, isa: Isa, fmt: BlockFormat, lay: ActLayout, tp: TilePanel
         dec = decs[0]
         if dec.ints is None:
             raise ValueError(f"qmatmul {fmt.dtype.name}: AMX tiles need integer sub-block scales")
-        k.store(k.concat(*[pack(k, [d.ints.d]) for d in decs]), buf, k.add(at, tp.d))
-        if dec.mins is not None:
-            k.store(k.concat(*[pack(k, [b.fneg(d.ints.dmin)]) for d in decs]), buf, k.add(at, tp.ndmin))
-            for p, col in enumerate(k.transpose([_min_pairs(k, fmt, lay, d.ints.mins) for d in decs])):
-                k.store(col, buf, k.add(at, tp.imin(p)))
+        _store_int_factors(k, fmt, lay, decs, buf, at, tp)
 
         def chunk(c):
             planes = [_planes(k, fmt, d, c) for d in decs]                     # per row: (lo, hi)
@@ -179,15 +173,15 @@ def _planes(k: Kernel, fmt: BlockFormat, dec, c) -> tuple:
 
 def _tokens(k: Kernel, isa: Isa, lay: ActLayout, tp: TilePanel, N: int, n0, r0, end, p0, count, buf, cbuf,
             mins: bool) -> None:
-    """Every token over the panel, 32 at a time: per block, the tile multiplies into four result
-    tiles, which are stored and then scaled into y[t, rows] token by token."""
+    """Every token over the panel, 32 at a time: y[t, rows] of the pass is read once into a private
+    accumulator; per block, the tile multiplies go into four result tiles, which are stored and then
+    scaled into the accumulator token by token; at the end of the pass it goes back to y."""
     b = k.b
     T = k.arg["T"]
     stride = lay.group_bytes(1)
     bs = tp.fmt.dtype.block_size
     v16, vi = vec(f32, TILE), vec(i32, TILE)
-    rows = k.add(k.splat(r0, TILE), ir.Constant(vec(i64, TILE), list(range(TILE))))
-    mask = b.and_(b.icmp_signed(">=", rows, k.splat(n0, TILE)), b.icmp_signed("<", rows, k.splat(end, TILE)))
+    mask = _row_mask(k, r0, 0, n0, end)
     acc = k.scratch(f32, MIN_T * TILE)                 # y[ts:ts+32, rows] while the pass runs over the panel
     with k.loop(0, T, step=MIN_T, name="atok") as t0:
         ts = b.select(b.icmp_signed("<", t0, b.sub(T, k.i64(MIN_T))), t0, b.sub(T, k.i64(MIN_T)))

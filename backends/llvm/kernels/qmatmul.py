@@ -494,7 +494,6 @@ def _rows_gemm(k: Kernel, isa: Isa, fmt: BlockFormat, lay: ActLayout, N: int, ro
     the panel, a few at a time, each activation word broadcast into the dot products of both
     halves of the tile. Super-block types sum their sub-blocks in integers, times their integer
     scales, before one float step per block, as llama.cpp does. Activations come one row per token."""
-    b = k.b
     start, end = rows
     nblocks = lay.K // fmt.dtype.block_size
     room = Panel.room(fmt)
@@ -503,8 +502,7 @@ def _rows_gemm(k: Kernel, isa: Isa, fmt: BlockFormat, lay: ActLayout, N: int, ro
     vecs = 2
     with k.loop(start, end, step=vecs * ROWS, name="tile") as n0:
         with k.loop(0, nblocks, step=per_panel, name="panel") as p0:
-            count = b.select(b.icmp_signed("<", k.add(p0, per_panel), k.i64(nblocks)), k.i64(per_panel),
-                             b.sub(k.i64(nblocks), p0))
+            count = _panel_count(k, p0, per_panel, nblocks)
             panel, dec = _decode_panel(k, isa, fmt, lay, N, n0, vecs, p0, count, buf, room)
             _panel_tokens(k, isa, lay, N, n0, vecs, end, p0, count, buf, room, panel, dec)
 
@@ -542,11 +540,7 @@ def _decode_panel(k: Kernel, isa: Isa, fmt: BlockFormat, lay: ActLayout, N: int,
         if panel.ints:
             for s, col in enumerate(k.transpose([d.ints.scales for d in decs])):
                 k.store(col, buf, k.add(vat, panel.iscale(s)))
-            k.store(k.concat(*[pack(k, [d.ints.d]) for d in decs]), buf, k.add(vat, panel.d))
-            if panel.mins:
-                for p, col in enumerate(k.transpose([_min_pairs(k, fmt, lay, d.ints.mins) for d in decs])):
-                    k.store(col, buf, k.add(vat, panel.imin(p)))
-                k.store(k.concat(*[pack(k, [b.fneg(d.ints.dmin)]) for d in decs]), buf, k.add(vat, panel.ndmin))
+            _store_int_factors(k, fmt, lay, decs, buf, vat, panel)
         else:
             k.store(k.concat(*[d.scales for d in decs]), buf, k.add(vat, panel.d))
             if panel.mins:
@@ -566,6 +560,31 @@ def _decode_panel(k: Kernel, isa: Isa, fmt: BlockFormat, lay: ActLayout, N: int,
                     c = k.add(k.mul(cg, U), u)
                     chunk(c, k.add(vat, k.mul(c, per_chunk * panel.sub_bytes)))
     return panel, dec
+
+
+def _panel_count(k: Kernel, p0, per_panel: int, nblocks: int):
+    """Blocks in the K panel that starts at block p0: per_panel, or what is left of the row."""
+    b = k.b
+    return b.select(b.icmp_signed("<", k.add(p0, per_panel), k.i64(nblocks)), k.i64(per_panel),
+                    b.sub(k.i64(nblocks), p0))
+
+
+def _store_int_factors(k: Kernel, fmt: BlockFormat, lay: ActLayout, decs, buf, at, layout) -> None:
+    """A super-block of 16 rows' float factors into a panel at ``at``, rows as lanes, where ``layout``
+    (a Panel or a tile panel) puts them: d, and for types with mins the negated dmin and the integer
+    mins as i16 pairs."""
+    k.store(k.concat(*[pack(k, [d.ints.d]) for d in decs]), buf, k.add(at, layout.d))
+    if decs[0].mins is not None:
+        k.store(k.concat(*[pack(k, [k.b.fneg(d.ints.dmin)]) for d in decs]), buf, k.add(at, layout.ndmin))
+        for p, col in enumerate(k.transpose([_min_pairs(k, fmt, lay, d.ints.mins) for d in decs])):
+            k.store(col, buf, k.add(at, layout.imin(p)))
+
+
+def _row_mask(k: Kernel, r0, first: int, n0, end):
+    """<16 x i1>: which of rows r0+first .. r0+first+15 a tile that owns [n0, end) stores (a last tile
+    shifted back over rows before n0 leaves those to their own tile)."""
+    rows = k.add(k.splat(r0, ROWS), ir.Constant(vec(i64, ROWS), [first + r for r in range(ROWS)]))
+    return k.b.and_(k.b.icmp_signed(">=", rows, k.splat(n0, ROWS)), k.b.icmp_signed("<", rows, k.splat(end, ROWS)))
 
 
 def _min_pairs(k: Kernel, fmt: BlockFormat, lay: ActLayout, mins: ir.Value) -> ir.Value:
@@ -610,10 +629,7 @@ def _panel_run(k: Kernel, isa: Isa, lay: ActLayout, N: int, n0, vecs: int, end, 
     xs = [k.addr(k.arg["xq"], k.mul(tok, lay.group_bytes(1))) for tok in tokens]
     r0 = _tile_rows(k, N, n0, vecs) if N >= vecs * ROWS else n0     # the panel's lane 0 is row r0
     ys = [[k.mul(k.add(k.mul(tok, N), r0, 16 * v), 4) for v in range(vecs)] for tok in tokens]
-    lane_rows = [k.add(k.splat(r0, ROWS), ir.Constant(vec(i64, ROWS), [16 * v + r for r in range(ROWS)]))
-                 for v in range(vecs)]
-    masks = [b.and_(b.icmp_signed(">=", rows, k.splat(n0, ROWS)), b.icmp_signed("<", rows, k.splat(end, ROWS)))
-             for rows in lane_rows]
+    masks = [_row_mask(k, r0, ROWS * v, n0, end) for v in range(vecs)]
     first = b.icmp_signed("==", p0, k.i64(0))
     zero_f = ir.Constant(v16, [0.0] * ROWS)
     accs = [[k.var(v16, b.select(first, zero_f, k.masked_load(v16, k.arg["y"], ys[t][v], masks[v])))
