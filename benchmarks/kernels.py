@@ -115,6 +115,8 @@ def main() -> None:
             ap.error(f"--shapes takes TYPE:K:N,... (e.g. q4_1:576:1536), got {args.shapes!r}")
     targets = [named_target(t) for t in args.targets.split(",")] if args.targets else \
         [t for t in runnable_targets() if t.name != "generic"]
+    if args.tokens < 2:
+        ap.error(f"--tokens is the GEMM's T and must be at least 2 (T=1 is the GEMV column), got {args.tokens}")
     threads = [int(t) for t in args.threads.split(",")]
     rng = np.random.default_rng(0)
     cols = " ".join(f"{'gemv ' + str(n) + 't':>10}" for n in threads) + " " + \
