@@ -288,9 +288,10 @@ _AMX_LIBS: dict = {}
 
 @pytest.mark.parametrize("dt", [d for d in kernels.QUANT_TYPES if d.block_size == 256], ids=lambda d: d.name)
 def test_amx_tiles_give_the_bits_of_the_rows_gemm(dt):
-    """The tiled GEMM sums each block in integers and takes the same float steps in the same order as
-    its AVX-512 VNNI twin, so every output is the same bits: one and several K panels, and the last
-    tiles of rows and tokens shifted back over earlier ones."""
+    """The tiled GEMM sums each block in integers, its AVX-512 VNNI twin in f32 lanes (exact while the
+    sums stay below 2**24, as they do for these blocks), and both take the same float steps in the
+    same order, so every output is the same bits: one and several K panels, and the last tiles of
+    rows and tokens shifted back over earlier ones."""
     amx = runnable_target("amx", _LIBS, _build)
     vnni = runnable_target("avx512_vnni", _LIBS, _build)
     for name in (amx, vnni):

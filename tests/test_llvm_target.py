@@ -130,7 +130,7 @@ def test_aarch64_sets_are_for_assembly_only():
 
 def test_describe_lists_a_variant_per_op():
     d = kernels.describe(target.named_target("avx512_vnni"))
-    assert d["qmatmul q4_k"].startswith("vpdpbusd-512: gemm 32 rows (rows as lanes) x 4 tokens")
+    assert d["qmatmul q4_k"].startswith("vpdpbusd-512: gemm 32 rows (rows as lanes) x 6 tokens")
     assert d["qmatmul q8_0"].startswith("vpdpbusd-512: gemm 32 rows (rows as lanes) x 6 tokens")
     assert "pmaddubsw-256" in kernels.describe(target.named_target("avx2"))["qmatmul q8_0"]
     assert kernels.describe(target.named_target("generic"))["qmatmul q6_k"].startswith("scalar")

@@ -15,8 +15,9 @@ activation scales in f32. Four drivers share the block decoders:
   shares the step, and the weights are read once per step.
 - rows gemm (T > 1 with AVX-512 VNNI): lanes are rows. A panel of 16-row vectors is decoded
   and transposed once into a private buffer, then each token's 4-byte activation words are
-  broadcast (from memory, into the dot) against it, for 32 rows at a time; super-block types
-  sum their sub-blocks in integers times their integer scales, and their mins with vpdpwssd.
+  broadcast (from memory, into the dot) against it, for 32 rows x 6 tokens at a time; super-block
+  types sum their sub-blocks' dots times their scales (exact small integers in f32 lanes), and
+  their mins with vpdpwssd; results stay in a private stripe of tokens until the last K panel.
 - gemm (T > 1 elsewhere): a tile of R rows x G groups of 16 tokens. Lanes are tokens: each
   4-byte word of a decoded weight chunk is broadcast and dotted with the same word of 16
   tokens (one 64-byte load of the interleaved activations), so no horizontal sums.
@@ -74,7 +75,7 @@ def variant(dtype, target: Target) -> str:
     R, G = tile(target)
     dot = {True: "vpdpbusd", False: "pmaddubsw"}[target.has("avx512vnni")] if target.arch == "x86_64" \
         else ("sdot" if target.has("dotprod") else "smull")
-    gemm = (f"gemm {2 * ROWS} rows (rows as lanes) x {tile_tokens(fmt)} tokens"
+    gemm = (f"gemm {2 * ROWS} rows (rows as lanes) x {TILE_TOKENS} tokens"
             if rows_gemm(target) else f"gemm {R} rows x {G * GROUP} tokens")
     from ggraph.backends.llvm.kernels import amx           # the tiled driver builds on this module's pieces
     if amx.takes(fmt, target):
@@ -427,33 +428,26 @@ def _store_tile(k: Kernel, N: int, n0, R: int, g0, G: int, acc) -> None:
 # -- rows gemm: T > 1 with VNNI ---------------------------------------------------------------
 ROWS = 16                # lanes are rows: one 64-byte vector holds the same 4 features of 16 rows
 PANEL_BYTES = 32768      # decoded weights of one tile kept at once (a K panel, in L1)
+STRIPE_TOKENS = 512      # tokens whose results a tile keeps across its panels (64 KB, in L2)
 
 
-def tile_tokens(fmt: BlockFormat) -> int:
-    """Tokens per register tile of 32 rows: 2 x tokens dot chains (vpdpbusd: 4 cycles of latency, 2
-    a cycle), each broadcast activation word used twice; super-block types (sub-blocks with scales
-    of their own) also hold an integer sum per token and vector, so fewer."""
-    return 4 if fmt.dtype.block_size > fmt.sub else 6
-
-
-def chain_split(fmt: BlockFormat) -> int:
-    """Dot chains per (token, vector) in a sub-block, taking its words in turn: with 8 chains of 8
-    dependent vpdpbusd (super-block types with 32-weight sub-blocks) the latency is the whole
-    sub-block's time, so two per pair halve it (q4_k 1.07x at T=512); shorter sub-blocks and the
-    6-token tiles of the other types have enough already (and the registers are spoken for)."""
-    return 2 if 2 * tile_tokens(fmt) < 12 and fmt.sub // 4 >= 8 else 1
+# Tokens per register tile of 32 rows: 12 dot chains (vpdpbusd: 5 cycles of latency, 2 a cycle), 12
+# block sums for super-block types, two weight vectors and the broadcasts fill the 32 registers; each
+# weight load serves 6 tokens (a C loop of this shape on a Xeon: 4.5 G vpdpbusd/s of 5.7 peak; 4 tokens
+# with integer scale multiplies, the layout before: 3.8).
+TILE_TOKENS = 6
 
 
 @dataclass(frozen=True)
 class Panel:
     """Where one block of a 16-row vector lies in a tile's panel buffer: for each sub-block its
-    4-byte words of 16 rows (64 bytes each) and, for super-block types, its integer scales; then
-    the block's scale (d), its negated min (dmin) where the type has mins, and the integer mins as
-    i16 pairs, one pair for each pair of activation sums (so that one vpdpwssd takes the mins of
-    two sums). ``room`` bytes per block and vector."""
+    4-byte words of 16 rows (64 bytes each) and, for super-block types, its integer scales as f32;
+    then the block's scale (d), its negated min (dmin) where the type has mins, and the integer mins
+    as i16 pairs, one pair for each pair of sub-blocks (so that one vpdpwssd takes the mins of two).
+    ``room`` bytes per block and vector."""
 
     fmt: BlockFormat
-    ints: bool               # sub-blocks summed in integers with integer scales (super-block types)
+    ints: bool               # sub-blocks with integer scales of their own (super-block types)
     mins: bool
 
     @property
@@ -492,19 +486,38 @@ def _rows_gemm(k: Kernel, isa: Isa, fmt: BlockFormat, lay: ActLayout, N: int, ro
     """Tiles of 32 rows (the last one masked at the end of the rows): a K panel of the tile is
     decoded into a private buffer with rows as lanes (``Panel``), then every token runs over
     the panel, a few at a time, each activation word broadcast into the dot products of both
-    halves of the tile. Super-block types sum their sub-blocks in integers, times their integer
-    scales, before one float step per block, as llama.cpp does. Activations come one row per token."""
+    halves of the tile. Tokens go STRIPE_TOKENS at a time: their results stay in a private stripe
+    across the panels, and go to y once, after the last one (rows of y are N floats apart, so a
+    tile's rows of y for many tokens would share a few cache sets and be fetched again per panel).
+    Super-block types sum their sub-blocks times their scales before one float step per block, as
+    llama.cpp does. Activations come one row per token."""
     start, end = rows
+    T = k.arg["T"]
     nblocks = lay.K // fmt.dtype.block_size
     room = Panel.room(fmt)
     per_panel = max(1, min(nblocks, PANEL_BYTES // (2 * room)))
     buf = k.scratch(i8, 2 * room * per_panel)
     vecs = 2
+    stripe = _launder(k, k.scratch(f32, (STRIPE_TOKENS + TILE_TOKENS) * vecs * ROWS))
     with k.loop(start, end, step=vecs * ROWS, name="tile") as n0:
-        with k.loop(0, nblocks, step=per_panel, name="panel") as p0:
-            count = _panel_count(k, p0, per_panel, nblocks)
-            panel, dec = _decode_panel(k, isa, fmt, lay, N, n0, vecs, p0, count, buf, room)
-            _panel_tokens(k, isa, lay, N, n0, vecs, end, p0, count, buf, room, panel, dec)
+        with k.loop(0, T, step=STRIPE_TOKENS, name="stripe") as c0:
+            c_end = k.b.select(k.b.icmp_signed("<", k.add(c0, STRIPE_TOKENS), T), k.add(c0, STRIPE_TOKENS), T)
+            with k.loop(0, nblocks, step=per_panel, name="panel") as p0:
+                count = _panel_count(k, p0, per_panel, nblocks)
+                panel, dec = _decode_panel(k, isa, fmt, lay, N, n0, vecs, p0, count, buf, room)
+                with k.loop(c0, c_end, step=TILE_TOKENS, name="tt") as t0:
+                    _panel_run(k, isa, lay, vecs, p0, count, buf, room, panel, dec, stripe, c0, c_end, t0)
+            _stripe_out(k, N, n0, vecs, end, c0, c_end, stripe)
+
+
+def _stripe_out(k: Kernel, N: int, n0, vecs: int, end, c0, c_end, stripe) -> None:
+    """y[t, rows of the tile] for the stripe's tokens c0..c_end, the rows before ``end`` only."""
+    r0 = _tile_rows(k, N, n0, vecs) if N >= vecs * ROWS else n0     # the panel's lane 0 is row r0
+    masks = [_row_mask(k, r0, ROWS * v, n0, end) for v in range(vecs)]
+    with k.loop(c0, c_end, name="out") as t:
+        for v in range(vecs):
+            value = k.load(vec(f32, ROWS), stripe, k.mul(k.add(k.mul(k.b.sub(t, c0), vecs), v), 64))
+            k.masked_store(value, k.arg["y"], k.mul(k.add(k.mul(t, N), r0, ROWS * v), 4), masks[v])
 
 
 def _decode_panel(k: Kernel, isa: Isa, fmt: BlockFormat, lay: ActLayout, N: int, n0, vecs: int, p0, count, buf,
@@ -539,8 +552,8 @@ def _decode_panel(k: Kernel, isa: Isa, fmt: BlockFormat, lay: ActLayout, N: int,
         vat = k.add(k.mul(i, vecs * room), k.mul(v, room))
         if panel.ints:
             for s, col in enumerate(k.transpose([d.ints.scales for d in decs])):
-                k.store(col, buf, k.add(vat, panel.iscale(s)))
-            _store_int_factors(k, fmt, lay, decs, buf, vat, panel)
+                k.store(b.sitofp(col, vec(f32, ROWS)), buf, k.add(vat, panel.iscale(s)))
+            _store_int_factors(k, fmt, lay, decs, buf, vat, panel, unit=fmt.sub)
         else:
             k.store(k.concat(*[d.scales for d in decs]), buf, k.add(vat, panel.d))
             if panel.mins:
@@ -569,14 +582,15 @@ def _panel_count(k: Kernel, p0, per_panel: int, nblocks: int):
                     b.sub(k.i64(nblocks), p0))
 
 
-def _store_int_factors(k: Kernel, fmt: BlockFormat, lay: ActLayout, decs, buf, at, layout) -> None:
+def _store_int_factors(k: Kernel, fmt: BlockFormat, lay: ActLayout, decs, buf, at, layout, unit: int | None = None) -> None:
     """A super-block of 16 rows' float factors into a panel at ``at``, rows as lanes, where ``layout``
     (a Panel or a tile panel) puts them: d, and for types with mins the negated dmin and the integer
-    mins as i16 pairs."""
+    mins as i16 pairs, one pair for each pair of ``unit``-feature runs (the activation sum blocks by
+    default)."""
     k.store(k.concat(*[pack(k, [d.ints.d]) for d in decs]), buf, k.add(at, layout.d))
     if decs[0].mins is not None:
         k.store(k.concat(*[pack(k, [k.b.fneg(d.ints.dmin)]) for d in decs]), buf, k.add(at, layout.ndmin))
-        for p, col in enumerate(k.transpose([_min_pairs(k, fmt, lay, d.ints.mins) for d in decs])):
+        for p, col in enumerate(k.transpose([_min_pairs(k, fmt, d.ints.mins, unit or lay.sum_block) for d in decs])):
             k.store(col, buf, k.add(at, layout.imin(p)))
 
 
@@ -587,14 +601,13 @@ def _row_mask(k: Kernel, r0, first: int, n0, end):
     return k.b.and_(k.b.icmp_signed(">=", rows, k.splat(n0, ROWS)), k.b.icmp_signed("<", rows, k.splat(end, ROWS)))
 
 
-def _min_pairs(k: Kernel, fmt: BlockFormat, lay: ActLayout, mins: ir.Value) -> ir.Value:
-    """A row's integer mins as one i16 pair per pair of activation sums: (min of sum 2p's sub-block,
-    min of sum 2p+1's), as <pairs x i32>."""
+def _min_pairs(k: Kernel, fmt: BlockFormat, mins: ir.Value, unit: int) -> ir.Value:
+    """A row's integer mins as one i16 pair per pair of ``unit``-feature runs of the block: (the min of
+    run 2p's sub-block, the min of run 2p+1's), as <pairs x i32>."""
     b = k.b
-    sums = fmt.dtype.block_size // lay.sum_block
-    first = k.shuffle(mins, [2 * p * lay.sum_block // fmt.sub for p in range(sums // 2)])
-    second = k.shuffle(mins, [(2 * p + 1) * lay.sum_block // fmt.sub for p in range(sums // 2)])
-    n = sums // 2
+    n = fmt.dtype.block_size // unit // 2
+    first = k.shuffle(mins, [2 * p * unit // fmt.sub for p in range(n)])
+    second = k.shuffle(mins, [(2 * p + 1) * unit // fmt.sub for p in range(n)])
     return b.or_(b.and_(first, ir.Constant(vec(i32, n), [0xFFFF] * n)), b.shl(second, ir.Constant(vec(i32, n), [16] * n)))
 
 
@@ -604,96 +617,158 @@ def _tile_rows(k: Kernel, N: int, n0, vecs: int):
     return k.b.select(k.b.icmp_signed("<", n0, k.i64(N - vecs * ROWS)), n0, k.i64(N - vecs * ROWS))
 
 
-def _panel_tokens(k: Kernel, isa: Isa, lay: ActLayout, N: int, n0, vecs: int, end, p0, count, buf, room: int,
-                  panel: Panel, dec: Decoded) -> None:
-    """Every token over the panel, a register tile of tokens at a time (the last tile repeats the last
-    token where T runs out, and stores only the real ones: one copy of the code for any T)."""
-    tt = tile_tokens(panel.fmt)
-    with k.loop(0, k.arg["T"], step=tt, name="tt") as t0:
-        _panel_run(k, isa, lay, N, n0, vecs, end, p0, count, buf, room, panel, dec, t0, tt)
+def _panel_run(k: Kernel, isa: Isa, lay: ActLayout, vecs: int, p0, count, buf, room: int, panel: Panel,
+               dec: Decoded, stripe, c0, c_end, t0) -> None:
+    """Tokens t0..t0+TILE_TOKENS-1 of the stripe c0..c_end (those past its end repeat its last token)
+    over the panel, an f32 accumulator of 16 rows per (token, vector) in the stripe, which starts from
+    zero at the first panel. Super-block types work on the stripe in place (a (token, vector) is
+    touched once per block; the registers hold its sub-block dot and block sum), the others in
+    registers."""
+    b = k.b
+    n = TILE_TOKENS
+    tokens = [b.select(b.icmp_signed("<", k.add(t0, t), c_end), k.add(t0, t), b.sub(c_end, k.i64(1))) for t in range(n)]
+    xs = [k.addr(k.arg["xq"], k.mul(tok, lay.group_bytes(1))) for tok in tokens]
+    slots = [[k.mul(k.add(k.mul(k.add(b.sub(t0, c0), t), vecs), v), 64) for v in range(vecs)] for t in range(n)]
+    first = b.icmp_signed("==", p0, k.i64(0))
+    accs = _Accumulators(k, stripe, slots, first, in_registers=not panel.ints)
+    with k.loop(0, count, name="pblk") as i:
+        blk, at = k.add(p0, i), k.mul(i, vecs * room)
+        (_super_block if panel.ints else _plain_block)(k, isa, lay, vecs, buf, room, panel, dec, xs, blk, at, accs)
+    accs.close()
 
 
-def _panel_run(k: Kernel, isa: Isa, lay: ActLayout, N: int, n0, vecs: int, end, p0, count, buf, room: int,
-               panel: Panel, dec: Decoded, t0, n: int) -> None:
-    """Tokens t0..t0+n-1 (those past T repeat token T-1, unstored) over the panel, an f32 accumulator
-    of 16 rows per (token, vector): y[t, rows] starts from zero at the first panel and goes on from
-    its stored value after; only the rows before ``end`` are stored."""
+class _Accumulators:
+    """The f32 accumulators of a register tile, [token][vector], kept in the stripe's ``slots`` (zeroed
+    first when ``first``), or in registers between a load from the stripe and ``close``."""
+
+    def __init__(self, k: Kernel, stripe, slots: list, first, in_registers: bool):
+        self.k, self.stripe, self.slots = k, stripe, slots
+        v16 = vec(f32, ROWS)
+        zero = ir.Constant(v16, [0.0] * ROWS)
+        if in_registers:
+            self.vars = [[k.var(v16, k.b.select(first, zero, k.load(v16, stripe, at))) for at in row] for row in slots]
+        else:
+            self.vars = None
+            with k.if_then(first):
+                for row in slots:
+                    for at in row:
+                        k.store(zero, stripe, at)
+
+    def get(self, t: int, v: int) -> ir.Value:
+        if self.vars is None:
+            return self.k.load(vec(f32, ROWS), self.stripe, self.slots[t][v])
+        return self.vars[t][v].get()
+
+    def set(self, t: int, v: int, value: ir.Value) -> None:
+        if self.vars is None:
+            self.k.store(value, self.stripe, self.slots[t][v])
+        else:
+            self.vars[t][v].set(value)
+
+    def close(self) -> None:
+        """Registers back to the stripe."""
+        if self.vars is not None:
+            for row, at_row in zip(self.vars, self.slots):
+                for var, at in zip(row, at_row):
+                    self.k.store(var.get(), self.stripe, at)
+
+
+def _sub_dots(k: Kernel, isa: Isa, lay: ActLayout, vecs: int, buf, room: int, panel: Panel, dec: Decoded, xs, blk,
+              s, sub_at) -> list:
+    """Each (token, vector)'s integer dot over sub-block s (an int or i64 value) of block blk, whose
+    words lie at ``sub_at``: [token][vector] <16 x i32>, the offset term included."""
+    b = k.b
+    fmt = panel.fmt
+    words, per = fmt.sub // 4, fmt.sub // lay.sum_block
+    vi = vec(i32, ROWS)
+
+    def xsum(t):                                         # token t's sum of quants in sub-block s
+        first_sum = k.mul(k.add(k.mul(blk, panel.subs), s), per)
+        return _sum_of(k, [lay.load_sums(k, xs[t], 1, k.add(first_sum, p)) for p in range(per)])
+    dots = [[k.splat(b.mul(xsum(t), ir.Constant(i32, -dec.offset)), ROWS) if dec.offset else ir.Constant(vi, [0] * ROWS)
+             for _ in range(vecs)] for t in range(len(xs))]
+    word0 = k.mul(k.add(k.mul(blk, panel.subs), s), words)
+    for j in range(words):
+        w = [k.load(vec(i8, 64), buf, k.add(sub_at, v * room + 64 * j)) for v in range(vecs)]
+        for t, xt in enumerate(xs):
+            x = k.cast_vec(k.splat(k.load(i32, xt, lay.qs(k, 1, k.add(word0, j))), ROWS), i8)
+            for v in range(vecs):
+                dots[t][v] = isa.dot(dots[t][v], w[v], x, False, dec.qmax)
+    return dots
+
+
+def _super_block(k: Kernel, isa: Isa, lay: ActLayout, vecs: int, buf, room: int, panel: Panel, dec: Decoded, xs, blk,
+                 at, accs: _Accumulators) -> None:
+    """One super-block into the accumulators: per sub-block, each (token, vector)'s integer dot times the
+    rows' scales (f32 in the panel: small integers, so the products and their sums are the integer
+    sums llama.cpp takes, below 2**24) into a block sum; then acc += sum * d*dx, and for types with
+    mins acc += (sum_s min_s * xsum_s) * -dmin*dx, two sub-blocks per vpdpwssd."""
     b = k.b
     fmt = panel.fmt
     v16, vi = vec(f32, ROWS), vec(i32, ROWS)
-    zero_i = ir.Constant(vi, [0] * ROWS)
-    words, per = fmt.sub // 4, fmt.sub // lay.sum_block
-    last = b.sub(k.arg["T"], k.i64(1))
-    real = [b.icmp_signed("<", k.add(t0, t), k.arg["T"]) for t in range(n)]
-    tokens = [b.select(r, k.add(t0, t), last) for t, r in enumerate(real)]
-    xs = [k.addr(k.arg["xq"], k.mul(tok, lay.group_bytes(1))) for tok in tokens]
-    r0 = _tile_rows(k, N, n0, vecs) if N >= vecs * ROWS else n0     # the panel's lane 0 is row r0
-    ys = [[k.mul(k.add(k.mul(tok, N), r0, 16 * v), 4) for v in range(vecs)] for tok in tokens]
-    masks = [_row_mask(k, r0, ROWS * v, n0, end) for v in range(vecs)]
-    first = b.icmp_signed("==", p0, k.i64(0))
     zero_f = ir.Constant(v16, [0.0] * ROWS)
-    accs = [[k.var(v16, b.select(first, zero_f, k.masked_load(v16, k.arg["y"], ys[t][v], masks[v])))
-             for v in range(vecs)] for t in range(n)]
-    with k.loop(0, count, name="pblk") as i:
-        blk, at = k.add(p0, i), k.mul(i, vecs * room)
-
-        def xsum(t, s):                                   # token t's sum of quants in sub-block s
-            first_sum = k.mul(k.add(k.mul(blk, panel.subs), s), per)
-            return _sum_of(k, [lay.load_sums(k, xs[t], 1, k.add(first_sum, p)) for p in range(per)])
-
-        def sub_dots(s, sub_at):                          # each (token, vector)'s integer dot over sub-block s
-            init = [k.splat(b.mul(xsum(t, s), ir.Constant(i32, -dec.offset)), ROWS) if dec.offset else zero_i
-                    for t in range(n)]
-            split = chain_split(fmt)
-            dots = [[[init[t] if c == 0 else zero_i for c in range(split)] for _ in range(vecs)] for t in range(n)]
-            word0 = k.mul(k.add(k.mul(blk, panel.subs), s), words)
-            for j in range(words):
-                w = [k.load(vec(i8, 64), buf, k.add(sub_at, v * room + 64 * j)) for v in range(vecs)]
-                for t in range(n):
-                    x = k.cast_vec(k.splat(k.load(i32, xs[t], lay.qs(k, 1, k.add(word0, j))), ROWS), i8)
-                    for v in range(vecs):
-                        dots[t][v][j % split] = isa.dot(dots[t][v][j % split], w[v], x, False, dec.qmax)
-            return [[_sum_of(k, dots[t][v]) for v in range(vecs)] for t in range(n)]
-
-        if panel.ints:                                    # sum_s dot_s * scale_s, in i32 lanes
-            isums = [[k.var(vi, zero_i) for _ in range(vecs)] for _ in range(n)]
-            with k.loop(0, panel.subs, name="psub") as s:
-                sub_at = k.add(at, k.mul(s, panel.sub_bytes))
-                isc = [k.load(vi, buf, k.add(sub_at, v * room + 16 * fmt.sub)) for v in range(vecs)]
-                for acc_t, dot_t in zip(isums, sub_dots(s, sub_at)):
-                    for v in range(vecs):
-                        acc_t[v].set(b.add(acc_t[v].get(), b.mul(dot_t[v], isc[v])))
-            isums = [[a.get() for a in acc_t] for acc_t in isums]
-        else:
-            isums = sub_dots(0, at)
-        pairs = fmt.dtype.block_size // lay.sum_block // 2
-        for v in range(vecs):                             # the vector's block factors, loaded once for all tokens
-            vat = k.add(at, v * room)
-            d = k.load(v16, buf, k.add(vat, panel.d))
-            ndmin = k.load(v16, buf, k.add(vat, panel.ndmin)) if panel.mins else None
-            imins = [k.cast_vec(k.load(vi, buf, k.add(vat, panel.imin(p))), i16) for p in range(pairs)] \
-                if panel.ints and panel.mins else []
-            for t in range(n):
-                dx = k.splat(k.load(f32, xs[t], lay.d(k, 1, blk)), ROWS)     # activation blocks = weight blocks
-                a = isa.fma(b.sitofp(isums[t][v], v16), b.fmul(d, dx), accs[t][v].get())
-                if panel.mins:
-                    if imins:                             # sum_s min_s * xsum_s, two sums per step, four chains
-                        chains = [zero_i] * 4
-                        # each vector loads the words itself, into the instruction, rather than LLVM keeping
-                        # (and spilling) one broadcast per word for both
-                        xt = _launder(k, xs[t]) if v else xs[t]
-                        for p, im in enumerate(imins):
-                            word = k.load(i32, xt, lay.sums(k, 1, k.add(k.mul(blk, 2 * pairs), 2 * p)))
-                            chains[p % 4] = isa.dot_pairs(chains[p % 4], im, k.cast_vec(k.splat(word, ROWS), i16))
-                        m = _sum_of(k, chains)
-                    else:
-                        m = k.splat(xsum(t, 0), ROWS)
-                    a = isa.fma(b.sitofp(m, v16), b.fmul(ndmin, dx), a)
-                accs[t][v].set(a)
-    for t in range(n):
-        with k.if_then(real[t]):
+    sums = [[k.var(v16, zero_f) for _ in range(vecs)] for _ in xs]
+    with k.loop(0, panel.subs, name="psub") as s:
+        sub_at = k.add(at, k.mul(s, panel.sub_bytes))
+        dots = _sub_dots(k, isa, lay, vecs, buf, room, panel, dec, xs, blk, s, sub_at)
+        scales = [k.load(v16, buf, k.add(sub_at, v * room + 16 * fmt.sub)) for v in range(vecs)]
+        for sum_t, dot_t in zip(sums, dots):
             for v in range(vecs):
-                k.masked_store(accs[t][v].get(), k.arg["y"], ys[t][v], masks[v])
+                sum_t[v].set(isa.fma(b.sitofp(dot_t[v], v16), scales[v], sum_t[v].get()))
+    pairs = panel.subs // 2
+    factors = []                                          # each vector's (d, -dmin, integer min pairs)
+    for v in range(vecs):
+        vat = k.add(at, v * room)
+        factors.append((k.load(v16, buf, k.add(vat, panel.d)),
+                        k.load(v16, buf, k.add(vat, panel.ndmin)) if panel.mins else None,
+                        [k.cast_vec(k.load(vi, buf, k.add(vat, panel.imin(p))), i16) for p in range(pairs)]
+                        if panel.mins else []))
+    for t, xt in enumerate(xs):
+        dx = k.splat(k.load(f32, xt, lay.d(k, 1, blk)), ROWS)            # activation blocks = weight blocks
+        words = _sub_sum_pairs(k, lay, panel, xt, blk) if panel.mins else []
+        for v, (d, ndmin, imins) in enumerate(factors):
+            a = isa.fma(sums[t][v].get(), b.fmul(d, dx), accs.get(t, v))
+            if panel.mins:                                # sum_s min_s * xsum_s, two sub-blocks per step, two chains
+                chains = [ir.Constant(vi, [0] * ROWS)] * 2
+                for p, (im, word) in enumerate(zip(imins, words)):
+                    chains[p % 2] = isa.dot_pairs(chains[p % 2], im, word)
+                a = isa.fma(b.sitofp(_sum_of(k, chains), v16), b.fmul(ndmin, dx), a)
+            accs.set(t, v, a)
+
+
+def _sub_sum_pairs(k: Kernel, lay: ActLayout, panel: Panel, xt, blk) -> list:
+    """A token's activation sums of block blk per sub-block, as i16 pairs (sub-blocks 2p, 2p+1), each
+    broadcast to <32 x i16>: read from memory where a sub-block is a sum block, else added up."""
+    b = k.b
+    per = panel.fmt.sub // lay.sum_block
+    first = k.mul(blk, panel.subs * per)
+    if per == 1:
+        return [k.cast_vec(k.splat(k.load(i32, xt, lay.sums(k, 1, k.add(first, 2 * p))), ROWS), i16)
+                for p in range(panel.subs // 2)]
+    raw = k.load(vec(i16, panel.subs * per), xt, lay.sums(k, 1, first))
+    words = k.cast_vec(_sum_of(k, [k.shuffle(raw, range(q, panel.subs * per, per)) for q in range(per)]), i32)                               # <subs/2 x i32>: i16 pairs
+    return [k.cast_vec(k.splat(b.extract_element(words, ir.Constant(i32, p)), ROWS), i16)
+            for p in range(panel.subs // 2)]
+
+
+def _plain_block(k: Kernel, isa: Isa, lay: ActLayout, vecs: int, buf, room: int, panel: Panel, dec: Decoded, xs, blk,
+                 at, accs: _Accumulators) -> None:
+    """One block of a 32-weight type into the accumulators: acc += dot * d*dx (- xsum * dmin*dx)."""
+    b = k.b
+    v16 = vec(f32, ROWS)
+    dots = _sub_dots(k, isa, lay, vecs, buf, room, panel, dec, xs, blk, 0, at)
+    per = panel.fmt.sub // lay.sum_block
+    for v in range(vecs):                             # the vector's block factors, loaded once for all tokens
+        vat = k.add(at, v * room)
+        d = k.load(v16, buf, k.add(vat, panel.d))
+        ndmin = k.load(v16, buf, k.add(vat, panel.ndmin)) if panel.mins else None
+        for t, xt in enumerate(xs):
+            dx = k.splat(k.load(f32, xt, lay.d(k, 1, blk)), ROWS)
+            a = isa.fma(b.sitofp(dots[t][v], v16), b.fmul(d, dx), accs.get(t, v))
+            if panel.mins:
+                xsum = _sum_of(k, [lay.load_sums(k, xt, 1, k.add(k.mul(blk, per), p)) for p in range(per)])
+                a = isa.fma(b.sitofp(k.splat(xsum, ROWS), v16), b.fmul(ndmin, dx), a)
+            accs.set(t, v, a)
 
 
 def _sum_of(k: Kernel, values: list) -> ir.Value:
