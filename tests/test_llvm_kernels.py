@@ -115,17 +115,22 @@ def ref_act(x: np.ndarray, fmt: str):
 
 
 def unpack_act(buf: np.ndarray, fmt: str, T: int, K: int, target: str):
-    """Our private activation layout (for ``target``) back to (q [T, K], d [T, K/bs], sums [T, K/ss])."""
+    """Our private activation layout (for ``target``) back to (q [T, K], d [T, K/bs], sums [T, K/ss],
+    sums of 32 [T, K/32] or None)."""
     lay = ActLayout(fmt, K)
     L = tokens_per_group(T, target=named_target(target))
     G = (T + L - 1) // L
     g = buf[:G * lay.group_bytes(L)].reshape(G, -1)
     nb, ns = K // lay.block, K // lay.sum_block
+    at_s = L * K + 4 * L * nb
+    at_s32 = at_s + 2 * L * ns
     q = g[:, :L * K].view(np.int8).reshape(G, K // 4, L, 4).transpose(0, 2, 1, 3).reshape(G * L, K)
-    d = g[:, L * K:L * K + 4 * L * nb].copy().view(np.float32).reshape(G, nb, L)
-    s = g[:, L * K + 4 * L * nb:].copy().view(np.int16).reshape(G, ns, L)
+    d = g[:, L * K:at_s].copy().view(np.float32).reshape(G, nb, L)
+    s = g[:, at_s:at_s32].copy().view(np.int16).reshape(G, ns, L)
     flat = lambda a, n: a.transpose(0, 2, 1).reshape(G * L, n)  # noqa: E731
-    return q.astype(np.int32), flat(d, nb), flat(s, ns)
+    s32 = flat(g[:, at_s32:].copy().view(np.int16).reshape(G, K // 32, L), K // 32) if lay.has_sums32 else None
+    assert lay.has_sums32 or at_s32 == g.shape[1]
+    return q.astype(np.int32), flat(d, nb), flat(s, ns), s32
 
 
 def random_blocks(dt, rows: int, K: int, rng) -> np.ndarray:
@@ -166,13 +171,16 @@ def test_act_quant_matches_ggml(target, fmt, K):
         x[-1, :32] = np.where(np.arange(32) == 5, x[-1, :32], 0)
         buf = np.full(kernels.act_bytes(fmt, T, K), 0xAB, np.uint8)
         run(fn(target, f"act_quant_{fmt}_k{K}", ACT_ABI), (x.ctypes.data, buf.ctypes.data), T, 3)
-        q, d, s = unpack_act(buf, fmt, T, K, target)
+        q, d, s, s32 = unpack_act(buf, fmt, T, K, target)
         rq, rd = ref_act(x, fmt)
         ss = ActLayout(fmt, K).sum_block
         np.testing.assert_array_equal(q[:T], rq, err_msg=f"quants T={T}")
         np.testing.assert_array_equal(d[:T], rd, err_msg=f"scales T={T}")
         np.testing.assert_array_equal(s[:T], rq.reshape(T, -1, ss).sum(-1), err_msg=f"sums T={T}")
         assert not q[T:].any() and not d[T:].any() and not s[T:].any(), "padding tokens must be zero"
+        if fmt == "q8_k":
+            np.testing.assert_array_equal(s32[:T], rq.reshape(T, -1, 32).sum(-1), err_msg=f"sums of 32 T={T}")
+            assert not s32[T:].any(), "padding tokens must be zero"
 
 
 # -- qmatmul --------------------------------------------------------------------------------

@@ -11,6 +11,8 @@ lanes, else 16; the last group is zero-padded). Per group:
     d    f32  [K/bs, L]     the block scale: bs = 32 (q8_0) or 256 (q8_k)
     sums i16  [K/ss, L]     sums of quants: ss = 32 (q8_0) or 16 (q8_k, ggml's bsums); at
                             most 32 * 128 in size, so two sub-blocks' sums share a word
+    sums32 i16 [K/32, L]    q8_k only: sums of 32 quants (the sub-blocks of q4_k and q5_k), so
+                            that one 4-byte word holds the sums of two of them
 
 q8_0: d = amax/127 rounded to fp16 (as ggml stores it), q = round_even(x * 127/amax).
 q8_k: ggml's quantize_row_q8_K with the sign of d made positive (iscale = 127/amax,
@@ -65,8 +67,13 @@ class ActLayout:
     def sum_block(self) -> int:
         return _FORMATS[self.fmt][1]
 
+    @property
+    def has_sums32(self) -> bool:
+        return self.sum_block < 32
+
     def group_bytes(self, L: int) -> int:
-        return L * (self.K + 4 * (self.K // self.block) + 2 * (self.K // self.sum_block))
+        return L * (self.K + 4 * (self.K // self.block) + 2 * (self.K // self.sum_block)
+                    + (2 * (self.K // 32) if self.has_sums32 else 0))
 
     def qs(self, k: Kernel, L, word, lane=0):
         """Offset of 4-byte word `word` (features 4w..4w+3) of token `lane` in its group."""
@@ -78,6 +85,11 @@ class ActLayout:
     def sums(self, k: Kernel, L, sblock, lane=0):
         """Offset of the i16 sum of sum block `sblock` of token `lane`."""
         return k.add(k.mul(L, self.K + 4 * (self.K // self.block)), k.mul(k.add(k.mul(sblock, L), lane), 2))
+
+    def sums32(self, k: Kernel, L, i, lane=0):
+        """Offset of the i16 sum of quants 32i..32i+31 of token `lane` (formats with a smaller sum block)."""
+        start = self.K + 4 * (self.K // self.block) + 2 * (self.K // self.sum_block)
+        return k.add(k.mul(L, start), k.mul(k.add(k.mul(i, L), lane), 2))
 
     def load_sums(self, k: Kernel, base, L, sblock, n: int | None = None, lane=0) -> ir.Value:
         """The sum at ``sums(sblock, lane)`` as i32, or the n consecutive ones there as <n x i32>."""
@@ -164,9 +176,11 @@ def _quant_row_vector(k: Kernel, isa: Isa, lay: ActLayout, L: int, x, base, lane
                 word = k.b.extract_element(words, ir.Constant(i32, w))
                 k.store(word, base, lay.qs(k, L, k.add(k.mul(blk, bs // 4), w), lane))
         k.store(d, base, lay.d(k, L, blk, lane))
-        for s in range(bs // ss):
-            total = isa.hsum(k.shuffle(q, range(s * ss, (s + 1) * ss)))
+        totals = [isa.hsum(k.shuffle(q, range(s * ss, (s + 1) * ss))) for s in range(bs // ss)]
+        for s, total in enumerate(totals):
             k.store(k.b.trunc(total, i16), base, lay.sums(k, L, k.add(k.mul(blk, bs // ss), s), lane))
+        if lay.has_sums32:
+            _store_sums32(k, lay, L, base, lane, blk, totals)
 
 
 def _quant_row_scalar(k: Kernel, isa: Isa, lay: ActLayout, L: int, x, base, lane) -> None:
@@ -190,6 +204,20 @@ def _quant_row_scalar(k: Kernel, isa: Isa, lay: ActLayout, L: int, x, base, lane
                 total.set(b.add(total.get(), q))
             k.store(b.trunc(total.get(), i16), base, lay.sums(k, L, k.add(k.mul(blk, bs // ss), s), lane))
         k.store(d, base, lay.d(k, L, blk, lane))
+        if lay.has_sums32:
+            totals = [b.sext(k.load(i16, base, lay.sums(k, L, k.add(k.mul(blk, bs // ss), s), lane)), i32)
+                      for s in range(bs // ss)]
+            _store_sums32(k, lay, L, base, lane, blk, totals)
+
+
+def _store_sums32(k: Kernel, lay: ActLayout, L: int, base, lane, blk, totals: list) -> None:
+    """The sums of 32 quants of block blk from its sum-block totals (i32 values, in order)."""
+    per = 32 // lay.sum_block
+    for i in range(lay.block // 32):
+        total = totals[i * per]
+        for extra in totals[i * per + 1:(i + 1) * per]:
+            total = k.b.add(total, extra)
+        k.store(k.b.trunc(total, i16), base, lay.sums32(k, L, k.add(k.mul(blk, lay.block // 32), i), lane))
 
 
 def _zero_lane(k: Kernel, lay: ActLayout, L: int, base, lane) -> None:
@@ -201,4 +229,7 @@ def _zero_lane(k: Kernel, lay: ActLayout, L: int, base, lane) -> None:
         k.store(ir.Constant(f32, 0.0), base, lay.d(k, L, blk, lane))
     with k.loop(0, lay.K // lay.sum_block, name="zs") as s:
         k.store(ir.Constant(i16, 0), base, lay.sums(k, L, s, lane))
+    if lay.has_sums32:
+        with k.loop(0, lay.K // 32, name="z32") as s:
+            k.store(ir.Constant(i16, 0), base, lay.sums32(k, L, s, lane))
 

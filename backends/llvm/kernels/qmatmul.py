@@ -738,17 +738,16 @@ def _super_block(k: Kernel, isa: Isa, lay: ActLayout, vecs: int, buf, room: int,
 
 def _sub_sum_pairs(k: Kernel, lay: ActLayout, panel: Panel, xt, blk) -> list:
     """A token's activation sums of block blk per sub-block, as i16 pairs (sub-blocks 2p, 2p+1), each
-    broadcast to <32 x i16>: read from memory where a sub-block is a sum block, else added up."""
-    b = k.b
-    per = panel.fmt.sub // lay.sum_block
-    first = k.mul(blk, panel.subs * per)
-    if per == 1:
-        return [k.cast_vec(k.splat(k.load(i32, xt, lay.sums(k, 1, k.add(first, 2 * p))), ROWS), i16)
-                for p in range(panel.subs // 2)]
-    raw = k.load(vec(i16, panel.subs * per), xt, lay.sums(k, 1, first))
-    words = k.cast_vec(_sum_of(k, [k.shuffle(raw, range(q, panel.subs * per, per)) for q in range(per)]), i32)                               # <subs/2 x i32>: i16 pairs
-    return [k.cast_vec(k.splat(b.extract_element(words, ir.Constant(i32, p)), ROWS), i16)
-            for p in range(panel.subs // 2)]
+    broadcast from memory to <32 x i16>: the sums where a sub-block is a sum block, else the sums of
+    32 (act_quant's ``sums32``, the sub-blocks of 32-weight types)."""
+    subs = panel.subs
+    if panel.fmt.sub == lay.sum_block:
+        at = lambda p: lay.sums(k, 1, k.add(k.mul(blk, subs), 2 * p))          # noqa: E731
+    elif panel.fmt.sub == 32 and lay.has_sums32:
+        at = lambda p: lay.sums32(k, 1, k.add(k.mul(blk, subs), 2 * p))        # noqa: E731
+    else:
+        raise ValueError(f"qmatmul {panel.fmt.dtype.name}: no activation sums per sub-block of {panel.fmt.sub}")
+    return [k.cast_vec(k.splat(k.load(i32, xt, at(p)), ROWS), i16) for p in range(subs // 2)]
 
 
 def _plain_block(k: Kernel, isa: Isa, lay: ActLayout, vecs: int, buf, room: int, panel: Panel, dec: Decoded, xs, blk,
