@@ -135,6 +135,29 @@ def test_attention_matches_numpy(target, config):
             check(arrays, want, f"{config} T={T} P={P} nth={nth}")
 
 
+@pytest.mark.parametrize("config", list(CONFIGS) + ["long", "typed"])
+def test_a_step_of_many_tokens_gives_the_bits_of_one_token_steps(target, config):
+    """Several tokens at once go by query tiles (every lane a query row), one token by the grouped
+    walk; both sum in the same order, so each output row is the same bits either way, at any thread
+    count (here a window that cuts through key blocks, and caches of every kind)."""
+    attn, rope = {"long": LONG, "typed": TYPED[("q8_0", "q4_0")]}.get(config) or CONFIGS[config]
+    rng = np.random.default_rng(3)
+    T, P = 37, 70
+    fresh = make_arrays(attn, rope, T, P, rng)
+    if config == "typed":
+        fresh["k_cache"], _ = _typed_cache(attn.k_type, fresh["k_cache"])
+        fresh["v_cache"], _ = _typed_cache(attn.v_type, fresh["v_cache"])
+    one = {n: a.copy() for n, a in fresh.items()}
+    for t in range(T):
+        step = {n: (a[t:t + 1] if n in ("q", "k", "v", "positions", "out") else a) for n, a in one.items()}
+        run_kernels(target, attn, rope, step, 1, P + t, 1)
+    assert not np.isnan(one["out"]).any()
+    for nth in (1, 3):
+        many = {n: a.copy() for n, a in fresh.items()}
+        run_kernels(target, attn, rope, many, T, P, nth)
+        np.testing.assert_array_equal(many["out"], one["out"], err_msg=f"{config} nth={nth}")
+
+
 def test_attention_threads_at_once(target):
     attn, rope = CONFIGS["gemma_local"]
     rng = np.random.default_rng(11)
