@@ -704,14 +704,13 @@ def _super_block(k: Kernel, isa: Isa, lay: ActLayout, vecs: int, buf, room: int,
     sums llama.cpp takes, below 2**24) into a block sum; then acc += sum * d*dx, and for types with
     mins acc += (sum_s min_s * xsum_s) * -dmin*dx, two sub-blocks per vpdpwssd."""
     b = k.b
-    fmt = panel.fmt
     v16, vi = vec(f32, ROWS), vec(i32, ROWS)
     zero_f = ir.Constant(v16, [0.0] * ROWS)
     sums = [[k.var(v16, zero_f) for _ in range(vecs)] for _ in xs]
     with k.loop(0, panel.subs, name="psub") as s:
         sub_at = k.add(at, k.mul(s, panel.sub_bytes))
         dots = _sub_dots(k, isa, lay, vecs, buf, room, panel, dec, xs, blk, s, sub_at)
-        scales = [k.load(v16, buf, k.add(sub_at, v * room + 16 * fmt.sub)) for v in range(vecs)]
+        scales = [k.load(v16, buf, k.add(sub_at, v * room + panel.iscale(0))) for v in range(vecs)]
         for sum_t, dot_t in zip(sums, dots):
             for v in range(vecs):
                 sum_t[v].set(isa.fma(b.sitofp(dot_t[v], v16), scales[v], sum_t[v].get()))
