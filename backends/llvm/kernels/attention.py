@@ -44,11 +44,12 @@ generic target gets a scalar twin: one query row at a time, one key at a time, l
 
 Steps of several tokens (prefill) go by tiles instead, where the heads fit (`tiles_fit`): the G
 heads of one kv head for lanes // G consecutive tokens, a lane per query row. Each block's K and
-V rows are converted to f32 once for the tile; a score is one FMA per head dim (the key's value
-broadcast against the column of the tile's queries), the softmax runs across lanes, and p·V
-adds p (a vector of rows) times each broadcast value, with no horizontal sums anywhere (1B-shaped
-prefill of 512: 105 against 55-60 GFLOP/s in the profile). Key blocks start at multiples of
-BLOCK and lanes mask the keys they do not see, so a row's result does not depend on its tile.
+V rows are converted to f32 once for the tile; the scores take one FMA per head dim (the key's
+value broadcast against the column of the tile's queries), summed in the grouped walk's order,
+the softmax runs across lanes, and p·V adds p (a vector of rows) times each broadcast value
+(1B-shaped prefill of 512: 90 against 55-60 GFLOP/s in the profile). Key blocks start at
+multiples of BLOCK in both walks and lanes mask the keys they do not see, so a row's result is
+the same bits whatever tile, thread count or step it falls in.
 """
 from __future__ import annotations
 
@@ -60,6 +61,7 @@ import numpy as np
 from llvmlite import ir
 
 from ggraph.backends.llvm.kernels import vmath
+from ggraph.backends.llvm.kernels.blocks import pack
 from ggraph.backends.llvm.kernels.builder import Kernel, f32, f64, i32, i64, splat_const, vec
 from ggraph.backends.llvm.kernels.isa import Isa, vector_path
 from ggraph.backends.llvm.kernels.kv_rows import KVRow, check_cache_type
@@ -576,8 +578,8 @@ def _tile(rows: _Rows, bufs: dict, tb, g, TQ: int) -> None:
     ranges = [_key_range(rows, k.add(k.arg["P"], tok)) for tok in toks]
     lanes_of = lambda vals, pad: [b.trunc(vals[i // G], i32) if i < n else ir.Constant(i32, pad)  # noqa: E731
                                   for i in range(L)]
-    lo_v = _vector(k, lanes_of([lo for lo, _ in ranges], 0))
-    hi_v = _vector(k, lanes_of([hi for _, hi in ranges], 0))
+    lo_v = pack(k, lanes_of([lo for lo, _ in ranges], 0))
+    hi_v = pack(k, lanes_of([hi for _, hi in ranges], 0))
     jhi = ranges[-1][1]
     jlo = b.mul(b.sdiv(ranges[0][0], k.i64(BLOCK)), k.i64(BLOCK))
     with k.loop(0, Dv, name="azero") as d:
@@ -597,21 +599,7 @@ def _tile(rows: _Rows, bufs: dict, tb, g, TQ: int) -> None:
             j = b.trunc(k.add(j0, jj), i32)
             seen = b.and_(b.icmp_signed(">=", k.splat(j, L), lo_v), b.icmp_signed("<", k.splat(j, L), hi_v))
             srows.append(b.select(seen, _softcap(rows, score), _splat_const(L, -math.inf)))
-        top = srows[0]
-        for sj in srows[1:]:
-            top = isa.maxnum(top, sj)
-        m_old = m.get()
-        m_new = isa.maxnum(m_old, top)
-        none = b.fcmp_ordered("==", m_new, _splat_const(L, -math.inf))          # lanes that saw no key yet
-        m_use = b.select(none, _zeros(L), m_new)
-        corr = vmath.exp(isa, b.fsub(m_old, m_use))
-        block_sum = None
-        for jj, sj in enumerate(srows):
-            pj = vmath.exp(isa, b.fsub(sj, m_use))
-            block_sum = pj if block_sum is None else b.fadd(block_sum, pj)
-            k.store(pj, bufs["p"], 4 * jj * L)
-        total.set(isa.fma(total.get(), corr, block_sum))
-        m.set(m_new)
+        corr = _softmax_step(rows, srows, m, total, bufs["p"])
         ps = [k.load(vL, bufs["p"], 4 * jj * L) for jj in range(BLOCK)]
         step = 8 if Dv % 8 == 0 else 1
         with k.loop(0, Dv, step=step, name="pv") as d0:
@@ -661,14 +649,6 @@ def _tile_scores(rows: _Rows, bufs: dict) -> list:
     return scores
 
 
-def _vector(k: Kernel, values: list) -> ir.Value:
-    """<len(values) x T> of scalar values."""
-    v = ir.Constant(ir.VectorType(values[0].type, len(values)), None)
-    for i, x in enumerate(values):
-        v = k.b.insert_element(v, x, ir.Constant(i32, i))
-    return v
-
-
 def _rows_to(rows: _Rows, kv: KVRow, addrs: list, dst, n: int) -> None:
     """The f32 values of cache rows ``addrs`` into dst[row][0:n]."""
     k = rows.k
@@ -700,7 +680,7 @@ def _run(rows: _Rows, bufs: dict, r, n: int, part) -> None:
     A block's scores are kept key-major, s[jj][i] for key jj and query i (queries padded to NP,
     a power of two), so the online softmax runs down the block with NP-lane vectors, one lane
     per query: no horizontal max or sum, and p[jj][i] is where p·V reads it."""
-    k, b, isa, attn = rows.k, rows.b, rows.isa, rows.attn
+    k, b, attn = rows.k, rows.b, rows.attn
     NP = _pow2(n)
     t, g = b.udiv(r, k.i64(attn.H)), b.udiv(b.urem(r, k.i64(attn.H)), k.i64(attn.H // attn.Hkv))
     p, bufs["kc"], bufs["vc"] = rows.token(t)
@@ -736,19 +716,7 @@ def _run(rows: _Rows, bufs: dict, r, n: int, part) -> None:
         for jj in range(BLOCK):                                         # the live keys' scores
             sj = _softcap(rows, k.load(vnp, bufs["s"], 4 * jj * NP))
             srows.append(b.select(live[jj], sj, _splat_const(NP, -math.inf)))
-        top = srows[0]
-        for sj in srows[1:]:
-            top = isa.maxnum(top, sj)
-        m_old = m.get()
-        m_new = isa.maxnum(m_old, top)
-        corr = vmath.exp(isa, b.fsub(m_old, m_new))
-        block_sum = None
-        for jj, sj in enumerate(srows):
-            pj = vmath.exp(isa, b.fsub(sj, m_new))
-            block_sum = pj if block_sum is None else b.fadd(block_sum, pj)
-            k.store(pj, bufs["s"], 4 * jj * NP)                         # p over s, in place
-        total.set(isa.fma(total.get(), corr, block_sum))
-        m.set(m_new)
+        corr = _softmax_step(rows, srows, m, total, bufs["s"])                # p over s, in place
         _values(rows, bufs, arow, n, j0, nk, g, [_lane(k, corr, i) for i in range(n)])
 
     ms, totals = [_lane(k, m.get(), i) for i in range(n)], [_lane(k, total.get(), i) for i in range(n)]
@@ -771,6 +739,30 @@ def _run(rows: _Rows, bufs: dict, r, n: int, part) -> None:
                 k.store(b.fmul(k.load(_typ(w), arow(i), at), _splat(k, invs[i], w)), out, at)
             o += w
     _chunked(k, attn.Dv, rows.lanes, 1, finish, "out")
+
+
+def _softmax_step(rows: _Rows, srows: list, m, total, pbuf) -> ir.Value:
+    """One block of the online softmax over its masked scores (one value or vector per key, a lane
+    per query row): the running max ``m`` and sum ``total`` move on, p = exp(s - max) goes to
+    pbuf key by key, and the factor the accumulators must be rescaled by is returned. A lane that
+    has seen no key yet (max -inf) takes p = 0 and a factor of 0 rather than exp(-inf + inf)."""
+    b, isa = rows.b, rows.isa
+    w = _width(srows[0])
+    top = srows[0]
+    for sj in srows[1:]:
+        top = isa.maxnum(top, sj)
+    m_old = m.get()
+    m_new = isa.maxnum(m_old, top)
+    m_use = b.select(b.fcmp_ordered("==", m_new, _splat_const(w, -math.inf)), _zeros(w), m_new)
+    corr = vmath.exp(isa, b.fsub(m_old, m_use))
+    block_sum = None
+    for jj, sj in enumerate(srows):
+        pj = vmath.exp(isa, b.fsub(sj, m_use))
+        block_sum = pj if block_sum is None else b.fadd(block_sum, pj)
+        rows.k.store(pj, pbuf, 4 * jj * w)
+    total.set(isa.fma(total.get(), corr, block_sum))
+    m.set(m_new)
+    return corr
 
 
 def _splat_const(w: int, x: float) -> ir.Constant:
