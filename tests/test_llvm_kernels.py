@@ -279,6 +279,32 @@ def test_qmatmul_at_the_extremes_of_its_integer_sums(target, dt, sign):
                   x_of=lambda T: np.full((T, K), sign, np.float32))
 
 
+@pytest.mark.parametrize("dt", kernels.QUANT_TYPES, ids=lambda d: d.name)
+def test_every_vector_gemm_gives_the_bits_of_the_rows_gemm(dt):
+    """The 4-rows gemm (AVX2, AVX-512 without VNNI) takes the rows gemm's arithmetic: integer dots
+    per sub-block, super-blocks summed times their integer scales before one float step per block
+    (mins likewise), the same float steps in the same order. So a prefill gives the same bits on
+    every x86 vector feature set: one and several K panels, a tail group of tokens."""
+    names = [runnable_target(t, _LIBS, _build) for t in ("avx512_vnni", "avx512", "avx2")]
+    rng = np.random.default_rng(7)
+    for K, n in ((k_of(dt), N), (LONG_K, LONG_N)):
+        w = random_blocks(dt, n, K, rng)
+        counter = np.zeros(16, np.int32)
+        for T in (7, 33, 40):
+            x = rng.standard_normal((T, K)).astype(np.float32)
+            ys = []
+            for name in names:
+                buf = quantize_acts(name, x, kernels.act_format(dt))
+                y = np.full((T, n), np.nan, np.float32)
+                counter[:] = 0
+                run(fn(name, f"qmatmul_{dt.name}_k{K}_n{n}", MATMUL_ABI),
+                    (w.ctypes.data, buf.ctypes.data, y.ctypes.data, counter.ctypes.data), T, 2, threads=True)
+                ys.append(y)
+            assert not np.isnan(ys[0]).any()
+            for name, y in zip(names[1:], ys[1:]):
+                np.testing.assert_array_equal(y, ys[0], err_msg=f"{name} K={K} T={T}")
+
+
 AMX_K, AMX_N = 4096, 40          # 16 blocks of 256: two K panels of the tile panel (14 q4_k blocks each)
 
 

@@ -56,6 +56,10 @@ class Decoded:
     def min(self, k: Kernel, s) -> ir.Value:
         return k.b.extract_element(self.mins, _lane(k, s))
 
+    def int_scale(self, k: Kernel, s) -> ir.Value:
+        """The integer scale of sub-block s (super-block types), as a float."""
+        return k.b.sitofp(k.b.extract_element(self.ints.scales, _lane(k, s)), ir.FloatType())
+
 
 def _lane(k: Kernel, s) -> ir.Value:
     return ir.Constant(i32, s) if isinstance(s, int) else k.b.trunc(s, i32)

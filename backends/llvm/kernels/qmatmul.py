@@ -20,7 +20,9 @@ activation scales in f32. Four drivers share the block decoders:
   their mins with vpdpwssd; results stay in a private stripe of tokens until the last K panel.
 - gemm (T > 1 elsewhere): a tile of R rows x G groups of 16 tokens. Lanes are tokens: each
   4-byte word of a decoded weight chunk is broadcast and dotted with the same word of 16
-  tokens (one 64-byte load of the interleaved activations), so no horizontal sums.
+  tokens (one 64-byte load of the interleaved activations), so no horizontal sums. Its arithmetic
+  is the rows gemm's (super-blocks summed times their integer scales, one float step per block),
+  so every x86 vector feature set gives a prefill the same bits.
 - scalar: the generic target's readable twin, one weight at a time.
 """
 from __future__ import annotations
@@ -335,23 +337,57 @@ def _gemm_tile(k: Kernel, isa: Isa, fmt: BlockFormat, lay: ActLayout, N: int, n0
     L = GROUP
     v16 = vec(f32, L)
     xg = [k.addr(k.arg["xq"], k.mul(k.add(g0, g), lay.group_bytes(L))) for g in range(G)]
-    acc = [[k.var(v16, ir.Constant(v16, [0.0] * L)) for _ in range(G)] for _ in range(R)]
+    zero = ir.Constant(v16, [0.0] * L)
+    acc = [[k.var(v16, zero) for _ in range(G)] for _ in range(R)]
     U = fmt.unroll
     with k.loop(0, lay.K // fmt.dtype.block_size, name="blk") as blk:
         decs = [fmt.decode(k, isa, _row(k, fmt, lay, k.add(n0, r), blk)) for r in range(R)]
         dx = [k.load(v16, xg[g], lay.d(k, L, blk)) for g in range(G)]                 # (16,) f32
+        # super-block types sum their sub-blocks' dots times the integer scales first (exact small
+        # integers in f32 lanes) and take one float step per block, as llama.cpp does
+        sums = [[k.var(v16, zero) for _ in range(G)] for _ in range(R)] if decs[0].ints is not None else None
         if fmt.chunks == U:
             for c in range(U):
-                _gemm_chunk(k, isa, fmt, lay, decs, blk, c, xg, dx, acc)
+                _gemm_chunk(k, isa, fmt, lay, decs, blk, c, xg, dx, acc, sums)
         else:
             with k.loop(0, fmt.chunks // U, name="cg") as cg:
                 for i in range(U):
-                    _gemm_chunk(k, isa, fmt, lay, decs, blk, k.add(k.mul(cg, U), i), xg, dx, acc)
+                    _gemm_chunk(k, isa, fmt, lay, decs, blk, k.add(k.mul(cg, U), i), xg, dx, acc, sums)
+        if sums is not None:
+            _gemm_block_end(k, isa, fmt, lay, decs, blk, xg, dx, acc, sums)
     _store_tile(k, N, n0, R, g0, G, acc)
 
 
-def _gemm_chunk(k: Kernel, isa: Isa, fmt: BlockFormat, lay: ActLayout, decs, blk, c, xg, dx, acc) -> None:
-    """Chunk c (an int or i64 value) of every tile row's block against every token group."""
+def _gemm_block_end(k: Kernel, isa: Isa, fmt: BlockFormat, lay: ActLayout, decs, blk, xg, dx, acc, sums) -> None:
+    """A super-block's float step: acc += d*dx * sum_s(scale_s * dot_s) - dmin*dx * sum_s(min_s * xsum_s),
+    both sums exact integers in f32 lanes (below 2**24)."""
+    b = k.b
+    L = GROUP
+    v16 = vec(f32, L)
+    R, G = len(decs), len(xg)
+    for r, dec in enumerate(decs):
+        for g in range(G):
+            acc[r][g].set(isa.fma(sums[r][g].get(), b.fmul(k.splat(dec.ints.d, L), dx[g]), acc[r][g].get()))
+    if decs[0].ints.mins is None:
+        return
+    mins = [b.sitofp(dec.ints.mins, vec(f32, dec.ints.mins.type.count)) for dec in decs]
+    msum = [[None] * G for _ in range(R)]
+    for s in range(fmt.dtype.block_size // fmt.sub):
+        xs = [b.sitofp(_xsum(k, fmt, lay, L, xg[g], blk, s), v16) for g in range(G)]
+        for r in range(R):
+            m = k.splat(b.extract_element(mins[r], ir.Constant(i32, s)), L)
+            for g in range(G):
+                msum[r][g] = b.fmul(xs[g], m) if msum[r][g] is None else isa.fma(xs[g], m, msum[r][g])
+    for r, dec in enumerate(decs):
+        for g in range(G):
+            dmin = b.fmul(k.splat(b.fneg(dec.ints.dmin), L), dx[g])
+            acc[r][g].set(isa.fma(msum[r][g], dmin, acc[r][g].get()))
+
+
+def _gemm_chunk(k: Kernel, isa: Isa, fmt: BlockFormat, lay: ActLayout, decs, blk, c, xg, dx, acc, sums) -> None:
+    """Chunk c (an int or i64 value) of every tile row's block against every token group: into
+    ``acc`` scaled by the sub-block's float scale, or for super-block types into the block's
+    ``sums`` times its integer scale (mins wait for `_gemm_block_end`)."""
     b = k.b
     L = GROUP
     v16 = vec(f32, L)
@@ -394,6 +430,12 @@ def _gemm_chunk(k: Kernel, isa: Isa, fmt: BlockFormat, lay: ActLayout, decs, blk
                         part[g] = isa.pair_sums(wb, xv[g], part[g])
                         if (n_j + 1) % run == 0 or n_j + 1 == per:
                             dots[r][g], part[g] = isa.widen(dots[r][g], part[g]), None
+        if sums is not None:
+            for r in range(R):
+                iscale = k.splat(decs[r].int_scale(k, s), L)
+                for g in range(G):
+                    sums[r][g].set(isa.fma(b.sitofp(dots[r][g], v16), iscale, sums[r][g].get()))
+            continue
         for g in range(G):
             xf = b.fmul(b.sitofp(xs[g], v16), dx[g]) if dec0.mins is not None else None
             for r in range(R):
