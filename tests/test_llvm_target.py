@@ -1,6 +1,7 @@
 """Targets: host detection, forcing and refusing feature sets, what the assembly may
 contain for each set, the object-code cache, and the AArch64 (NEON) output."""
 import ctypes
+import dataclasses
 import re
 
 import pytest
@@ -173,6 +174,20 @@ def test_avx512_uses_zmm_without_vnni():
 def test_avx512_vnni_uses_vpdpbusd_on_zmm():
     asm = asm_of(q8_0_matmul, q4_k_matmul, name="avx512_vnni")
     assert re.search(r"vpdpbusd\s+[^\n]*zmm", asm)
+
+
+def test_gemv_prefetches_weights_except_on_amd_hosts():
+    """On AMD CPUs the gemv's software prefetches cost more than they bring (their hardware
+    prefetcher keeps ahead alone), so targets made for an AMD host leave them out, and only them."""
+    amd = "processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\n"
+    intel = "processor\t: 0\nvendor_id\t: GenuineIntel\ncpu family\t: 6\n"
+    assert not target.prefetches_on(amd) and target.prefetches_on(intel) and target.prefetches_on("")
+    t = target.named_target("avx2")                      # rows_only: the gemv arithmetic alone
+    for prefetch in (True, False):
+        m = ir.Module()
+        kernels.qmatmul(m, dtypes.q6_k, 1024, 64, dataclasses.replace(t, gemv_prefetch=prefetch), rows_only=True)
+        assert ("prefetch" in jit.emit_assembly(m, t)) == prefetch
+    assert target.host_target().gemv_prefetch == target.host_prefetches()
 
 
 def test_amx_tiles_take_super_block_types_only():

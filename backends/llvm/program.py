@@ -123,7 +123,7 @@ def program_key(graph, target, profile: bool, rows_only: bool = False) -> str:
     in a tensor's name, or in one the program does not read, must not share a cached program)."""
     h = hashlib.sha256(graph.signature().encode())
     h.update("\0".join(v.aval.source for v in graph.params).encode("utf-8", "surrogatepass"))
-    for part in (target.name, target.cpu, target.features, str(profile), str(rows_only)):
+    for part in (target.name, target.cpu, target.features, str(target.gemv_prefetch), str(profile), str(rows_only)):
         h.update(part.encode())
     h.update(jit.code_digest())
     h.update(_planner_source())

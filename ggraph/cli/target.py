@@ -28,6 +28,7 @@ def target_report() -> dict:
         "runnable": [t.name for t in T.runnable_targets()],
         "chosen": chosen.name,
         "forced": bool(os.environ.get("GGRAPH_TARGET")),
+        "gemv_prefetch": chosen.gemv_prefetch,
         "kernels": kernels.describe(chosen),
     }
 
@@ -47,6 +48,8 @@ def cmd_target(args) -> int:
     print(f"feature sets this host runs: {', '.join(info['runnable'])}")
     print(f"chosen: {info['chosen']}" + (" (forced by GGRAPH_TARGET)" if info["forced"] else
                                          " (best available; GGRAPH_TARGET=<set> forces one)"))
+    print("gemv weight prefetch: " + ("on" if info["gemv_prefetch"] else
+                                      "off (an AMD CPU: its hardware prefetcher does better alone)"))
     print("kernels:")
     for op, variant in info["kernels"].items():
         print(f"  {op:<20} {variant}")

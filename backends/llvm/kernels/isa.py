@@ -159,8 +159,8 @@ class Isa:
         (vpdpwssd with AVX-512 VNNI, no saturation; the portable form elsewhere)."""
         k = self.k
         n = acc.type.count
-        if self.full_u8_dot and n == 16:
-            return k.intrinsic("llvm.x86.avx512.vpdpwssd.512", acc.type, [acc, a, b])
+        if self.full_u8_dot and n in (8, 16):
+            return k.intrinsic(f"llvm.x86.avx512.vpdpwssd.{32 * n}", acc.type, [acc, a, b])
         wide = vec(i32, 2 * n)
         prod = k.b.mul(k.b.sext(a, wide), k.b.sext(b, wide))
         return k.b.add(acc, k.b.add(k.shuffle(prod, range(0, 2 * n, 2)), k.shuffle(prod, range(1, 2 * n, 2))))

@@ -66,6 +66,8 @@ def tile(target: Target) -> tuple[int, int]:
 
 def gemv_chunks(fmt: BlockFormat, target: Target) -> int:
     """32-weight chunks per gemv step: two of a block on 512-bit targets (pairing blocks costs more)."""
+    if fmt.sub == 16 and fmt.dtype.block_size == 256 and target.has("avx512vnni"):
+        return 1
     return 2 if target.vector_bits >= 512 and fmt.chunks > 1 else 1
 
 
@@ -169,6 +171,7 @@ def _xsum(k: Kernel, fmt: BlockFormat, lay: ActLayout, L: int, base, blk, s: int
 # How far ahead of its reads gemv asks for weight lines, and into L2, not L1: on a 1B-shaped Q4_K_M
 # file larger than L3 (Xeon with AMX, 2 cores), decode 1.07-1.12x at one thread and 1.11-1.13x at
 # two over one distance of 2048 into L1 (/tmp A/B, alternating processes); 4096 alone was 0.8x.
+# Targets for AMD hosts leave them out (Target.gemv_prefetch: they cost q6_k 1.4-1.9x on a Zen 4).
 PREFETCH_AHEAD = (2048, 4096)
 
 
@@ -242,7 +245,7 @@ def _gemv_n_row(k: Kernel, isa: Isa, fmt: BlockFormat, lay: ActLayout, N: int, r
     lanes = 8 * P
     first = k.addr(k.arg["xq"], k.mul(t0, lay.group_bytes(1)))
     xts = [k.addr(first, t * lay.group_bytes(1)) for t in range(n)]
-    _prefetch_row(k, fmt, lay, row)
+    _prefetch_row(k, isa, fmt, lay, row)
     accs = [k.var(vec(f32, lanes), ir.Constant(vec(f32, lanes), [0.0] * lanes)) for _ in range(n)]
     maccs = [k.var(vec(f32, subs), ir.Constant(vec(f32, subs), [0.0] * subs)) for _ in range(n)]
     with k.loop(0, lay.K // fmt.dtype.block_size, name="blk") as blk:
@@ -257,23 +260,32 @@ def _gemv_n_row(k: Kernel, isa: Isa, fmt: BlockFormat, lay: ActLayout, N: int, r
             terms.append((init, None if dec.ints is not None else b.fmul(dec.scales, dx)))   # (subs,) f32 scales
         if dec.ints is not None:                           # super-block types: sub-blocks summed in i32
             isums = [None] * n
-            # where a lane of the dot fits i16 (offset term included), one vpdpwssd takes (dot, sign) x
-            # (scale, 0) instead of vpmulld and an add: q4_k 1.06x, q2_k 1.04x (q6_k's offset term does not
-            # fit; adding it per sub-block instead was 0.95x)
-            pairs = isa.full_u8_dot and lanes == 16 and _lane_bound(fmt, dec) < 1 << 15
-            low16 = ir.Constant(vec(i32, lanes), [0xFFFF] * lanes)
+            # where a lane of the dot fits i16, one vpdpwssd takes (dot, sign) x (scale, 0) instead of
+            # vpmulld and an add: q4_k 1.06x, q2_k 1.04x. q6_k's offset term (32 x the sub-block's
+            # activation sum) does not fit, so its dots leave it out and the block adds
+            # sum_s scale_s x term_s once, in the same i32 lanes: q6_k 1.3-1.5x on a Zen 4
+            fits = isa.full_u8_dot and lanes in (8, 16)
+            offset_apart = fits and dec.offset and subs % lanes == 0 and _lane_bound(fmt, dec) >= 1 << 15 \
+                and _lane_bound(fmt, dec, with_offset=False) < 1 << 15
+            pairs = fits and (offset_apart or _lane_bound(fmt, dec) < 1 << 15)
+            words = b.and_(dec.ints.scales, ir.Constant(vec(i32, subs), [0xFFFF] * subs)) if pairs else None
             for c in range(0, fmt.chunks, P):
                 w = k.concat(*[dec.chunk(c + p) for p in range(P)])
                 for t, (xt, (init, _)) in enumerate(zip(xts, terms)):
-                    dot, lane_sub = _gemv_dot(k, isa, fmt, dec, w, blk, c, P, init, xt)
-                    scale = k.shuffle(dec.ints.scales, lane_sub)
+                    dot, lane_sub = _gemv_dot(k, isa, fmt, dec, w, blk, c, P, None if offset_apart else init, xt)
                     if pairs:
                         isums[t] = isa.dot_pairs(isums[t] if isums[t] is not None else ir.Constant(vec(i32, lanes), [0] * lanes),
-                                                 k.cast_vec(dot, i16), k.cast_vec(b.and_(scale, low16), i16))
+                                                 k.cast_vec(dot, i16), k.cast_vec(k.shuffle(words, lane_sub), i16))
                     else:
-                        scaled = b.mul(dot, scale)
+                        scaled = b.mul(dot, k.shuffle(dec.ints.scales, lane_sub))
                         isums[t] = scaled if isums[t] is None else b.add(isums[t], scaled)
             for t, (xt, acc) in enumerate(zip(xts, accs)):
+                if offset_apart:
+                    extra = b.mul(dec.ints.scales, terms[t][0])              # (subs,) i32
+                    while extra.type.count > lanes:
+                        half = extra.type.count // 2
+                        extra = b.add(k.shuffle(extra, range(half)), k.shuffle(extra, range(half, 2 * half)))
+                    isums[t] = b.add(isums[t], extra)
                 dd = k.splat(b.fmul(dec.ints.d, k.load(f32, xt, lay.d(k, 1, blk))), lanes)
                 acc.set(isa.fma(b.sitofp(isums[t], vec(f32, lanes)), dd, acc.get()))
         else:
@@ -286,10 +298,11 @@ def _gemv_n_row(k: Kernel, isa: Isa, fmt: BlockFormat, lay: ActLayout, N: int, r
         k.store(b.fsub(isa.hsum(acc.get()), isa.hsum(macc.get())), k.arg["y"], at)
 
 
-def _lane_bound(fmt: BlockFormat, dec) -> int:
-    """The largest |value| of one i32 lane of a gemv dot: four |level| x 128 products, and in a
-    sub-block's first lane the offset times the sub-block's activation sum."""
-    return 4 * (128 if dec.signed else max(dec.qmax, dec.offset)) * 128 + dec.offset * fmt.sub * 128
+def _lane_bound(fmt: BlockFormat, dec, with_offset: bool = True) -> int:
+    """The largest |value| of one i32 lane of a gemv dot: four |level| x 128 products, and (with the
+    offset) in a sub-block's first lane the offset times the sub-block's activation sum."""
+    level = 128 if dec.signed else (max(dec.qmax, dec.offset) if with_offset else dec.qmax)
+    return 4 * level * 128 + (dec.offset * fmt.sub * 128 if with_offset else 0)
 
 
 def _xsums_row(k: Kernel, fmt: BlockFormat, lay: ActLayout, blk, xbase) -> ir.Value:
@@ -302,9 +315,11 @@ def _xsums_row(k: Kernel, fmt: BlockFormat, lay: ActLayout, blk, xbase) -> ir.Va
     return k.b.add(k.shuffle(sums, range(0, 2 * subs, 2)), k.shuffle(sums, range(1, 2 * subs, 2)))
 
 
-def _prefetch_row(k: Kernel, fmt: BlockFormat, lay: ActLayout, n) -> None:
+def _prefetch_row(k: Kernel, isa: Isa, fmt: BlockFormat, lay: ActLayout, n) -> None:
     """Ask for the bytes PREFETCH_AHEAD on from the row's start, into L2 (prefetches never fault
     past the end)."""
+    if not isa.t.gemv_prefetch:
+        return
     row_bytes = fmt.dtype.row_bytes(lay.K)
     for ahead in PREFETCH_AHEAD:
         base = k.add(k.mul(n, row_bytes), ahead)
