@@ -89,15 +89,33 @@ _CPUINFO_FLAGS = {
 }
 
 
+def _cpuinfo_field(text: str, keys: tuple) -> str | None:
+    """The value of the first line of a /proc/cpuinfo text whose key is one of ``keys`` (the first CPU's)."""
+    for line in text.splitlines():
+        key, sep, value = line.partition(":")
+        if sep and key.strip() in keys:
+            return value.strip()
+    return None
+
+
+@functools.cache
+def _host_cpuinfo() -> str:
+    """This host's /proc/cpuinfo, or "" where there is none."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
 def _cpuinfo_features(text: str) -> frozenset:
     """The features of `_CPUINFO_FLAGS` that a /proc/cpuinfo text lists for its first CPU, by LLVM's names.
     The kernel prints only what it enabled (AVX-512 state saved by XSAVE, say), which is what code may use."""
-    for line in text.splitlines():
-        key, sep, value = line.partition(":")
-        if sep and key.strip() in ("flags", "Features"):          # x86, AArch64
-            flags = set(value.split())
-            return frozenset(name for name, flag in _CPUINFO_FLAGS.items() if flag in flags)
-    raise ValueError("/proc/cpuinfo has no 'flags' or 'Features' line")
+    value = _cpuinfo_field(text, ("flags", "Features"))              # x86, AArch64
+    if value is None:
+        raise ValueError("/proc/cpuinfo has no 'flags' or 'Features' line")
+    flags = set(value.split())
+    return frozenset(name for name, flag in _CPUINFO_FLAGS.items() if flag in flags)
 
 
 @functools.cache
@@ -106,9 +124,8 @@ def host_features() -> frozenset:
     feature map (the CPU name can mislead). Reading the file keeps a warm process from loading LLVM (its
     shared library alone is ~35 MiB resident) just to pick a feature set."""
     try:
-        with open("/proc/cpuinfo") as f:
-            return _cpuinfo_features(f.read())
-    except (OSError, ValueError):
+        return _cpuinfo_features(_host_cpuinfo())
+    except ValueError:
         import llvmlite.binding as llvm
         return frozenset(k for k, v in llvm.get_host_cpu_features().items() if v)
 
@@ -155,26 +172,17 @@ def _with_host_extras(name: str, features: frozenset) -> Target:
     return dataclasses.replace(target, gemv_prefetch=host_prefetches())
 
 
-@functools.cache
 def host_prefetches() -> bool:
     """Whether gemv should prefetch weights on this host. Measured, one thread, a q6_k matrix larger
-    than L3: on AMD Zen 4 the software prefetches cost 1.4-1.9x (10.8-12.3 GB/s with, 17.4-21.7
+    than L3: on AMD Zen 4 the software prefetches cost 1.4-1.9x (11.0-12.3 GB/s with, 17.4-21.7
     without; the hardware prefetcher alone keeps ahead), q4_k no difference; on Intel Xeons they were
     a gain (see qmatmul.PREFETCH_AHEAD). So they are left out on AMD CPUs only."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            return prefetches_on(f.read())
-    except OSError:
-        return True
+    return prefetches_on(_host_cpuinfo())
 
 
 def prefetches_on(cpuinfo: str) -> bool:
     """False for a /proc/cpuinfo text whose first CPU is AMD's, else True."""
-    for line in cpuinfo.splitlines():
-        key, sep, value = line.partition(":")
-        if sep and key.strip() == "vendor_id":
-            return value.strip() != "AuthenticAMD"
-    return True
+    return _cpuinfo_field(cpuinfo, ("vendor_id",)) != "AuthenticAMD"
 
 
 def host_target(env: str | None = None) -> Target:

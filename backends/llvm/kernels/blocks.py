@@ -60,6 +60,10 @@ class Decoded:
         """The integer scale of sub-block s (super-block types), as a float."""
         return k.b.sitofp(k.b.extract_element(self.ints.scales, _lane(k, s)), ir.FloatType())
 
+    def int_min(self, k: Kernel, s) -> ir.Value:
+        """The integer min of sub-block s (super-block types with mins), as a float."""
+        return k.b.sitofp(k.b.extract_element(self.ints.mins, _lane(k, s)), ir.FloatType())
+
 
 def _lane(k: Kernel, s) -> ir.Value:
     return ir.Constant(i32, s) if isinstance(s, int) else k.b.trunc(s, i32)

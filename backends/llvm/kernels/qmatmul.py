@@ -387,12 +387,11 @@ def _gemm_block_end(k: Kernel, isa: Isa, fmt: BlockFormat, lay: ActLayout, decs,
             acc[r][g].set(isa.fma(sums[r][g].get(), b.fmul(k.splat(dec.ints.d, L), dx[g]), acc[r][g].get()))
     if decs[0].ints.mins is None:
         return
-    mins = [b.sitofp(dec.ints.mins, vec(f32, dec.ints.mins.type.count)) for dec in decs]
     msum = [[None] * G for _ in range(R)]
     for s in range(fmt.dtype.block_size // fmt.sub):
         xs = [b.sitofp(_xsum(k, fmt, lay, L, xg[g], blk, s), v16) for g in range(G)]
         for r in range(R):
-            m = k.splat(b.extract_element(mins[r], ir.Constant(i32, s)), L)
+            m = k.splat(decs[r].int_min(k, s), L)
             for g in range(G):
                 msum[r][g] = b.fmul(xs[g], m) if msum[r][g] is None else isa.fma(xs[g], m, msum[r][g])
     for r, dec in enumerate(decs):
