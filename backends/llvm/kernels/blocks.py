@@ -80,6 +80,8 @@ class BlockFormat:
     scale: Callable[[Kernel, Isa, ir.Value, ir.Value], tuple]       # (blk, s) -> (scale, min)
     decode: Callable[[Kernel, Isa, ir.Value], Decoded]              # blk -> Decoded
     unroll: int = 1          # chunks whose bit positions differ; gemm loops over groups of them
+    wide: tuple = ()         # groups of chunks whose bytes one 64-byte load holds (gemv steps), if not consecutive
+    int_mins: bool = False   # Decoded.ints has mins (super-blocks with w = d*sc*q - dmin*m)
 
     @property
     def chunks(self) -> int:

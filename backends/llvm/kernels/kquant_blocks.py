@@ -12,7 +12,7 @@ from ggraph.ir import dtypes
 from ggraph.backends.llvm.kernels.blocks import (BlockFormat, Decoded, IntScales, bits, byte, bytes_at, half,
                                                  idiv, imod, lanes_f32, lookup, pack, sbyte,
                                                  table, vbits, vshift)
-from ggraph.backends.llvm.kernels.builder import Kernel, i8, i32, vec, vec_const
+from ggraph.backends.llvm.kernels.builder import Kernel, i8, i16, i32, vec, vec_const
 from ggraph.backends.llvm.kernels.isa import Isa
 from ggraph.backends.llvm.kernels.quant_blocks import IQ4_VALUES, iq4_chunk
 
@@ -125,8 +125,9 @@ def _k4_scales_vector(k: Kernel, isa: Isa, blk) -> IntScales:
     low = b.and_(low, vec_const(i32, [0x3F3F3F3F, 0x0F0F0F0F, 0x3F3F3F3F, 0x0F0F0F0F]))
     high = b.and_(b.lshr(k.shuffle(u, [0, 0, 1, 1]), vec_const(i32, [6] * 4)), vec_const(i32, [0, 0x03030303, 0, 0x03030303]))
     words = b.or_(low, b.shl(high, vec_const(i32, [4] * 4)))                 # sc 0..3, sc 4..7, mn 0..3, mn 4..7
-    six = b.zext(k.cast_vec(words, i8), vec(i32, 16))                          # (16,) i32
-    return IntScales(k.shuffle(six, range(8)), half(k, isa, blk, 0), k.shuffle(six, range(8, 16)), half(k, isa, blk, 2))
+    six = b.zext(k.cast_vec(words, i8), vec(i16, 16))       # (16,) i16, so that i16 consumers truncate for free
+    return IntScales(b.zext(k.shuffle(six, range(8)), vec(i32, 8)), half(k, isa, blk, 0),
+                     b.zext(k.shuffle(six, range(8, 16)), vec(i32, 8)), half(k, isa, blk, 2))
 
 
 # -- q4_k: qs[128] @16 -------------------------------------------------------------------------
@@ -201,15 +202,22 @@ def _decode_iq4_xs(k, isa, blk):
                    lanes_f32(k, ints.scales, ints.d), None, ints)
 
 
-# sub: weights per scale; unroll: chunks whose bit positions differ (gemm loops over such groups)
-#   dtype          sub  unroll  level          scale          decode
+# sub: weights per scale; unroll: chunks whose bit positions differ (gemm loops over such groups);
+# mins: integer mins beside the integer scales
+#   dtype          sub  unroll  mins   level          scale          decode
 _TABLE = [
-    (dtypes.q2_k,   16,  4,     _level_q2_k,   _scale_q2_k,   _decode_q2_k),
-    (dtypes.q3_k,   16,  4,     _level_q3_k,   _scale_q3_k,   _decode_q3_k),
-    (dtypes.q4_k,   32,  2,     _level_q4_k,   _scale_k4,     _decode_q4_k),
-    (dtypes.q5_k,   32,  2,     _level_q5_k,   _scale_k4,     _decode_q5_k),
-    (dtypes.q6_k,   16,  4,     _level_q6_k,   _scale_q6_k,   _decode_q6_k),
-    (dtypes.iq4_xs, 32,  2,     _level_iq4_xs, _scale_iq4_xs, _decode_iq4_xs),
+    (dtypes.q2_k,   16,  4,     True,  _level_q2_k,   _scale_q2_k,   _decode_q2_k),
+    (dtypes.q3_k,   16,  4,     False, _level_q3_k,   _scale_q3_k,   _decode_q3_k),
+    (dtypes.q4_k,   32,  2,     True,  _level_q4_k,   _scale_k4,     _decode_q4_k),
+    (dtypes.q5_k,   32,  2,     True,  _level_q5_k,   _scale_k4,     _decode_q5_k),
+    (dtypes.q6_k,   16,  4,     False, _level_q6_k,   _scale_q6_k,   _decode_q6_k),
+    (dtypes.iq4_xs, 32,  2,     False, _level_iq4_xs, _scale_iq4_xs, _decode_iq4_xs),
 ]
-FORMATS = {dt: BlockFormat(dt, "q8_k", sub, level, scale, decode, unroll)
-           for dt, sub, unroll, level, scale, decode in _TABLE}
+# q4_k / q5_k: 64 bytes of nibbles hold chunks (0, 2) in their low halves and (1, 3) in their high ones;
+# q2_k / q3_k (qs) and q6_k (qh): 64 bytes of 2-bit fields hold chunks (c, c + 4) at the same shift
+_NIBBLE_PAIRS = ((0, 2), (1, 3), (4, 6), (5, 7))
+_HALF_PAIRS = ((0, 4), (1, 5), (2, 6), (3, 7))
+_WIDE = {dtypes.q4_k: _NIBBLE_PAIRS, dtypes.q5_k: _NIBBLE_PAIRS,
+         dtypes.q2_k: _HALF_PAIRS, dtypes.q3_k: _HALF_PAIRS, dtypes.q6_k: _HALF_PAIRS}
+FORMATS = {dt: BlockFormat(dt, "q8_k", sub, level, scale, decode, unroll, _WIDE.get(dt, ()), mins)
+           for dt, sub, unroll, mins, level, scale, decode in _TABLE}

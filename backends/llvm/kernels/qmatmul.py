@@ -9,7 +9,10 @@ does more rows. Per sub-block the integer dot is exact; it is then scaled by the
 activation scales in f32. Four drivers share the block decoders:
 
 - gemv (T == 1): one row at a time, 32 weights per step (64 for 256-weight blocks on
-  512-bit targets), f32 lanes along K, the next rows prefetched. The rows_only kernels (a
+  512-bit targets: with VNNI the two chunks one 64-byte load holds, against a copy of the
+  activations in that order), f32 lanes along K, the next rows prefetched (not on AMD). The
+  super-block types sum a block's dots times their integer scales in i32 lanes (two steps'
+  dots packed to i16 words per vpdpwssd) and their mins in integers. The rows_only kernels (a
   batch of sequences) run the gemv arithmetic for every token at any T, SMALL_T tokens at a
   time, each block decoded once for all of them: a token's result is the same bits whatever
   shares the step, and the weights are read once per step.
@@ -66,11 +69,26 @@ def tile(target: Target) -> tuple[int, int]:
 
 def gemv_chunks(fmt: BlockFormat, target: Target) -> int:
     """32-weight chunks per gemv step: two of a block on 512-bit targets (pairing blocks costs more),
-    but one for 16-weight sub-blocks with AVX-512 VNNI (q6_k 36 -> 30 cycles a block on a Zen 4: no
-    lane inserts, half as many lanes to scale per step)."""
-    if fmt.sub == 16 and fmt.dtype.block_size == 256 and target.has("avx512vnni"):
+    but one for 16-weight sub-blocks with AVX-512 VNNI where the format has no ``wide`` pairs (no lane
+    inserts, half as many lanes to scale per step)."""
+    if fmt.sub == 16 and fmt.dtype.block_size == 256 and target.has("avx512vnni") and not fmt.wide:
         return 1
     return 2 if target.vector_bits >= 512 and fmt.chunks > 1 else 1
+
+
+def _consecutive(fmt: BlockFormat, P: int) -> list[tuple[int, ...]]:
+    return [tuple(range(c, c + P)) for c in range(0, fmt.chunks, P)]
+
+
+def gemv_steps(fmt: BlockFormat, target: Target) -> list[tuple[int, ...]]:
+    """The chunks each gemv step dots together: consecutive ones, or with AVX-512 VNNI the format's
+    ``wide`` pairs (chunks whose bytes one 64-byte load holds, such as q4_k's low nibbles of 64 bytes:
+    q4_k 1.3x, q6_k 1.15x, q2_k 1.35x faster in L2 on a Zen 4), when it has them; gemv then reads a
+    copy of the token's activations laid out in step order (`_steps_order`)."""
+    P = gemv_chunks(fmt, target)
+    if P > 1 and fmt.wide and target.has("avx512vnni"):
+        return list(fmt.wide)
+    return _consecutive(fmt, P)
 
 
 def variant(dtype, target: Target) -> str:
@@ -121,11 +139,13 @@ def qmatmul(module: ir.Module, dtype, K: int, N: int, target: Target, rows_only:
                         _gemv_all_rows(k, isa, fmt, lay, N, rows)
         return k.finish()
     with k.b.if_else(k.b.icmp_signed("==", T, k.i64(1))) as (single, many):
-        with single, k.row_chunks(N, k.arg["counter"]) as rows:
-            if vector_path(target):
-                _gemv(k, isa, fmt, lay, N, rows)
-            else:
-                _scalar(k, isa, fmt, lay, N, rows, 1)
+        with single:
+            xorder = _steps_order(k, fmt, lay, gemv_steps(fmt, target)) if vector_path(target) else None
+            with k.row_chunks(N, k.arg["counter"]) as rows:
+                if vector_path(target):
+                    _gemv(k, isa, fmt, lay, N, rows, xorder)
+                else:
+                    _scalar(k, isa, fmt, lay, N, rows, 1)
         with many:
             from ggraph.backends.llvm.kernels import amx       # the tiled driver builds on this module's pieces
             if amx.takes(fmt, target) and N >= amx.TILE:
@@ -177,30 +197,48 @@ def _xsum(k: Kernel, fmt: BlockFormat, lay: ActLayout, L: int, base, blk, s: int
 PREFETCH_AHEAD = (2048, 4096)
 
 
-def _gemv(k: Kernel, isa: Isa, fmt: BlockFormat, lay: ActLayout, N: int, rows) -> None:
-    """One output row at a time, for the one token there is."""
+def _gemv(k: Kernel, isa: Isa, fmt: BlockFormat, lay: ActLayout, N: int, rows, xorder=None) -> None:
+    """One output row at a time, for the one token there is (its quants in step order at ``xorder``,
+    if given)."""
     with k.loop(*rows, name="n") as row:
-        _gemv_n_row(k, isa, fmt, lay, N, row, 1, 0)
+        _gemv_n_row(k, isa, fmt, lay, N, row, 1, 0, xorder)
 
 
-def _gemv_step(k: Kernel, isa: Isa, fmt: BlockFormat, dec, w, blk, c: int, P: int, init, scales, acc, xbase) -> None:
-    """Chunks c..c+P of block ``dec``, decoded in ``w``: acc += float(dot(w, x) - offset*sum(x)) * scale*dx,
-    per lane, x the token row at ``xbase``."""
-    dot, lane_sub = _gemv_dot(k, isa, fmt, dec, w, blk, c, P, init, xbase)
-    acc.set(isa.fma(k.b.sitofp(dot, vec(f32, 8 * P)), k.shuffle(scales, lane_sub), acc.get()))
+def _steps_order(k: Kernel, fmt: BlockFormat, lay: ActLayout, steps: list) -> ir.Value | None:
+    """A private copy of the token's quants with each block's chunks in the order of ``steps``, so
+    that a step's activations are one load; None where the steps take the chunks in order."""
+    order = [c for step in steps for c in step]
+    if order == sorted(order):
+        return None
+    xs = k.scratch(i8, lay.K)
+    bs = fmt.dtype.block_size
+    with k.loop(0, lay.K // bs, name="xblk") as blk:
+        for at, c in enumerate(order):
+            k.store(k.load(vec(i8, 32), k.arg["xq"], k.add(k.mul(blk, bs), 32 * c)), xs, k.add(k.mul(blk, bs), 32 * at))
+    return xs
 
 
-def _gemv_dot(k: Kernel, isa: Isa, fmt: BlockFormat, dec, w, blk, c: int, P: int, init, xbase):
-    """(dot(w, x) - offset*sum(x) per i32 lane, each lane's sub-block) for chunks c..c+P."""
+def _gemv_step(k: Kernel, isa: Isa, fmt: BlockFormat, dec, w, blk, step: int, chunks: tuple, init, scales, acc,
+               xbase) -> None:
+    """Gemv step ``step`` (``chunks`` of block ``dec``, decoded in ``w``): acc += float(dot(w, x) -
+    offset*sum(x)) * scale*dx, per lane, x the token's quants in step order at ``xbase``."""
+    dot, lane_sub = _gemv_dot(k, isa, fmt, dec, w, blk, step, chunks, init, xbase)
+    acc.set(isa.fma(k.b.sitofp(dot, vec(f32, 8 * len(chunks))), k.shuffle(scales, lane_sub), acc.get()))
+
+
+def _gemv_dot(k: Kernel, isa: Isa, fmt: BlockFormat, dec, w, blk, step: int, chunks: tuple, init, xbase):
+    """(dot(w, x) - offset*sum(x) per i32 lane, each lane's sub-block) for gemv step ``step``, which
+    takes ``chunks``; x is in step order at ``xbase``."""
+    P = len(chunks)
     lanes = 8 * P
-    lane_sub = [(32 * c + 4 * j) // fmt.sub for j in range(lanes)]            # each i32 lane's sub-block
+    lane_sub = [(32 * chunks[j // 8] + 4 * (j % 8)) // fmt.sub for j in range(lanes)]   # each i32 lane's sub-block
     if init is None:
         start = ir.Constant(vec(i32, lanes), [0] * lanes)
     else:                                                   # -offset*sum(x) in each sub-block's first lane
         subs = init.type.count
         first = [s if j == 0 or s != lane_sub[j - 1] else subs for j, s in enumerate(lane_sub)]
         start = k.shuffle(init, first, ir.Constant(vec(i32, subs), [0] * subs))
-    xv = k.load(vec(i8, 4 * lanes), xbase, k.add(k.mul(blk, fmt.dtype.block_size), 32 * c))
+    xv = k.load(vec(i8, 4 * lanes), xbase, k.add(k.mul(blk, fmt.dtype.block_size), 32 * P * step))
     return isa.dot(start, w, xv, dec.signed, dec.qmax), lane_sub                # (lanes,) i32
 
 
@@ -235,69 +273,103 @@ def _by_count(k: Kernel, count, counts, body) -> None:
     b.position_at_end(done)
 
 
-def _gemv_n_row(k: Kernel, isa: Isa, fmt: BlockFormat, lay: ActLayout, N: int, row, n: int, t0) -> None:
+def _gemv_n_row(k: Kernel, isa: Isa, fmt: BlockFormat, lay: ActLayout, N: int, row, n: int, t0, xorder=None) -> None:
     """Output row ``row`` for exactly n tokens from token t0 (rows of xq ``group_bytes(1)`` apart):
     integer dots per step of P chunks, scaled into f32 lanes (super-block types first sum their
     sub-blocks in i32 lanes times their integer scales, as llama.cpp does, and take one f32 step per
     block: shorter dependency chains, 1.04-1.22x), the K-quant mins in a separate (subs,)
-    accumulator, the same arithmetic for each token whatever n is."""
+    accumulator, the same arithmetic for each token whatever n is. ``xorder``: the one token's quants in
+    the order of `gemv_steps` (n == 1), where that is not the natural order."""
     b = k.b
     P = gemv_chunks(fmt, isa.t)
+    steps = gemv_steps(fmt, isa.t) if xorder is not None else _consecutive(fmt, P)
     subs = fmt.dtype.block_size // fmt.sub
     lanes = 8 * P
     first = k.addr(k.arg["xq"], k.mul(t0, lay.group_bytes(1)))
     xts = [k.addr(first, t * lay.group_bytes(1)) for t in range(n)]
     _prefetch_row(k, isa, fmt, lay, row)
     accs = [k.var(vec(f32, lanes), ir.Constant(vec(f32, lanes), [0.0] * lanes)) for _ in range(n)]
-    maccs = [k.var(vec(f32, subs), ir.Constant(vec(f32, subs), [0.0] * subs)) for _ in range(n)]
+    mlanes = subs // 2 if fmt.int_mins else subs
+    maccs = [k.var(vec(f32, mlanes), ir.Constant(vec(f32, mlanes), [0.0] * mlanes)) for _ in range(n)]
     with k.loop(0, lay.K // fmt.dtype.block_size, name="blk") as blk:
         dec = fmt.decode(k, isa, _row(k, fmt, lay, row, blk))
-        terms = []                                         # each token's offset init and scales
+        terms = []                                 # each token's offset init, f32 scales and activation sums
         for xt, macc in zip(xts, maccs):
-            dx = k.splat(k.load(f32, xt, lay.d(k, 1, blk)), subs)
+            dx = k.load(f32, xt, lay.d(k, 1, blk))
             xs = _xsums_row(k, fmt, lay, blk, xt)                                 # (subs,) i32
-            if dec.mins is not None:
-                macc.set(isa.fma(b.fmul(dec.mins, dx), b.sitofp(xs, vec(f32, subs)), macc.get()))
+            if fmt.int_mins:                               # sum_s min_s x xsum_s in integers, one float step
+                m = isa.dot_pairs(ir.Constant(vec(i32, subs // 2), [0] * (subs // 2)),
+                                  b.trunc(dec.ints.mins, vec(i16, subs)), b.trunc(xs, vec(i16, subs)))
+                macc.set(isa.fma(b.sitofp(m, vec(f32, subs // 2)), k.splat(b.fmul(dec.ints.dmin, dx), subs // 2), macc.get()))
+            elif dec.mins is not None:
+                macc.set(isa.fma(b.fmul(dec.mins, k.splat(dx, subs)), b.sitofp(xs, vec(f32, subs)), macc.get()))
             init = b.mul(xs, ir.Constant(vec(i32, subs), [-dec.offset] * subs)) if dec.offset else None
-            terms.append((init, None if dec.ints is not None else b.fmul(dec.scales, dx)))   # (subs,) f32 scales
+            terms.append((init, None if dec.ints is not None else b.fmul(dec.scales, k.splat(dx, subs)), xs))
         if dec.ints is not None:                           # super-block types: sub-blocks summed in i32
-            isums = [None] * n
-            # where a lane of the dot fits i16, one vpdpwssd takes (dot, sign) x (scale, 0) instead of
-            # vpmulld and an add: q4_k 1.06x, q2_k 1.04x. q6_k's offset term (32 x the sub-block's
-            # activation sum) does not fit, so its dots leave it out and the block adds
-            # sum_s scale_s x term_s once, in the same i32 lanes (no vpmulld per step)
+            # where a lane of the dot fits i16, vpdpwssd applies the scales (see _scaled_sum). q6_k's
+            # offset term (32 x the sub-block's activation sum) does not fit, so its dots leave it out
+            # and the block adds sum_s scale_s x term_s once, in the same i32 lanes (no vpmulld per step)
             fits = isa.full_u8_dot and lanes in (8, 16)
-            offset_apart = fits and dec.offset and subs % lanes == 0 and _lane_bound(fmt, dec) >= 1 << 15 \
-                and _lane_bound(fmt, dec, with_offset=False) < 1 << 15
+            offset_apart = fits and dec.offset and _lane_bound(fmt, dec) >= 1 << 15 \
+                and _lane_bound(fmt, dec, with_offset=False) < 1 << 15 and dec.offset * 128 < 1 << 15 \
+                and subs in (lanes, 2 * lanes, 4 * lanes)
             pairs = fits and (offset_apart or _lane_bound(fmt, dec) < 1 << 15)
-            words = b.and_(dec.ints.scales, ir.Constant(vec(i32, subs), [0xFFFF] * subs)) if pairs else None
-            for c in range(0, fmt.chunks, P):
-                w = k.concat(*[dec.chunk(c + p) for p in range(P)])
-                for t, (xt, (init, _)) in enumerate(zip(xts, terms)):
-                    dot, lane_sub = _gemv_dot(k, isa, fmt, dec, w, blk, c, P, None if offset_apart else init, xt)
-                    if pairs:
-                        isums[t] = isa.dot_pairs(isums[t] if isums[t] is not None else ir.Constant(vec(i32, lanes), [0] * lanes),
-                                                 k.cast_vec(dot, i16), k.cast_vec(k.shuffle(words, lane_sub), i16))
-                    else:
-                        scaled = b.mul(dot, k.shuffle(dec.ints.scales, lane_sub))
-                        isums[t] = scaled if isums[t] is None else b.add(isums[t], scaled)
+            dots = [[] for _ in range(n)]
+            for step, chunks in enumerate(steps):
+                w = k.concat(*[dec.chunk(c) for c in chunks])
+                for t, (xt, (init, _, _)) in enumerate(zip(xts, terms)):
+                    dots[t].append(_gemv_dot(k, isa, fmt, dec, w, blk, step, chunks, None if offset_apart else init,
+                                             xorder if xorder is not None else xt))
             for t, (xt, acc) in enumerate(zip(xts, accs)):
-                if offset_apart:
-                    extra = b.mul(dec.ints.scales, terms[t][0])              # (subs,) i32
+                isum = _scaled_sum(k, isa, dec.ints.scales, dots[t], pairs)
+                if offset_apart:                           # + sum_s (-offset x scale_s) x xsum_s, i16 pairs
+                    words = b.mul(b.trunc(dec.ints.scales, vec(i16, subs)), ir.Constant(vec(i16, subs), [-dec.offset] * subs))
+                    extra = isa.dot_pairs(ir.Constant(vec(i32, subs // 2), [0] * (subs // 2)), words,
+                                          b.trunc(terms[t][2], vec(i16, subs)))             # (subs / 2,) i32
                     while extra.type.count > lanes:
                         half = extra.type.count // 2
                         extra = b.add(k.shuffle(extra, range(half)), k.shuffle(extra, range(half, 2 * half)))
-                    isums[t] = b.add(isums[t], extra)
+                    if extra.type.count < lanes:           # subs == lanes: the upper lanes add nothing
+                        extra = k.shuffle(extra, range(lanes), ir.Constant(extra.type, [0] * extra.type.count))
+                    isum = b.add(isum, extra)
                 dd = k.splat(b.fmul(dec.ints.d, k.load(f32, xt, lay.d(k, 1, blk))), lanes)
-                acc.set(isa.fma(b.sitofp(isums[t], vec(f32, lanes)), dd, acc.get()))
+                acc.set(isa.fma(b.sitofp(isum, vec(f32, lanes)), dd, acc.get()))
         else:
-            for c in range(0, fmt.chunks, P):              # each chunk decoded once, for every token
-                w = k.concat(*[dec.chunk(c + p) for p in range(P)])
-                for xt, acc, (init, scales) in zip(xts, accs, terms):
-                    _gemv_step(k, isa, fmt, dec, w, blk, c, P, init, scales, acc, xt)
+            for step, chunks in enumerate(steps):         # each chunk decoded once, for every token
+                w = k.concat(*[dec.chunk(c) for c in chunks])
+                for xt, acc, (init, scales, _) in zip(xts, accs, terms):
+                    _gemv_step(k, isa, fmt, dec, w, blk, step, chunks, init, scales, acc, xorder if xorder is not None else xt)
     for t, (acc, macc) in enumerate(zip(accs, maccs)):
         at = k.mul(k.add(k.mul(k.add(t0, t), N), row), 4)
         k.store(b.fsub(isa.hsum(acc.get()), isa.hsum(macc.get())), k.arg["y"], at)
+
+
+def _scaled_sum(k: Kernel, isa: Isa, scales: ir.Value, dots: list, pairs: bool) -> ir.Value:
+    """sum over a block's steps of dot x its lanes' sub-block scales, in i32 lanes; ``dots``: (dot,
+    lane_sub) per step. With ``pairs`` (every lane below 2**15) vpdpwssd applies the scales: two 16-lane
+    steps' dots packed to i16 words (vpackssdw, exact) against their scales spread in place by an
+    in-lane byte shuffle (one vpdpwssd per two steps: q4_k 24 -> 20 cycles a block on a Zen 4), else
+    each lane as (dot, sign) x (scale, 0), instead of vpmulld and an add."""
+    b = k.b
+    lanes = dots[0][0].type.count
+    if pairs and lanes == 16 and len(dots) % 2 == 0:
+        words = b.trunc(scales, vec(i16, scales.type.count))
+        total = ir.Constant(vec(i32, lanes), [0] * lanes)
+        for (da, sa), (db, sb) in zip(dots[::2], dots[1::2]):
+            # vpackssdw: per 128-bit lane q, words 0-3 are da's lanes 4q..4q+3, words 4-7 db's
+            subs = [(sa if r < 4 else sb)[4 * (w // 8) + r % 4] for w in range(32) for r in [w % 8]]
+            total = isa.dot_pairs(total, isa.pack_i32(da, db), isa.spread_words(words, subs))
+        return total
+    total = None
+    for dot, lane_sub in dots:
+        if pairs:
+            words = b.and_(scales, ir.Constant(scales.type, [0xFFFF] * scales.type.count))
+            total = isa.dot_pairs(total if total is not None else ir.Constant(vec(i32, lanes), [0] * lanes),
+                                  k.cast_vec(dot, i16), k.cast_vec(k.shuffle(words, lane_sub), i16))
+        else:
+            scaled = b.mul(dot, k.shuffle(scales, lane_sub))
+            total = scaled if total is None else b.add(total, scaled)
+    return total
 
 
 def _lane_bound(fmt: BlockFormat, dec, with_offset: bool = True) -> int:
@@ -311,6 +383,8 @@ def _xsums_row(k: Kernel, fmt: BlockFormat, lay: ActLayout, blk, xbase) -> ir.Va
     """Sums of the quantised activations per sub-block of block blk, one-token layout at ``xbase``: (subs,) i32."""
     subs = fmt.dtype.block_size // fmt.sub
     per = fmt.sub // lay.sum_block
+    if per == 2 and lay.has_sums32:                      # the layout's sums of 32 quants
+        return k.b.sext(k.load(vec(i16, subs), xbase, lay.sums32(k, 1, k.mul(blk, subs))), vec(i32, subs))
     sums = lay.load_sums(k, xbase, 1, k.mul(blk, subs * per), subs * per)
     if per == 1:
         return sums
