@@ -28,7 +28,8 @@ N, V, FK = 37, 50, 100                    # odd rows; table rows; float-weight K
 K_OF_BLOCK = {32: 96, 256: 512}
 EMB_SCALE = 25.298221                     # sqrt(640), as gemma scales embeddings
 SMALL = ((dtypes.q4_0, 32, 5), (dtypes.q6_k, 256, 3), (dtypes.q8_0, 64, 21))   # fewer rows than threads' chunks
-LONG_K, LONG_N = 1024, 100                # the rows gemm: several K panels, 32-row tiles and a 4-row tail
+LONG_K, LONG_N = 2304, 100                # the rows gemm: several K panels, 32-row tiles and a 4-row tail;
+#                                         gemv: 9 super-blocks, more than qmatmul.GEMV_INLINE_BLOCKS (a block loop)
 P = ctypes.c_void_p
 MATMUL_ABI = [P, P, P, P, ctypes.c_int64, ctypes.c_int32, ctypes.c_int32]   # q/fmatmul: w, x(q), y, counter
 ACT_ABI = [P, P, ctypes.c_int64, ctypes.c_int32, ctypes.c_int32]
