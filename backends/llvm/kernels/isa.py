@@ -171,18 +171,6 @@ class Isa:
         self.t.require("avx512bw", "packing i32 lanes to i16 words (vpackssdw)")
         return self.k.intrinsic("llvm.x86.avx512.packssdw.512", vec(i16, 32), [a, b])
 
-    def spread_words(self, words: ir.Value, picks: list[int]) -> ir.Value:
-        """<len(picks) x i16> of words[picks[i]], from at most 8 words: a broadcast of their 16 bytes and
-        an in-lane byte shuffle (vpshufb) where there is one, rather than a lane-crossing word permute."""
-        k = self.k
-        n = len(picks)
-        if self.is_x86 and self.t.has("avx512bw") and n == 32 and words.type.count <= 8:
-            eight = k.shuffle(words, [j % words.type.count for j in range(8)]) if words.type.count < 8 else words
-            copies = k.cast_vec(k.shuffle(eight, [j % 8 for j in range(32)]), i8)
-            index = ir.Constant(vec(i8, 64), [2 * picks[w] + half for w in range(32) for half in (0, 1)])
-            return k.cast_vec(k.intrinsic(_PSHUFB[("avx512bw", 64)], vec(i8, 64), [copies, index]), i16)
-        return k.shuffle(words, picks)
-
     def i16_run(self, signed: bool, amax: int, nbytes: int) -> int:
         """How many u8 x s8 dots of ``nbytes`` may add their i16 pair sums (``pair_sums``) before
         ``widen`` must take them to i32, where pmaddubsw does the work and a's bytes are small

@@ -350,9 +350,9 @@ def _gemv_n_row(k: Kernel, isa: Isa, fmt: BlockFormat, lay: ActLayout, N: int, r
 def _scaled_sum(k: Kernel, isa: Isa, scales: ir.Value, dots: list, pairs: bool) -> ir.Value:
     """sum over a block's steps of dot x its lanes' sub-block scales, in i32 lanes; ``dots``: (dot,
     lane_sub) per step. With ``pairs`` (every lane below 2**15) vpdpwssd applies the scales: two 16-lane
-    steps' dots packed to i16 words (vpackssdw, exact) against their scales spread in place by an
-    in-lane byte shuffle (one vpdpwssd per two steps: q4_k 24 -> 20 cycles a block on a Zen 4), else
-    each lane as (dot, sign) x (scale, 0), instead of vpmulld and an add."""
+    steps' dots packed to i16 words (vpackssdw, exact) against their scales shuffled into place (one
+    vpdpwssd per two steps: q4_k 24 -> 20 cycles a block in L2 on a Zen 4), else each lane as (dot,
+    sign) x (scale, 0), instead of vpmulld and an add."""
     b = k.b
     lanes = dots[0][0].type.count
     if pairs and lanes == 16 and len(dots) % 2 == 0:
@@ -361,7 +361,7 @@ def _scaled_sum(k: Kernel, isa: Isa, scales: ir.Value, dots: list, pairs: bool) 
         for (da, sa), (db, sb) in zip(dots[::2], dots[1::2]):
             # vpackssdw: per 128-bit lane q, words 0-3 are da's lanes 4q..4q+3, words 4-7 db's
             subs = [(sa if r < 4 else sb)[4 * (w // 8) + r % 4] for w in range(32) for r in [w % 8]]
-            total = isa.dot_pairs(total, isa.pack_i32(da, db), isa.spread_words(words, subs))
+            total = isa.dot_pairs(total, isa.pack_i32(da, db), k.shuffle(words, subs))
         return total
     total = None
     for dot, lane_sub in dots:
