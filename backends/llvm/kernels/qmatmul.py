@@ -10,8 +10,8 @@ activation scales in f32. Four drivers share the block decoders:
 
 - gemv (T == 1): one row at a time, 32 weights per step (64 for 256-weight blocks on
   512-bit targets: with VNNI the two chunks one 64-byte load holds, against a copy of the
-  activations in that order), f32 lanes along K, the next rows prefetched (not on AMD). The
-  super-block types sum a block's dots times their integer scales in i32 lanes (two steps'
+  activations in that order), f32 lanes along K, the next rows prefetched (not on AMD), rows of
+  up to GEMV_INLINE_BLOCKS blocks without a block loop. The super-block types sum a block's dots times their integer scales in i32 lanes (two steps'
   dots packed to i16 words per vpdpwssd) and their mins in integers. The rows_only kernels (a
   batch of sequences) run the gemv arithmetic for every token at any T, SMALL_T tokens at a
   time, each block decoded once for all of them: a token's result is the same bits whatever
