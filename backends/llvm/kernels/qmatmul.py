@@ -11,8 +11,9 @@ activation scales in f32. Four drivers share the block decoders:
 - gemv (T == 1): one row at a time, 32 weights per step (64 for 256-weight blocks on
   512-bit targets: with VNNI the two chunks one 64-byte load holds, against a copy of the
   activations in that order), f32 lanes along K, the next rows prefetched (not on AMD), rows of
-  up to GEMV_INLINE_BLOCKS blocks without a block loop. The super-block types sum a block's dots times their integer scales in i32 lanes (two steps'
-  dots packed to i16 words per vpdpwssd) and their mins in integers. The rows_only kernels (a
+  up to GEMV_INLINE_BLOCKS blocks without a block loop. The super-block types sum a block's
+  dots times their integer scales in i32 lanes (two steps' dots packed to i16 words per
+  vpdpwssd) and their mins in integers. The rows_only kernels (a
   batch of sequences) run the gemv arithmetic for every token at any T, SMALL_T tokens at a
   time, each block decoded once for all of them: a token's result is the same bits whatever
   shares the step, and the weights are read once per step.
@@ -287,6 +288,7 @@ def _gemv_n_row(k: Kernel, isa: Isa, fmt: BlockFormat, lay: ActLayout, N: int, r
     lanes = 8 * P
     first = k.addr(k.arg["xq"], k.mul(t0, lay.group_bytes(1)))
     xts = [k.addr(first, t * lay.group_bytes(1)) for t in range(n)]
+    quants = [xorder] if xorder is not None else xts      # where each token's step activations are
     _prefetch_row(k, isa, fmt, lay, row)
     accs = [k.var(vec(f32, lanes), ir.Constant(vec(f32, lanes), [0.0] * lanes)) for _ in range(n)]
     mlanes = subs // 2 if fmt.int_mins else subs
@@ -294,18 +296,17 @@ def _gemv_n_row(k: Kernel, isa: Isa, fmt: BlockFormat, lay: ActLayout, N: int, r
 
     def block(blk):
         dec = fmt.decode(k, isa, _row(k, fmt, lay, row, blk))
-        terms = []                                 # each token's offset init, f32 scales and activation sums
+        terms = []                         # each token's dx, offset init, f32 scales and activation sums
         for xt, macc in zip(xts, maccs):
             dx = k.load(f32, xt, lay.d(k, 1, blk))
             xs = _xsums_row(k, fmt, lay, blk, xt)                                 # (subs,) i32
             if fmt.int_mins:                               # sum_s min_s x xsum_s in integers, one float step
-                m = isa.dot_pairs(ir.Constant(vec(i32, subs // 2), [0] * (subs // 2)),
-                                  b.trunc(dec.ints.mins, vec(i16, subs)), b.trunc(xs, vec(i16, subs)))
+                m = _word_pairs(k, isa, dec.ints.mins, xs)
                 macc.set(isa.fma(b.sitofp(m, vec(f32, subs // 2)), k.splat(b.fmul(dec.ints.dmin, dx), subs // 2), macc.get()))
             elif dec.mins is not None:
                 macc.set(isa.fma(b.fmul(dec.mins, k.splat(dx, subs)), b.sitofp(xs, vec(f32, subs)), macc.get()))
             init = b.mul(xs, ir.Constant(vec(i32, subs), [-dec.offset] * subs)) if dec.offset else None
-            terms.append((init, None if dec.ints is not None else b.fmul(dec.scales, k.splat(dx, subs)), xs))
+            terms.append((dx, init, None if dec.ints is not None else b.fmul(dec.scales, k.splat(dx, subs)), xs))
         if dec.ints is not None:                           # super-block types: sub-blocks summed in i32
             # where a lane of the dot fits i16, vpdpwssd applies the scales (see _scaled_sum). q6_k's
             # offset term (32 x the sub-block's activation sum) does not fit, so its dots leave it out
@@ -318,28 +319,26 @@ def _gemv_n_row(k: Kernel, isa: Isa, fmt: BlockFormat, lay: ActLayout, N: int, r
             dots = [[] for _ in range(n)]
             for step, chunks in enumerate(steps):
                 w = k.concat(*[dec.chunk(c) for c in chunks])
-                for t, (xt, (init, _, _)) in enumerate(zip(xts, terms)):
-                    dots[t].append(_gemv_dot(k, isa, fmt, dec, w, blk, step, chunks, None if offset_apart else init,
-                                             xorder if xorder is not None else xt))
-            for t, (xt, acc) in enumerate(zip(xts, accs)):
+                for t, (xq, (_, init, _, _)) in enumerate(zip(quants, terms)):
+                    dots[t].append(_gemv_dot(k, isa, fmt, dec, w, blk, step, chunks, None if offset_apart else init, xq))
+            for t, acc in enumerate(accs):
                 isum = _scaled_sum(k, isa, dec.ints.scales, dots[t], pairs)
                 if offset_apart:                           # + sum_s (-offset x scale_s) x xsum_s, i16 pairs
-                    words = b.mul(b.trunc(dec.ints.scales, vec(i16, subs)), ir.Constant(vec(i16, subs), [-dec.offset] * subs))
-                    extra = isa.dot_pairs(ir.Constant(vec(i32, subs // 2), [0] * (subs // 2)), words,
-                                          b.trunc(terms[t][2], vec(i16, subs)))             # (subs / 2,) i32
+                    offset = b.mul(dec.ints.scales, ir.Constant(vec(i32, subs), [-dec.offset] * subs))
+                    extra = _word_pairs(k, isa, offset, terms[t][3])                   # (subs / 2,) i32
                     while extra.type.count > lanes:
                         half = extra.type.count // 2
                         extra = b.add(k.shuffle(extra, range(half)), k.shuffle(extra, range(half, 2 * half)))
                     if extra.type.count < lanes:           # subs == lanes: the upper lanes add nothing
                         extra = k.shuffle(extra, range(lanes), ir.Constant(extra.type, [0] * extra.type.count))
                     isum = b.add(isum, extra)
-                dd = k.splat(b.fmul(dec.ints.d, k.load(f32, xt, lay.d(k, 1, blk))), lanes)
+                dd = k.splat(b.fmul(dec.ints.d, terms[t][0]), lanes)
                 acc.set(isa.fma(b.sitofp(isum, vec(f32, lanes)), dd, acc.get()))
         else:
             for step, chunks in enumerate(steps):         # each chunk decoded once, for every token
                 w = k.concat(*[dec.chunk(c) for c in chunks])
-                for xt, acc, (init, scales, _) in zip(xts, accs, terms):
-                    _gemv_step(k, isa, fmt, dec, w, blk, step, chunks, init, scales, acc, xorder if xorder is not None else xt)
+                for xq, acc, (_, init, scales, _) in zip(quants, accs, terms):
+                    _gemv_step(k, isa, fmt, dec, w, blk, step, chunks, init, scales, acc, xq)
 
     _each_block(k, lay.K // fmt.dtype.block_size, block)
     for t, (acc, macc) in enumerate(zip(accs, maccs)):
@@ -364,15 +363,21 @@ def _scaled_sum(k: Kernel, isa: Isa, scales: ir.Value, dots: list, pairs: bool) 
             total = isa.dot_pairs(total, isa.pack_i32(da, db), k.shuffle(words, subs))
         return total
     total = None
+    words = b.and_(scales, ir.Constant(scales.type, [0xFFFF] * scales.type.count))
     for dot, lane_sub in dots:
         if pairs:
-            words = b.and_(scales, ir.Constant(scales.type, [0xFFFF] * scales.type.count))
             total = isa.dot_pairs(total if total is not None else ir.Constant(vec(i32, lanes), [0] * lanes),
                                   k.cast_vec(dot, i16), k.cast_vec(k.shuffle(words, lane_sub), i16))
         else:
             scaled = b.mul(dot, k.shuffle(scales, lane_sub))
             total = scaled if total is None else b.add(total, scaled)
     return total
+
+
+def _word_pairs(k: Kernel, isa: Isa, a: ir.Value, b: ir.Value) -> ir.Value:
+    """a[2j]*b[2j] + a[2j+1]*b[2j+1] for two <n x i32> whose values fit i16: <n/2 x i32> (pmaddwd)."""
+    n = a.type.count
+    return isa.dot_pairs(ir.Constant(vec(i32, n // 2), [0] * (n // 2)), k.b.trunc(a, vec(i16, n)), k.b.trunc(b, vec(i16, n)))
 
 
 # A gemv row of at most this many blocks is emitted without a block loop: on a Zen 4, 2048-wide
