@@ -136,3 +136,24 @@ def test_roofline_bounds_every_engine_by_the_same_work(model, capsys):
     assert main(["bench", model, "-p", "4", "-n", "2", "--roofline", "--repeats", "1"]) == 0
     out = capsys.readouterr().out
     assert "roofline at 1 thread:" in out and "of limit" in out
+
+
+def test_roofline_bandwidth_is_read_beside_the_engines(model):
+    """--roofline's stream reads, every round, as many bytes as an engine's round: at least the file's
+    matmul weights once per decode step, more with more steps and more cache behind them."""
+    from ggraph.bench.measure import GGraphRunner, StreamRunner, bench_side_by_side, round_bytes
+    from ggraph.gguf import GGUFFile
+    runner = GGraphRunner(model, threads=1, ctx=256)
+    weights = sum(t.nbytes for t in GGUFFile(model).tensors.values() if t.name.endswith(".weight")
+                  and t.name != "token_embd.weight" and len(t.shape) == 2)
+    one = round_bytes(runner.session, 0, 1, 0)
+    assert one >= weights
+    assert round_bytes(runner.session, 0, 4, 0) > 3 * weights and round_bytes(runner.session, 0, 4, 200) > \
+        round_bytes(runner.session, 0, 4, 0) > round_bytes(runner.session, 0, 2, 0)
+    assert round_bytes(runner.session, 16, 4, 0) > round_bytes(runner.session, 0, 4, 0)
+    stream = StreamRunner(1, mbytes=4)
+    reads = []
+    program = stream.program
+    stream.program = lambda x: reads.append(x.nbytes) or program(x)
+    bench_side_by_side([runner], pp=4, tg=2, depth=0, repeats=2, stream=stream, stream_bytes=3 * stream.array.nbytes)
+    assert reads == [4 << 20] * 6 and stream.best > 0.1

@@ -159,8 +159,10 @@ class LlamaCppRunner:
         self.llm.close()
 
 
-def bench_side_by_side(runners: list, pp: int, tg: int, depth: int = 0, repeats: int = 3) -> list[Result]:
-    """Best-of-``repeats`` prefill and decode speed of each runner at ``depth``, their rounds alternating."""
+def bench_side_by_side(runners: list, pp: int, tg: int, depth: int = 0, repeats: int = 3,
+                       stream: "StreamRunner | None" = None, stream_bytes: int = 0) -> list[Result]:
+    """Best-of-``repeats`` prefill and decode speed of each runner at ``depth``, their rounds alternating.
+    With a ``stream``, every round also reads ``stream_bytes`` through it (see StreamRunner)."""
     n_vocab = min(r.n_vocab for r in runners)
     context, ids = prompt_tokens(depth, n_vocab, seed=1), prompt_tokens(pp, n_vocab)
     for r in runners:
@@ -170,6 +172,8 @@ def bench_side_by_side(runners: list, pp: int, tg: int, depth: int = 0, repeats:
         for r, b in zip(runners, best):
             b[0] = min(b[0], r.prefill(ids, depth))
             b[1] = min(b[1], r.decode(ids[0], tg, depth))
+        if stream is not None:
+            stream.read(stream_bytes)
     return [Result(pp=pp, tg=tg, pp_tok_s=pp / b[0], tg_tok_s=tg / b[1] if tg else 0.0, load_s=r.load_s, depth=depth,
                    **r.fields) for r, b in zip(runners, best)]
 
@@ -202,20 +206,39 @@ def bench_llama_cpp(path, pp: int = 64, tg: int = 32, threads: int = 1, repeats:
 # profiles and the roofline
 # ---------------------------------------------------------------------------------------
 
-def stream_bandwidth(threads: int, mbytes: int = 1024, repeats: int = 3) -> float:
-    """Memory read bandwidth in GB/s, measured now: native threads summing an array larger than the caches."""
-    from ggraph import f32 as F32
-    from ggraph import ops, trace
-    from ggraph.compiler import compile_graph
-    n = mbytes * (1 << 20) // 4 // 4096
-    prog = compile_graph(trace(ops.reduce_sum, F32["T", 4096]), backend="llvm", passes=[], threads=threads)
-    x = np.ones((n, 4096), dtype=np.float32)
-    best = float("inf")
-    for _ in range(repeats):
+class StreamRunner:
+    """Memory read bandwidth, measured as the engines run: native threads summing an array larger than
+    the caches. Beside them in bench_side_by_side's rounds it reads, each round, as many bytes as an
+    engine's round reads (``round_bytes``), so that it meets the same neighbours for as long as they
+    do (on a shared machine the bandwidth swings 3x within seconds, and a short read catches the quiet
+    moments a long decode round cannot). ``best`` is its best round's GB/s, as the engines keep their best."""
+
+    def __init__(self, threads: int, mbytes: int = 1024):
+        from ggraph import f32 as F32
+        from ggraph import ops, trace
+        from ggraph.compiler import compile_graph
+        self.program = compile_graph(trace(ops.reduce_sum, F32["T", 4096]), backend="llvm", passes=[],
+                                     threads=threads)
+        self.array = np.ones((mbytes * (1 << 20) // 4 // 4096, 4096), dtype=np.float32)
+        self.best = 0.0
+
+    def read(self, nbytes: int = 0) -> float:
+        """Read the array as many times as ``nbytes`` takes (once at least); the GB/s of the reads."""
+        times = max(1, round(nbytes / self.array.nbytes))
         t = time.perf_counter()
-        prog(x)
-        best = min(best, time.perf_counter() - t)
-    return x.nbytes / best / 1e9
+        for _ in range(times):
+            self.program(self.array)
+        gb_s = times * self.array.nbytes / (time.perf_counter() - t) / 1e9
+        self.best = max(self.best, gb_s)
+        return gb_s
+
+
+def stream_bandwidth(threads: int, mbytes: int = 1024, repeats: int = 3) -> float:
+    """Memory read bandwidth in GB/s, measured now: the best of ``repeats`` reads of ``mbytes``."""
+    stream = StreamRunner(threads, mbytes)
+    for _ in range(repeats):
+        stream.read()
+    return stream.best
 
 
 def machine_peaks(target, threads: int) -> dict[str, float]:
@@ -322,6 +345,17 @@ def roofline_limits(session, pp: int, tg: int, depth: int, bandwidth: float, pea
               for at in range(0, pp, ubatch))
     dec = sum(step_bound(prog, {"T": 1, "P": depth + i}, bandwidth, peaks) for i in range(tg))
     return {"pp_limit_tok_s": pp / pre if pre else 0.0, "tg_limit_tok_s": tg / dec if dec else 0.0}
+
+
+def round_bytes(session, pp: int, tg: int, depth: int) -> int:
+    """The bytes one engine's bench round reads, by the ops' own counts: the prefill's ubatch steps
+    and the ``tg`` decode steps from ``depth`` (weights once a step, and the caches)."""
+    from ggraph.runtime.session import UBATCH
+    ubatch = getattr(session, "ubatch", UBATCH)
+    prog = session.program(last_only=True)
+    steps = [{"T": min(ubatch, pp - at), "P": depth + at} for at in range(0, pp, ubatch)]
+    steps += [{"T": 1, "P": depth + i} for i in range(tg)]
+    return int(sum(eqn.cost(dims)[1] for dims in steps for eqn in prog.graph.eqns))
 
 
 DECODE_PROFILE_STEPS = 5           # decode steps profiled; each op counts its fastest

@@ -114,7 +114,8 @@ def cmd_bench(args) -> int:
 def bench_speed(args, path, threads, depths, pps, tgs, pipelines, ctx, cache_k, cache_v, fas) -> list[dict]:
     """Every (threads, depth, pp, tg) configuration: ggraph per pipeline, then llama.cpp per flash attention
     setting, loaded once per thread count, their rounds alternating."""
-    from ggraph.bench.measure import GGraphRunner, LlamaCppRunner, bench_side_by_side, roofline_limits
+    from ggraph.bench.measure import (GGraphRunner, LlamaCppRunner, StreamRunner, bench_side_by_side, round_bytes,
+                                      roofline_limits)
     from ggraph.progress import Progress
     results = []
     with Progress(len(threads) * len(depths) * len(pps) * len(tgs), "benchmarking", stream=sys.stderr) as bar:
@@ -126,16 +127,20 @@ def bench_speed(args, path, threads, depths, pps, tgs, pipelines, ctx, cache_k, 
                                                 args.no_pass, args.max_memory))
                 for fa in fas if args.vs_llama_cpp else ():
                     runners.append(LlamaCppRunner(path, t, ctx, cache_k, cache_v, fa))
-                roof = _machine_limits(runners[0], t) if args.roofline else None
+                roof = _machine_peaks(runners[0], t) if args.roofline else None
+                stream = StreamRunner(t) if roof else None
                 for depth in depths:
                     for pp in pps:
                         for tg in tgs:
-                            rows = [r.row() for r in bench_side_by_side(runners, pp, tg, depth, args.repeats)]
+                            nbytes = round_bytes(runners[0].session, pp, tg, depth) if stream else 0
+                            if stream:
+                                stream.best = 0.0
+                            rows = [r.row() for r in bench_side_by_side(runners, pp, tg, depth, args.repeats,
+                                                                        stream, nbytes)]
                             if roof:
-                                limits = roofline_limits(runners[0].session, pp, tg, depth,
-                                                         roof["bandwidth_gb_s"], roof["peaks"])
+                                limits = roofline_limits(runners[0].session, pp, tg, depth, stream.best, roof["peaks"])
                                 for r in rows:
-                                    r.update(limits, bandwidth_gb_s=roof["bandwidth_gb_s"],
+                                    r.update(limits, bandwidth_gb_s=stream.best,
                                              peak_int8_gop_s=roof["peaks"]["int8"],
                                              peak_tiles_gop_s=roof["peaks"].get("tiles"),
                                              peak_gflop_s=roof["peaks"]["f32"], limit_target=roof["target"])
@@ -200,13 +205,13 @@ def _flatten(row: dict, prefix: str = "") -> dict:
     return out
 
 
-def _machine_limits(runner, threads: int) -> dict:
-    """This run's memory bandwidth and the compute peaks of the feature set the ggraph program was
-    built for, at ``threads`` threads, both measured now."""
+def _machine_peaks(runner, threads: int) -> dict:
+    """The compute peaks of the feature set the ggraph program was built for, at ``threads`` threads,
+    measured now (the memory bandwidth is measured in each configuration's rounds, beside the engines)."""
     from ggraph.backends.llvm.target import host_target
-    from ggraph.bench.measure import machine_peaks, stream_bandwidth
+    from ggraph.bench.measure import machine_peaks
     target = getattr(runner.session.program(last_only=True), "target", None) or host_target()
-    return {"bandwidth_gb_s": stream_bandwidth(threads), "peaks": machine_peaks(target, threads), "target": target.name}
+    return {"peaks": machine_peaks(target, threads), "target": target.name}
 
 
 def _tiles(roof: dict) -> str:
@@ -219,10 +224,11 @@ def roofline_table(results: list[dict]) -> str:
     lines = []
     for t in dict.fromkeys(r["threads"] for r in results):
         first = next(r for r in results if r["threads"] == t)
-        lines.append(f"\nroofline at {t} thread{'s' * (t != 1)}: {first['bandwidth_gb_s']:.1f} GB/s, "
-                     f"{first['peak_int8_gop_s']:.0f} Gop/s int8{_tiles(first)} and {first['peak_gflop_s']:.0f} GFLOP/s f32 "
-                     f"({first['limit_target']}), all measured in this run; limit = every op of the step at its bound")
-        lines.append(f"{'engine':<10} {'passes':<8} {'fa':>3} {'depth':>6} {'pp':>5} {'limit tok/s':>11} "
+        lines.append(f"\nroofline at {t} thread{'s' * (t != 1)}: {first['peak_int8_gop_s']:.0f} Gop/s int8{_tiles(first)} "
+                     f"and {first['peak_gflop_s']:.0f} GFLOP/s f32 ({first['limit_target']}), and memory bandwidth "
+                     f"(GB/s: the best of the rounds that read as many bytes as an engine's round, alternating with "
+                     f"them), all measured in this run; limit = every op of the step at its bound")
+        lines.append(f"{'engine':<10} {'passes':<8} {'fa':>3} {'depth':>6} {'GB/s':>5} {'pp':>5} {'limit tok/s':>11} "
                      f"{'of limit':>8} {'tg':>4} {'limit tok/s':>11} {'of limit':>8}")
         for r in (r for r in results if r["threads"] == t):
             pp = (f"{r['pp_limit_tok_s']:>11.1f} {r['pp_tok_s'] / r['pp_limit_tok_s']:>8.0%}" if r["pp"]
@@ -230,7 +236,7 @@ def roofline_table(results: list[dict]) -> str:
             tg = (f"{r['tg_limit_tok_s']:>11.1f} {r['tg_tok_s'] / r['tg_limit_tok_s']:>8.0%}" if r["tg"]
                   else f"{'-':>11} {'-':>8}")
             lines.append(f"{r['engine']:<10} {r.get('passes') or '-':<8} {r.get('flash_attn') or '-':>3} "
-                         f"{r['depth']:>6} {r['pp']:>5} {pp} {r['tg']:>4} {tg}")
+                         f"{r['depth']:>6} {r['bandwidth_gb_s']:>5.1f} {r['pp']:>5} {pp} {r['tg']:>4} {tg}")
     return "\n".join(lines)
 
 
@@ -339,8 +345,9 @@ def add_parser(sub, parents) -> None:
     p.add_argument("--json", action="store_true", help="print JSON (one object for one configuration)")
     p.add_argument("--csv", action="store_true", help="print CSV rows")
     p.add_argument("--roofline", action="store_true",
-                   help="measure this run's memory bandwidth and show every result (ggraph and llama.cpp) as a "
-                        "fraction of the fastest the machine allows for that work")
+                   help="measure this run's compute peaks, and its memory bandwidth in every round beside the "
+                        "engines, and show every result (ggraph and llama.cpp) as a fraction of the fastest the "
+                        "machine allows for that work")
     p.add_argument("--profile", action="store_true",
                    help="time every op inside the native program, per op kind and per layer, against the roofline")
     from ggraph.bench.plot import plot_path
