@@ -216,12 +216,14 @@ def test_qmatmul_rows_only_computes_every_token_as_alone(target, dt):
     """The batch kernels: at any T, token t's outputs are the bits a one-token call gives for it
     (and, where the batch kernel's arithmetic is gemv's, the bits the regular kernel's gemv gives)."""
     rng = np.random.default_rng(2)
-    K = k_of(dt)
-    w = random_blocks(dt, N, K, rng)
+    check_rows_only(target, dt, k_of(dt), random_blocks(dt, N, k_of(dt), rng), rng)
+
+
+def check_rows_only(target, dt, K: int, w: np.ndarray, rng, lib=None) -> None:
     fmt = kernels.act_format(dt)
-    rows = fn(target, f"qmatmul_{dt.name}_k{K}_n{N}_rows", abi=MATMUL_ABI)
-    one = rows if rows_gemm(named_target(target)) else fn(target, f"qmatmul_{dt.name}_k{K}_n{N}", abi=MATMUL_ABI)
-    act = fn(target, f"act_quant_{fmt}_k{K}_rows", ACT_ABI)
+    rows = fn(target, f"qmatmul_{dt.name}_k{K}_n{N}_rows", abi=MATMUL_ABI, lib=lib)
+    one = rows if rows_gemm(named_target(target)) else fn(target, f"qmatmul_{dt.name}_k{K}_n{N}", MATMUL_ABI, lib)
+    act = fn(target, f"act_quant_{fmt}_k{K}_rows", ACT_ABI, lib)
     W = dequant(w, dt, N, K).astype(np.float64)
     counter = np.zeros(16, np.int32)
     for T in (2, 8, 9, 17, 40):
@@ -233,7 +235,7 @@ def test_qmatmul_rows_only_computes_every_token_as_alone(target, dt):
         counter[:] = 0
         for t in range(T):
             alone = np.zeros((1, N), np.float32)
-            xq = quantize_acts(target, x[t:t + 1], fmt)
+            xq = quantize_acts(target, x[t:t + 1], fmt, lib)
             run(one, (w.ctypes.data, xq.ctypes.data, alone.ctypes.data, counter.ctypes.data), 1, 1)
             counter[:] = 0
             np.testing.assert_array_equal(y[t], alone[0], err_msg=f"T={T} token {t}")
@@ -357,6 +359,35 @@ def test_qmatmul_long_rows(target, dt):
     32-row tiles (a 4-row tail is stored through a mask)."""
     rng = np.random.default_rng(4)
     check_qmatmul(target, dt, LONG_K, LONG_N, random_blocks(dt, LONG_N, LONG_K, rng), tokens=(1, 2, 7, 33), rng=rng)
+
+
+HEADER_KS = (768, 1280, 2048)      # gemv rows of 3, 4 + 1 and 4 + 4 super-blocks, without a block loop
+_HEADER_LIBS: dict = {}
+
+
+def _build_headers(target_name: str) -> jit.Library:
+    t = named_target(target_name)
+    m = ir.Module()
+    for K in HEADER_KS:
+        for dt in (d for d in kernels.QUANT_TYPES if block_format(d).headers):
+            kernels.qmatmul(m, dt, K, N, t)
+            kernels.qmatmul(m, dt, K, N, t, rows_only=True)
+        kernels.act_quant(m, "q8_k", K, t)
+        kernels.act_quant(m, "q8_k", K, t, rows_only=True)
+    return jit.compile(m, t)
+
+
+@pytest.mark.parametrize("dt", [d for d in kernels.QUANT_TYPES if block_format(d).headers], ids=lambda d: d.name)
+def test_qmatmul_gemv_header_groups(target, dt):
+    """Formats whose gemv unpacks the headers of qmatmul.HEADER_BLOCKS blocks at once: rows of a
+    partial group, a whole group and a partial one, and two groups, for one token and for each token
+    of a rows_only batch (the long rows' block loop is test_qmatmul_long_rows)."""
+    lib = runnable_target(target, _HEADER_LIBS, _build_headers) and _HEADER_LIBS[target]
+    rng = np.random.default_rng(7)
+    for K in HEADER_KS:
+        w = random_blocks(dt, N, K, rng)
+        check_qmatmul(target, dt, K, N, w, tokens=(1,), rng=rng, lib=lib)
+        check_rows_only(target, dt, K, w, rng, lib)
 
 
 @pytest.mark.parametrize("dt,K,n", SMALL, ids=lambda v: getattr(v, "name", str(v)))

@@ -32,6 +32,18 @@ class IntScales:
 
 
 @dataclass
+class Headers:
+    """The integer scales and mins and the float d, dmin of G consecutive super-blocks of a row,
+    unpacked together (a gemv row's blocks share the shifts and masks): sub-block s of block g
+    is lane ``subs * g + s`` of ``scales`` and ``mins``, block g is lane g of ``d`` and ``dmin``."""
+
+    scales: ir.Value                   # <G*subs x i16>
+    mins: ir.Value                     # <G*subs x i16>
+    d: ir.Value                        # <G x float>
+    dmin: ir.Value                     # <G x float>
+
+
+@dataclass
 class Decoded:
     """One block, unpacked for the vector drivers."""
 
@@ -82,6 +94,7 @@ class BlockFormat:
     unroll: int = 1          # chunks whose bit positions differ; gemm loops over groups of them
     wide: tuple = ()         # groups of chunks whose bytes one 64-byte load holds (gemv steps), if not consecutive
     int_mins: bool = False   # Decoded.ints has mins (super-blocks with w = d*sc*q - dmin*m)
+    headers: Callable | None = None   # (k, isa, [blk]) -> Headers of consecutive blocks, where the format has it
 
     @property
     def chunks(self) -> int:

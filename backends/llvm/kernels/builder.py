@@ -182,12 +182,15 @@ class Kernel:
         return self.b.shuffle_vector(v, other if other is not None else v, vec_const(i32, lanes))
 
     def concat(self, *parts: ir.Value) -> ir.Value:
-        """Join equal-width vectors end to end (a power-of-two count)."""
+        """Join equal-width vectors end to end."""
         parts = list(parts)
+        count, width = len(parts), parts[0].type.count
+        while len(parts) & (len(parts) - 1):             # pad to a power of two, cut off below
+            parts.append(ir.Constant(parts[0].type, [0] * width))
         while len(parts) > 1:
             n = parts[0].type.count
             parts = [self.shuffle(parts[i], range(2 * n), parts[i + 1]) for i in range(0, len(parts), 2)]
-        return parts[0]
+        return parts[0] if parts[0].type.count == count * width else self.shuffle(parts[0], range(count * width))
 
     def split(self, v: ir.Value, pieces: int) -> list[ir.Value]:
         """Cut a vector into `pieces` equal parts."""

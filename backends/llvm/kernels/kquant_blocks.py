@@ -9,7 +9,7 @@ from __future__ import annotations
 from llvmlite import ir
 
 from ggraph.ir import dtypes
-from ggraph.backends.llvm.kernels.blocks import (BlockFormat, Decoded, IntScales, bits, byte, bytes_at, half,
+from ggraph.backends.llvm.kernels.blocks import (BlockFormat, Decoded, Headers, IntScales, bits, byte, bytes_at, half,
                                                  idiv, imod, lanes_f32, lookup, pack, sbyte,
                                                  table, vbits, vshift)
 from ggraph.backends.llvm.kernels.builder import Kernel, i8, i16, i32, vec, vec_const
@@ -130,6 +130,26 @@ def _k4_scales_vector(k: Kernel, isa: Isa, blk) -> IntScales:
                      b.zext(k.shuffle(six, range(8, 16)), vec(i32, 8)), half(k, isa, blk, 2))
 
 
+def _k4_headers(k: Kernel, isa: Isa, blks: list) -> Headers:
+    """The scales, mins, d and dmin of consecutive q4_k / q5_k blocks, unpacked as _k4_scales_vector
+    unpacks one block's, each block's words u0 u1 u2 in four lanes of one vector."""
+    b = k.b
+    G = len(blks)
+
+    def each(lanes):
+        return [x for _ in range(G) for x in lanes]
+    u = k.concat(*[k.load(vec(i32, 4), blk, 4) for blk in blks])                 # (4G,) i32
+    low = b.lshr(k.shuffle(u, [4 * g + j for g in range(G) for j in (0, 2, 1, 2)]), vec_const(i32, each([0, 0, 0, 4])))
+    low = b.and_(low, vec_const(i32, each([0x3F3F3F3F, 0x0F0F0F0F, 0x3F3F3F3F, 0x0F0F0F0F])))
+    high = b.lshr(k.shuffle(u, [4 * g + j for g in range(G) for j in (0, 0, 1, 1)]), vec_const(i32, [6] * 4 * G))
+    high = b.and_(high, vec_const(i32, each([0, 0x03030303, 0, 0x03030303])))
+    six = k.cast_vec(b.or_(low, b.shl(high, vec_const(i32, [4] * 4 * G))), i8)  # per block: 8 scales, 8 mins
+    scales = b.zext(k.shuffle(six, [16 * g + j for g in range(G) for j in range(8)]), vec(i16, 8 * G))
+    mins = b.zext(k.shuffle(six, [16 * g + 8 + j for g in range(G) for j in range(8)]), vec(i16, 8 * G))
+    dm = isa.f16_to_f32(k.concat(*[k.load(vec(i16, 2), blk, 0) for blk in blks]))            # d, dmin per block
+    return Headers(scales, mins, k.shuffle(dm, range(0, 2 * G, 2)), k.shuffle(dm, range(1, 2 * G, 2)))
+
+
 # -- q4_k: qs[128] @16 -------------------------------------------------------------------------
 def _level_q4_k(k, isa, blk, i):
     return _k4_nibble(k, blk, 16, i)
@@ -219,5 +239,6 @@ _NIBBLE_PAIRS = ((0, 2), (1, 3), (4, 6), (5, 7))
 _HALF_PAIRS = ((0, 4), (1, 5), (2, 6), (3, 7))
 _WIDE = {dtypes.q4_k: _NIBBLE_PAIRS, dtypes.q5_k: _NIBBLE_PAIRS,
          dtypes.q2_k: _HALF_PAIRS, dtypes.q3_k: _HALF_PAIRS, dtypes.q6_k: _HALF_PAIRS}
-FORMATS = {dt: BlockFormat(dt, "q8_k", sub, level, scale, decode, unroll, _WIDE.get(dt, ()), mins)
+_HEADERS = {dtypes.q4_k: _k4_headers, dtypes.q5_k: _k4_headers}
+FORMATS = {dt: BlockFormat(dt, "q8_k", sub, level, scale, decode, unroll, _WIDE.get(dt, ()), mins, _HEADERS.get(dt))
            for dt, sub, unroll, mins, level, scale, decode in _TABLE}

@@ -13,7 +13,8 @@ activation scales in f32. Four drivers share the block decoders:
   activations in that order), f32 lanes along K, the next rows prefetched (not on AMD), rows of
   up to GEMV_INLINE_BLOCKS blocks without a block loop. The super-block types sum a block's
   dots times their integer scales in i32 lanes (two steps' dots packed to i16 words per
-  vpdpwssd) and their mins in integers. The rows_only kernels (a
+  vpdpwssd) and their mins in integers; q4_k and q5_k unpack the headers of HEADER_BLOCKS
+  blocks at once. The rows_only kernels (a
   batch of sequences) run the gemv arithmetic for every token at any T, SMALL_T tokens at a
   time, each block decoded once for all of them: a token's result is the same bits whatever
   shares the step, and the weights are read once per step.
@@ -278,9 +279,10 @@ def _gemv_n_row(k: Kernel, isa: Isa, fmt: BlockFormat, lay: ActLayout, N: int, r
     """Output row ``row`` for exactly n tokens from token t0 (rows of xq ``group_bytes(1)`` apart):
     integer dots per step of P chunks, scaled into f32 lanes (super-block types first sum their
     sub-blocks in i32 lanes times their integer scales, as llama.cpp does, and take one f32 step per
-    block: shorter dependency chains, 1.04-1.22x), the K-quant mins in a separate (subs,)
-    accumulator, the same arithmetic for each token whatever n is. ``xorder``: the one token's quants in
-    the order of `gemv_steps` (n == 1), where that is not the natural order."""
+    block: shorter dependency chains, 1.04-1.22x), the K-quant mins in a separate accumulator, the
+    same arithmetic for each token whatever n is. Formats with ``headers`` (q4_k, q5_k) unpack the
+    scales, mins and d of HEADER_BLOCKS blocks at a time and sum their mins in one step. ``xorder``:
+    the one token's quants in the order of `gemv_steps` (n == 1), where that is not the natural order."""
     b = k.b
     P = gemv_chunks(fmt, isa.t)
     steps = gemv_steps(fmt, isa.t) if xorder is not None else _consecutive(fmt, P)
@@ -291,7 +293,7 @@ def _gemv_n_row(k: Kernel, isa: Isa, fmt: BlockFormat, lay: ActLayout, N: int, r
     quants = [xorder] if xorder is not None else xts      # where each token's step activations are
     _prefetch_row(k, isa, fmt, lay, row)
     accs = [k.var(vec(f32, lanes), ir.Constant(vec(f32, lanes), [0.0] * lanes)) for _ in range(n)]
-    mlanes = subs // 2 if fmt.int_mins else subs
+    mlanes = subs // 2 * (HEADER_BLOCKS if fmt.headers else 1) if fmt.int_mins else subs
     maccs = [k.var(vec(f32, mlanes), ir.Constant(vec(f32, mlanes), [0.0] * mlanes)) for _ in range(n)]
 
     def block(blk):
@@ -307,43 +309,93 @@ def _gemv_n_row(k: Kernel, isa: Isa, fmt: BlockFormat, lay: ActLayout, N: int, r
                 macc.set(isa.fma(b.fmul(dec.mins, k.splat(dx, subs)), b.sitofp(xs, vec(f32, subs)), macc.get()))
             init = b.mul(xs, ir.Constant(vec(i32, subs), [-dec.offset] * subs)) if dec.offset else None
             terms.append((dx, init, None if dec.ints is not None else b.fmul(dec.scales, k.splat(dx, subs)), xs))
-        if dec.ints is not None:                           # super-block types: sub-blocks summed in i32
-            # where a lane of the dot fits i16, vpdpwssd applies the scales (see _scaled_sum). q6_k's
-            # offset term (32 x the sub-block's activation sum) does not fit, so its dots leave it out
-            # and the block adds sum_s scale_s x term_s once, in the same i32 lanes (no vpmulld per step)
-            fits = isa.full_u8_dot and lanes in (8, 16)
-            offset_apart = fits and dec.offset and _lane_bound(fmt, dec) >= 1 << 15 \
-                and _lane_bound(fmt, dec, with_offset=False) < 1 << 15 and dec.offset * 128 < 1 << 15 \
-                and subs in (lanes, 2 * lanes, 4 * lanes)
-            pairs = fits and (offset_apart or _lane_bound(fmt, dec) < 1 << 15)
-            dots = [[] for _ in range(n)]
-            for step, chunks in enumerate(steps):
-                w = k.concat(*[dec.chunk(c) for c in chunks])
-                for t, (xq, (_, init, _, _)) in enumerate(zip(quants, terms)):
-                    dots[t].append(_gemv_dot(k, isa, fmt, dec, w, blk, step, chunks, None if offset_apart else init, xq))
-            for t, acc in enumerate(accs):
-                isum = _scaled_sum(k, isa, dec.ints.scales, dots[t], pairs)
-                if offset_apart:                           # + sum_s (-offset x scale_s) x xsum_s, i16 pairs
-                    offset = b.mul(dec.ints.scales, ir.Constant(vec(i32, subs), [-dec.offset] * subs))
-                    extra = _word_pairs(k, isa, offset, terms[t][3])                   # (subs / 2,) i32
-                    while extra.type.count > lanes:
-                        half = extra.type.count // 2
-                        extra = b.add(k.shuffle(extra, range(half)), k.shuffle(extra, range(half, 2 * half)))
-                    if extra.type.count < lanes:           # subs == lanes: the upper lanes add nothing
-                        extra = k.shuffle(extra, range(lanes), ir.Constant(extra.type, [0] * extra.type.count))
-                    isum = b.add(isum, extra)
-                dd = k.splat(b.fmul(dec.ints.d, terms[t][0]), lanes)
-                acc.set(isa.fma(b.sitofp(isum, vec(f32, lanes)), dd, acc.get()))
+        if dec.ints is not None:
+            dds = [k.splat(b.fmul(dec.ints.d, dx), lanes) for dx, _, _, _ in terms]
+            _int_block(k, isa, fmt, dec, blk, steps, quants, [t[1] for t in terms], dec.ints.scales,
+                       [t[3] for t in terms], dds, accs)
         else:
             for step, chunks in enumerate(steps):         # each chunk decoded once, for every token
                 w = k.concat(*[dec.chunk(c) for c in chunks])
                 for xq, acc, (_, init, scales, _) in zip(quants, accs, terms):
                     _gemv_step(k, isa, fmt, dec, w, blk, step, chunks, init, scales, acc, xq)
 
-    _each_block(k, lay.K // fmt.dtype.block_size, block)
+    def group(blk0, G: int):
+        """Blocks blk0 .. blk0+G-1, their headers unpacked together; the mins of all G in one step."""
+        hd = fmt.headers(k, isa, [_row(k, fmt, lay, row, k.add(blk0, g)) for g in range(G)])
+        ddx = []
+        for xt, macc in zip(xts, maccs):
+            dx = k.load(vec(f32, G), xt, lay.d(k, 1, blk0))
+            xs = k.load(vec(i16, subs * G), xt, lay.sums32(k, 1, k.mul(blk0, subs)))
+            m = isa.dot_pairs(ir.Constant(vec(i32, subs // 2 * G), [0] * (subs // 2 * G)), hd.mins, xs)
+            dmx = k.shuffle(b.fmul(hd.dmin, dx), [g for g in range(G) for _ in range(subs // 2)])
+            term = b.fmul(b.sitofp(m, vec(f32, subs // 2 * G)), dmx)
+            if G < HEADER_BLOCKS:                          # a row's last blocks: the upper lanes add 0
+                have = term.type.count
+                term = k.shuffle(term, [min(j, have) for j in range(mlanes)], ir.Constant(term.type, [0.0] * have))
+            macc.set(b.fadd(macc.get(), term))
+            ddx.append(b.fmul(hd.d, dx))
+        for g in range(G):
+            blk = k.add(blk0, g)
+            scales = b.zext(k.shuffle(hd.scales, range(subs * g, subs * (g + 1))), vec(i32, subs))
+            _int_block(k, isa, fmt, fmt.decode(k, isa, _row(k, fmt, lay, row, blk)), blk, steps, quants,
+                       [None] * n, scales, [None] * n, [k.shuffle(dd, [g] * lanes) for dd in ddx], accs)
+
+    nblocks = lay.K // fmt.dtype.block_size
+    if fmt.headers is None:
+        _each_block(k, nblocks, block)
+    elif nblocks <= GEMV_INLINE_BLOCKS:
+        for g0 in range(0, nblocks, HEADER_BLOCKS):
+            group(k.i64(g0), min(HEADER_BLOCKS, nblocks - g0))
+    else:
+        whole = nblocks // HEADER_BLOCKS
+        with k.loop(0, whole, name="blk") as gi:
+            group(k.mul(gi, HEADER_BLOCKS), HEADER_BLOCKS)
+        if nblocks % HEADER_BLOCKS:
+            group(k.i64(whole * HEADER_BLOCKS), nblocks % HEADER_BLOCKS)
     for t, (acc, macc) in enumerate(zip(accs, maccs)):
         at = k.mul(k.add(k.mul(k.add(t0, t), N), row), 4)
         k.store(b.fsub(isa.hsum(acc.get()), isa.hsum(macc.get())), k.arg["y"], at)
+
+
+# Super-blocks whose headers (scales, mins, d, dmin) a gemv row unpacks together, for formats with
+# BlockFormat.headers (q4_k, q5_k): four blocks' scales take one set of shifts and masks, their mins
+# one multiply-add and one float step. On a Zen 4, one thread, q4_k rows of 2048 and 8192: 1.06-1.19x
+# from L3, 1.03-1.07x from memory (old and new kernels in one process, 15 alternating rounds)
+HEADER_BLOCKS = 4
+
+
+def _int_block(k: Kernel, isa: Isa, fmt: BlockFormat, dec, blk, steps, quants, inits, scales, xss, dds, accs) -> None:
+    """A super-block of each token (sub-blocks summed in i32 lanes times their integer ``scales``, then
+    acc += float(sum) * dd): ``quants``, ``inits`` (offset terms), ``xss`` (activation sums) and
+    ``dds`` (d x dx splat over the lanes) per token."""
+    b = k.b
+    lanes = dds[0].type.count
+    subs = fmt.dtype.block_size // fmt.sub
+    # where a lane of the dot fits i16, vpdpwssd applies the scales (see _scaled_sum). q6_k's
+    # offset term (32 x the sub-block's activation sum) does not fit, so its dots leave it out
+    # and the block adds sum_s scale_s x term_s once, in the same i32 lanes (no vpmulld per step)
+    fits = isa.full_u8_dot and lanes in (8, 16)
+    offset_apart = fits and dec.offset and _lane_bound(fmt, dec) >= 1 << 15 \
+        and _lane_bound(fmt, dec, with_offset=False) < 1 << 15 and dec.offset * 128 < 1 << 15 \
+        and subs in (lanes, 2 * lanes, 4 * lanes)
+    pairs = fits and (offset_apart or _lane_bound(fmt, dec) < 1 << 15)
+    dots = [[] for _ in quants]
+    for step, chunks in enumerate(steps):
+        w = k.concat(*[dec.chunk(c) for c in chunks])
+        for t, (xq, init) in enumerate(zip(quants, inits)):
+            dots[t].append(_gemv_dot(k, isa, fmt, dec, w, blk, step, chunks, None if offset_apart else init, xq))
+    for t, (acc, dd) in enumerate(zip(accs, dds)):
+        isum = _scaled_sum(k, isa, scales, dots[t], pairs)
+        if offset_apart:                                   # + sum_s (-offset x scale_s) x xsum_s, i16 pairs
+            offset = b.mul(scales, ir.Constant(vec(i32, subs), [-dec.offset] * subs))
+            extra = _word_pairs(k, isa, offset, xss[t])                               # (subs / 2,) i32
+            while extra.type.count > lanes:
+                half = extra.type.count // 2
+                extra = b.add(k.shuffle(extra, range(half)), k.shuffle(extra, range(half, 2 * half)))
+            if extra.type.count < lanes:                   # subs == lanes: the upper lanes add nothing
+                extra = k.shuffle(extra, range(lanes), ir.Constant(extra.type, [0] * extra.type.count))
+            isum = b.add(isum, extra)
+        acc.set(isa.fma(b.sitofp(isum, vec(f32, lanes)), dd, acc.get()))
 
 
 def _scaled_sum(k: Kernel, isa: Isa, scales: ir.Value, dots: list, pairs: bool) -> ir.Value:
