@@ -176,17 +176,19 @@ def test_avx512_vnni_uses_vpdpbusd_on_zmm():
     assert re.search(r"vpdpbusd\s+[^\n]*zmm", asm)
 
 
-def test_gemv_prefetches_weights_except_on_amd_hosts():
-    """On AMD CPUs the gemv's software prefetches cost more than they bring (their hardware
-    prefetcher keeps ahead alone), so targets made for an AMD host leave them out, and only them."""
+def test_gemv_prefetch_is_chosen_by_cpu_vendor():
+    """Intel hosts' gemv asks for the next rows' lines at each row's start; AMD hosts' asks for them
+    (further ahead) with each q4_k / q5_k header group only, and nowhere for other types."""
     amd = "processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\n"
     intel = "processor\t: 0\nvendor_id\t: GenuineIntel\ncpu family\t: 6\n"
-    assert not target.prefetches_on(amd) and target.prefetches_on(intel) and target.prefetches_on("")
+    assert (target.prefetch_kind(amd), target.prefetch_kind(intel), target.prefetch_kind("")) == \
+        ("spread", "rows", "rows")
     t = target.named_target("avx2")                      # rows_only: the gemv arithmetic alone
-    for prefetch in (True, False):
-        m = ir.Module()
-        kernels.qmatmul(m, dtypes.q6_k, 1024, 64, dataclasses.replace(t, gemv_prefetch=prefetch), rows_only=True)
-        assert ("prefetch" in jit.emit_assembly(m, t)) == prefetch
+    for kind, expected in (("rows", {"q6_k": True, "q4_k": True}), ("spread", {"q6_k": False, "q4_k": True})):
+        for dt in (dtypes.q6_k, dtypes.q4_k):
+            m = ir.Module()
+            kernels.qmatmul(m, dt, 1024, 64, dataclasses.replace(t, gemv_prefetch=kind), rows_only=True)
+            assert ("prefetch" in jit.emit_assembly(m, t)) == expected[dt.name], (kind, dt.name)
     assert target.host_target().gemv_prefetch == target.host_prefetches()
 
 

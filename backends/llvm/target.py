@@ -45,7 +45,7 @@ class Target:
     cpu: str
     features: str        # LLVM's "+a,+b" string
     vector_bits: int
-    gemv_prefetch: bool = True    # gemv asks for weight lines ahead of its reads (see host_prefetches)
+    gemv_prefetch: str = "rows"   # how gemv asks for weight lines ahead of its reads: "rows" or "spread"
 
     @property
     def feature_set(self) -> frozenset:
@@ -172,17 +172,16 @@ def _with_host_extras(name: str, features: frozenset) -> Target:
     return dataclasses.replace(target, gemv_prefetch=host_prefetches())
 
 
-def host_prefetches() -> bool:
-    """Whether gemv should prefetch weights on this host. Measured, one thread, a q6_k matrix larger
-    than L3: on AMD Zen 4 the software prefetches cost 1.4-1.9x (11.0-12.3 GB/s with, 17.4-21.7
-    without; the hardware prefetcher alone keeps ahead), q4_k no difference; on Intel Xeons they were
-    a gain (see qmatmul.PREFETCH_AHEAD). So they are left out on AMD CPUs only."""
-    return prefetches_on(_host_cpuinfo())
+def host_prefetches() -> str:
+    """How gemv should prefetch weights on this host (qmatmul.PREFETCH_AHEAD and SPREAD_AHEAD have
+    the figures): "spread" on AMD CPUs, where prefetches at a row's start cost more than they bring
+    but q4_k and q5_k gain from lines asked for further ahead, a few at a time; else "rows"."""
+    return prefetch_kind(_host_cpuinfo())
 
 
-def prefetches_on(cpuinfo: str) -> bool:
-    """False for a /proc/cpuinfo text whose first CPU is AMD's, else True."""
-    return _cpuinfo_field(cpuinfo, ("vendor_id",)) != "AuthenticAMD"
+def prefetch_kind(cpuinfo: str) -> str:
+    """"spread" for a /proc/cpuinfo text whose first CPU is AMD's, else "rows"."""
+    return "spread" if _cpuinfo_field(cpuinfo, ("vendor_id",)) == "AuthenticAMD" else "rows"
 
 
 def host_target(env: str | None = None) -> Target:

@@ -48,8 +48,10 @@ def cmd_target(args) -> int:
     print(f"feature sets this host runs: {', '.join(info['runnable'])}")
     print(f"chosen: {info['chosen']}" + (" (forced by GGRAPH_TARGET)" if info["forced"] else
                                          " (best available; GGRAPH_TARGET=<set> forces one)"))
-    print("gemv weight prefetch: " + ("on" if info["gemv_prefetch"] else
-                                      "off (an AMD CPU: its hardware prefetcher does better alone)"))
+    print("gemv weight prefetch: " + {
+        "rows": "rows (each row asks for the lines 2 and 4 KB on at its start)",
+        "spread": "spread (an AMD CPU: q4_k and q5_k ask for the lines 8 KB ahead of each group of four "
+                  "blocks; other types leave it to the hardware prefetcher)"}[info["gemv_prefetch"]])
     print("kernels:")
     for op, variant in info["kernels"].items():
         print(f"  {op:<20} {variant}")

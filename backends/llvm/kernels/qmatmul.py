@@ -10,7 +10,8 @@ activation scales in f32. Four drivers share the block decoders:
 
 - gemv (T == 1): one row at a time, 32 weights per step (64 for 256-weight blocks on
   512-bit targets: with VNNI the two chunks one 64-byte load holds, against a copy of the
-  activations in that order), f32 lanes along K, the next rows prefetched (not on AMD), rows of
+  activations in that order), f32 lanes along K, weights prefetched (the next rows; on AMD, q4_k
+  and q5_k header groups only, further ahead), rows of
   up to GEMV_INLINE_BLOCKS blocks without a block loop. The super-block types sum a block's
   dots times their integer scales in i32 lanes (two steps' dots packed to i16 words per
   vpdpwssd) and their mins in integers; q4_k and q5_k unpack the headers of HEADER_BLOCKS
@@ -192,11 +193,17 @@ def _xsum(k: Kernel, fmt: BlockFormat, lay: ActLayout, L: int, base, blk, s: int
 
 
 # -- gemv: T == 1 ---------------------------------------------------------------------------
-# How far ahead of its reads gemv asks for weight lines, and into L2, not L1: on a 1B-shaped Q4_K_M
-# file larger than L3 (Xeon with AMX, 2 cores), decode 1.07-1.12x at one thread and 1.11-1.13x at
-# two over one distance of 2048 into L1 (/tmp A/B, alternating processes); 4096 alone was 0.8x.
-# Targets for AMD hosts leave them out (Target.gemv_prefetch: they cost q6_k 1.4-1.9x on a Zen 4).
+# How gemv asks for weight lines ahead of its reads (Target.gemv_prefetch), always into L2, not L1:
+# - "rows" (Intel): at a row's start, the lines PREFETCH_AHEAD bytes on. On a 1B-shaped Q4_K_M file
+#   larger than L3 (Xeon with AMX, 2 cores), decode 1.07-1.12x at one thread and 1.11-1.13x at two
+#   over one distance of 2048 into L1 (/tmp A/B, alternating processes); 4096 alone was 0.8x.
+# - "spread" (AMD): q4_k and q5_k rows ask, with each header group, for the group's lines
+#   SPREAD_AHEAD bytes on; nothing else. On a Zen 4, one thread, q4_k from memory: 2048-wide rows
+#   1.13-1.16x, 8192-wide 1.06-1.08x, 4096 bytes ahead 0.8x (A/B in one process); 1B-shaped decode
+#   at two threads 1.1-1.3x (alternating processes). The "rows" prefetches cost a Zen 4 q6_k 1.4-1.9x,
+#   and a whole row asked for 8 KB ahead at its start 0.5-0.65x on 8192-wide rows.
 PREFETCH_AHEAD = (2048, 4096)
+SPREAD_AHEAD = 8192
 
 
 def _gemv(k: Kernel, isa: Isa, fmt: BlockFormat, lay: ActLayout, N: int, rows, xorder=None) -> None:
@@ -322,6 +329,10 @@ def _gemv_n_row(k: Kernel, isa: Isa, fmt: BlockFormat, lay: ActLayout, N: int, r
     def group(blk0, G: int):
         """Blocks blk0 .. blk0+G-1, their headers unpacked together; the mins of all G in one step."""
         hd = fmt.headers(k, isa, [_row(k, fmt, lay, row, k.add(blk0, g)) for g in range(G)])
+        if isa.t.gemv_prefetch == "spread":
+            at = _row(k, fmt, lay, row, blk0)
+            for line in range(0, G * fmt.dtype.type_size, 64):
+                k.prefetch(k.addr(at, SPREAD_AHEAD + line), level=2)
         ddx = []
         for xt, macc in zip(xts, maccs):
             dx = k.load(vec(f32, G), xt, lay.d(k, 1, blk0))
@@ -341,6 +352,9 @@ def _gemv_n_row(k: Kernel, isa: Isa, fmt: BlockFormat, lay: ActLayout, N: int, r
                        [None] * n, scales, [None] * n, [k.shuffle(dd, [g] * lanes) for dd in ddx], accs)
 
     nblocks = lay.K // fmt.dtype.block_size
+    if fmt.headers is not None and not (fmt.int_mins and fmt.sub == 32 and lay.has_sums32):
+        raise ValueError(f"qmatmul {fmt.dtype.name}: header groups take 32-weight sub-blocks with integer "
+                         f"mins and q8_k's sums of 32, which this format lacks")
     if fmt.headers is None:
         _each_block(k, nblocks, block)
     elif nblocks <= GEMV_INLINE_BLOCKS:
@@ -471,7 +485,7 @@ def _xsums_row(k: Kernel, fmt: BlockFormat, lay: ActLayout, blk, xbase) -> ir.Va
 def _prefetch_row(k: Kernel, isa: Isa, fmt: BlockFormat, lay: ActLayout, n) -> None:
     """Ask for the bytes PREFETCH_AHEAD on from the row's start, into L2 (prefetches never fault
     past the end)."""
-    if not isa.t.gemv_prefetch:
+    if isa.t.gemv_prefetch != "rows":
         return
     row_bytes = fmt.dtype.row_bytes(lay.K)
     for ahead in PREFETCH_AHEAD:
