@@ -362,29 +362,39 @@ def test_qmatmul_long_rows(target, dt):
 
 
 HEADER_KS = (768, 1280, 2048)      # gemv rows of 3, 4 + 1 and 4 + 4 super-blocks, without a block loop
-_HEADER_LIBS: dict = {}
+SMALL_KS = (608,)                 # rows of 2 x 8 + 3 32-weight blocks: a group loop and an odd last group
+_GROUP_LIBS: dict = {}
 
 
-def _build_headers(target_name: str) -> jit.Library:
+def _group_ks(dt) -> tuple:
+    return SMALL_KS if dt.block_size == 32 else HEADER_KS
+
+
+_GROUPED = [d for d in kernels.QUANT_TYPES if block_format(d).headers or d.block_size == 32]
+
+
+def _build_groups(target_name: str) -> jit.Library:
     t = named_target(target_name)
     m = ir.Module()
-    for K in HEADER_KS:
-        for dt in (d for d in kernels.QUANT_TYPES if block_format(d).headers):
+    for dt in _GROUPED:
+        for K in _group_ks(dt):
             kernels.qmatmul(m, dt, K, N, t)
             kernels.qmatmul(m, dt, K, N, t, rows_only=True)
-        kernels.act_quant(m, "q8_k", K, t)
-        kernels.act_quant(m, "q8_k", K, t, rows_only=True)
+    for fmt, K in [("q8_k", K) for K in HEADER_KS] + [("q8_0", K) for K in SMALL_KS]:
+        kernels.act_quant(m, fmt, K, t)
+        kernels.act_quant(m, fmt, K, t, rows_only=True)
     return jit.compile(m, t)
 
 
-@pytest.mark.parametrize("dt", [d for d in kernels.QUANT_TYPES if block_format(d).headers], ids=lambda d: d.name)
-def test_qmatmul_gemv_header_groups(target, dt):
-    """Formats whose gemv unpacks the headers of qmatmul.HEADER_BLOCKS blocks at once: rows of a
-    partial group, a whole group and a partial one, and two groups, for one token and for each token
-    of a rows_only batch (the long rows' block loop is test_qmatmul_long_rows)."""
-    lib = runnable_target(target, _HEADER_LIBS, _build_headers) and _HEADER_LIBS[target]
+@pytest.mark.parametrize("dt", _GROUPED, ids=lambda d: d.name)
+def test_qmatmul_gemv_block_groups(target, dt):
+    """The gemv's groups of blocks (qmatmul.HEADER_BLOCKS super-blocks whose headers it unpacks
+    together, qmatmul.SMALL_GROUP 32-weight blocks): rows of whole groups and of a partial last
+    one, without and with the group loop, for one token and for each token of a rows_only batch
+    (the long rows are test_qmatmul_long_rows)."""
+    lib = runnable_target(target, _GROUP_LIBS, _build_groups) and _GROUP_LIBS[target]
     rng = np.random.default_rng(7)
-    for K in HEADER_KS:
+    for K in _group_ks(dt):
         w = random_blocks(dt, N, K, rng)
         check_qmatmul(target, dt, K, N, w, tokens=(1,), rng=rng, lib=lib)
         check_rows_only(target, dt, K, w, rng, lib)

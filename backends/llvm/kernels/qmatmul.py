@@ -10,15 +10,15 @@ activation scales in f32. Four drivers share the block decoders:
 
 - gemv (T == 1): one row at a time, 32 weights per step (64 for 256-weight blocks on
   512-bit targets: with VNNI the two chunks one 64-byte load holds, against a copy of the
-  activations in that order), f32 lanes along K, weights prefetched (the next rows; on AMD, q4_k
-  and q5_k header groups only, further ahead), rows of
-  up to GEMV_INLINE_BLOCKS blocks without a block loop. The super-block types sum a block's
-  dots times their integer scales in i32 lanes (two steps' dots packed to i16 words per
-  vpdpwssd) and their mins in integers; q4_k and q5_k unpack the headers of HEADER_BLOCKS
-  blocks at once. The rows_only kernels (a
-  batch of sequences) run the gemv arithmetic for every token at any T, SMALL_T tokens at a
-  time, each block decoded once for all of them: a token's result is the same bits whatever
-  shares the step, and the weights are read once per step.
+  activations in that order), f32 lanes along K, weights prefetched (the next rows; on AMD,
+  q4_k and q5_k header groups only, further ahead), rows of up to GEMV_INLINE_BLOCKS blocks
+  without a block loop. The super-block types sum a block's dots times their integer scales
+  in i32 lanes (two steps' dots packed to i16 words per vpdpwssd) and their mins in integers;
+  q4_k and q5_k unpack the headers of HEADER_BLOCKS blocks at once. 32-weight blocks go
+  SMALL_GROUP at a time (scales, offsets and mins as vectors), two to a 512-bit dot. The
+  rows_only kernels (a batch of sequences) run the gemv arithmetic for every token at any T,
+  SMALL_T tokens at a time, each block decoded once for all of them: a token's result is the
+  same bits whatever shares the step, and the weights are read once per step.
 - rows gemm (T > 1 with AVX-512 VNNI): lanes are rows. A panel of 16-row vectors is decoded
   and transposed once into a private buffer, then each token's 4-byte activation words are
   broadcast (from memory, into the dot) against it, for 32 rows x 6 tokens at a time; super-block
@@ -294,13 +294,15 @@ def _gemv_n_row(k: Kernel, isa: Isa, fmt: BlockFormat, lay: ActLayout, N: int, r
     P = gemv_chunks(fmt, isa.t)
     steps = gemv_steps(fmt, isa.t) if xorder is not None else _consecutive(fmt, P)
     subs = fmt.dtype.block_size // fmt.sub
-    lanes = 8 * P
+    small = fmt.dtype.block_size == 32                  # 32-weight blocks: SMALL_GROUP at a time
+    S = 2 if small and isa.t.vector_bits >= 512 else 1  # ... and S of them per dot
+    lanes = 8 * (S if small else P)
     first = k.addr(k.arg["xq"], k.mul(t0, lay.group_bytes(1)))
     xts = [k.addr(first, t * lay.group_bytes(1)) for t in range(n)]
     quants = [xorder] if xorder is not None else xts      # where each token's step activations are
     _prefetch_row(k, isa, fmt, lay, row)
     accs = [k.var(vec(f32, lanes), ir.Constant(vec(f32, lanes), [0.0] * lanes)) for _ in range(n)]
-    mlanes = subs // 2 * (HEADER_BLOCKS if fmt.headers else 1) if fmt.int_mins else subs
+    mlanes = subs // 2 * (HEADER_BLOCKS if fmt.headers else 1) if fmt.int_mins else (SMALL_GROUP if small else subs)
     maccs = [k.var(vec(f32, mlanes), ir.Constant(vec(f32, mlanes), [0.0] * mlanes)) for _ in range(n)]
 
     def block(blk):
@@ -351,11 +353,51 @@ def _gemv_n_row(k: Kernel, isa: Isa, fmt: BlockFormat, lay: ActLayout, N: int, r
             _int_block(k, isa, fmt, fmt.decode(k, isa, _row(k, fmt, lay, row, blk)), blk, steps, quants,
                        [None] * n, scales, [None] * n, [k.shuffle(dd, [g] * lanes) for dd in ddx], accs)
 
+    def small_group(blk0, G: int):
+        """G consecutive 32-weight blocks: their scales, activation scales and sums, offset terms
+        and mins as G-lane vectors, the dots S blocks at a time (lanes 8j.. are block j's)."""
+        decs = [fmt.decode(k, isa, _row(k, fmt, lay, row, k.add(blk0, g))) for g in range(G)]
+        d = k.concat(*[dec.scales for dec in decs])                                   # (G,) f32
+        mins = k.concat(*[dec.mins for dec in decs]) if decs[0].mins is not None else None
+        dec = decs[0]
+        for xt, acc, macc in zip(xts, accs, maccs):
+            dx = k.load(vec(f32, G), xt, lay.d(k, 1, blk0))
+            sd = k.concat(b.fmul(d, dx), ir.Constant(vec(f32, G), [0.0] * G))        # lanes G..: 0
+            xs = lay.load_sums(k, xt, 1, blk0, G)                                     # (G,) i32
+            if mins is not None:                           # sum_b min_b dx_b xsum_b, one lane a block
+                term = b.fmul(b.fmul(mins, dx), b.sitofp(xs, vec(f32, G)))
+                macc.set(b.fadd(macc.get(), _widen_lanes(k, term, mlanes)))
+            init = k.concat(b.mul(xs, ir.Constant(vec(i32, G), [-dec.offset] * G)), ir.Constant(vec(i32, G), [0] * G)) \
+                if dec.offset else None                    # -offset x xsum in each block's first lane
+            for s0 in range(0, G, S):
+                m = min(S, G - s0)
+                w = k.concat(*[decs[s0 + j].chunk(0) for j in range(m)])
+                xv = k.load(vec(i8, 32 * m), xt, k.mul(k.add(blk0, s0), 32))
+                if m < S:                                  # a row's odd last block: zero lanes after it
+                    w, xv = (k.concat(v, ir.Constant(v.type, [0] * v.type.count)) for v in (w, xv))
+                which = [s0 + j // 8 if j // 8 < m else G for j in range(lanes)]       # each lane's block
+                start = ir.Constant(vec(i32, lanes), [0] * lanes) if init is None else \
+                    k.shuffle(init, [c if j % 8 == 0 else G for j, c in enumerate(which)])
+                dot = isa.dot(start, w, xv, dec.signed, dec.qmax)
+                acc.set(isa.fma(b.sitofp(dot, vec(f32, lanes)), k.shuffle(sd, which), acc.get()))
+
     nblocks = lay.K // fmt.dtype.block_size
+    if small:
+        if nblocks <= SMALL_GROUP:
+            small_group(k.i64(0), nblocks)
+        else:
+            whole = nblocks // SMALL_GROUP
+            with k.loop(0, whole, name="blk") as gi:
+                small_group(k.mul(gi, SMALL_GROUP), SMALL_GROUP)
+            if nblocks % SMALL_GROUP:
+                small_group(k.i64(whole * SMALL_GROUP), nblocks % SMALL_GROUP)
+        nblocks = 0
     if fmt.headers is not None and not (fmt.int_mins and fmt.sub == 32 and lay.has_sums32):
         raise ValueError(f"qmatmul {fmt.dtype.name}: header groups take 32-weight sub-blocks with integer "
                          f"mins and q8_k's sums of 32, which this format lacks")
-    if fmt.headers is None:
+    if small:
+        pass
+    elif fmt.headers is None:
         _each_block(k, nblocks, block)
     elif nblocks <= GEMV_INLINE_BLOCKS:
         for g0 in range(0, nblocks, HEADER_BLOCKS):
@@ -369,6 +411,21 @@ def _gemv_n_row(k: Kernel, isa: Isa, fmt: BlockFormat, lay: ActLayout, N: int, r
     for t, (acc, macc) in enumerate(zip(accs, maccs)):
         at = k.mul(k.add(k.mul(k.add(t0, t), N), row), 4)
         k.store(b.fsub(isa.hsum(acc.get()), isa.hsum(macc.get())), k.arg["y"], at)
+
+
+# 32-weight blocks a gemv row takes together: their scales, activation scales and sums, offset terms
+# and mins in G-lane vectors (one float step for all of them), their dots two blocks to a 512-bit
+# vector. On a Zen 4, one thread (old and new kernels in one process, 15 alternating rounds), from
+# memory: q8_0 1.31-1.37x, q4_1 1.13-1.23x, q4_0 1.09-1.15x, q5_0 1.01-1.05x; SmolLM2-shaped Q4_1
+# decode 1.07-1.1x at one thread, 1.0-1.3x at two (alternating processes). Still 8-19 GB/s against
+# 23-28 GB/s of streaming: the nibbles' lane inserts and the scales' gathers hold these formats back.
+SMALL_GROUP = 8
+
+
+def _widen_lanes(k: Kernel, v: ir.Value, n: int) -> ir.Value:
+    """v with zero lanes after its own, to n lanes."""
+    have = v.type.count
+    return v if have == n else k.shuffle(v, [min(j, have) for j in range(n)], ir.Constant(v.type, [0] * have))
 
 
 # Super-blocks whose headers (scales, mins, d, dmin) a gemv row unpacks together, for formats with
