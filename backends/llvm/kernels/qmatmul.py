@@ -288,7 +288,8 @@ def _gemv_n_row(k: Kernel, isa: Isa, fmt: BlockFormat, lay: ActLayout, N: int, r
     sub-blocks in i32 lanes times their integer scales, as llama.cpp does, and take one f32 step per
     block: shorter dependency chains, 1.04-1.22x), the K-quant mins in a separate accumulator, the
     same arithmetic for each token whatever n is. Formats with ``headers`` (q4_k, q5_k) unpack the
-    scales, mins and d of HEADER_BLOCKS blocks at a time and sum their mins in one step. ``xorder``:
+    scales, mins and d of HEADER_BLOCKS blocks at a time and sum their mins in one step; 32-weight
+    blocks go SMALL_GROUP at a time, S to a dot. ``xorder``:
     the one token's quants in the order of `gemv_steps` (n == 1), where that is not the natural order."""
     b = k.b
     P = gemv_chunks(fmt, isa.t)
@@ -383,31 +384,14 @@ def _gemv_n_row(k: Kernel, isa: Isa, fmt: BlockFormat, lay: ActLayout, N: int, r
 
     nblocks = lay.K // fmt.dtype.block_size
     if small:
-        if nblocks <= SMALL_GROUP:
-            small_group(k.i64(0), nblocks)
-        else:
-            whole = nblocks // SMALL_GROUP
-            with k.loop(0, whole, name="blk") as gi:
-                small_group(k.mul(gi, SMALL_GROUP), SMALL_GROUP)
-            if nblocks % SMALL_GROUP:
-                small_group(k.i64(whole * SMALL_GROUP), nblocks % SMALL_GROUP)
-        nblocks = 0
-    if fmt.headers is not None and not (fmt.int_mins and fmt.sub == 32 and lay.has_sums32):
-        raise ValueError(f"qmatmul {fmt.dtype.name}: header groups take 32-weight sub-blocks with integer "
-                         f"mins and q8_k's sums of 32, which this format lacks")
-    if small:
-        pass
-    elif fmt.headers is None:
-        _each_block(k, nblocks, block)
-    elif nblocks <= GEMV_INLINE_BLOCKS:
-        for g0 in range(0, nblocks, HEADER_BLOCKS):
-            group(k.i64(g0), min(HEADER_BLOCKS, nblocks - g0))
+        _in_groups(k, nblocks, SMALL_GROUP, SMALL_GROUP, small_group)
+    elif fmt.headers is not None:
+        if not (fmt.int_mins and fmt.sub == 32 and lay.has_sums32):
+            raise ValueError(f"qmatmul {fmt.dtype.name}: header groups take 32-weight sub-blocks with integer "
+                             f"mins and q8_k's sums of 32, which this format lacks")
+        _in_groups(k, nblocks, HEADER_BLOCKS, GEMV_INLINE_BLOCKS, group)
     else:
-        whole = nblocks // HEADER_BLOCKS
-        with k.loop(0, whole, name="blk") as gi:
-            group(k.mul(gi, HEADER_BLOCKS), HEADER_BLOCKS)
-        if nblocks % HEADER_BLOCKS:
-            group(k.i64(whole * HEADER_BLOCKS), nblocks % HEADER_BLOCKS)
+        _each_block(k, nblocks, block)
     for t, (acc, macc) in enumerate(zip(accs, maccs)):
         at = k.mul(k.add(k.mul(k.add(t0, t), N), row), 4)
         k.store(b.fsub(isa.hsum(acc.get()), isa.hsum(macc.get())), k.arg["y"], at)
@@ -508,6 +492,20 @@ def _word_pairs(k: Kernel, isa: Isa, a: ir.Value, b: ir.Value) -> ir.Value:
 # 1B-shaped decode runs 1.1-1.3x faster; longer rows lose so (32 q4_k blocks: 0.7x), as their
 # code outgrows the op cache, and keep the loop
 GEMV_INLINE_BLOCKS = 8
+
+
+def _in_groups(k: Kernel, nblocks: int, size: int, inline: int, body) -> None:
+    """``body(first, count)`` over a row's blocks in groups of ``size``: inline for rows of at most
+    ``inline`` blocks, else a loop over the whole groups and then the partial last one."""
+    if nblocks <= inline:
+        for g0 in range(0, nblocks, size):
+            body(k.i64(g0), min(size, nblocks - g0))
+        return
+    whole = nblocks // size
+    with k.loop(0, whole, name="blk") as gi:
+        body(k.mul(gi, size), size)
+    if nblocks % size:
+        body(k.i64(whole * size), nblocks % size)
 
 
 def _each_block(k: Kernel, nblocks: int, body) -> None:
