@@ -162,7 +162,10 @@ class LlamaCppRunner:
 def bench_side_by_side(runners: list, pp: int, tg: int, depth: int = 0, repeats: int = 3,
                        stream: "StreamRunner | None" = None, stream_bytes: int = 0) -> list[Result]:
     """Best-of-``repeats`` prefill and decode speed of each runner at ``depth``, their rounds alternating.
-    With a ``stream``, every round also reads ``stream_bytes`` through it (see StreamRunner)."""
+    With a ``stream``, every round also reads ``stream_bytes`` through it (see StreamRunner): its
+    ``best`` is then the best of these rounds."""
+    if stream is not None:
+        stream.best = 0.0
     n_vocab = min(r.n_vocab for r in runners)
     context, ids = prompt_tokens(depth, n_vocab, seed=1), prompt_tokens(pp, n_vocab)
     for r in runners:

@@ -133,8 +133,6 @@ def bench_speed(args, path, threads, depths, pps, tgs, pipelines, ctx, cache_k, 
                     for pp in pps:
                         for tg in tgs:
                             nbytes = round_bytes(runners[0].session, pp, tg, depth) if stream else 0
-                            if stream:
-                                stream.best = 0.0
                             rows = [r.row() for r in bench_side_by_side(runners, pp, tg, depth, args.repeats,
                                                                         stream, nbytes)]
                             if roof:

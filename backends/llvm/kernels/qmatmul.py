@@ -343,10 +343,7 @@ def _gemv_n_row(k: Kernel, isa: Isa, fmt: BlockFormat, lay: ActLayout, N: int, r
             m = isa.dot_pairs(ir.Constant(vec(i32, subs // 2 * G), [0] * (subs // 2 * G)), hd.mins, xs)
             dmx = k.shuffle(b.fmul(hd.dmin, dx), [g for g in range(G) for _ in range(subs // 2)])
             term = b.fmul(b.sitofp(m, vec(f32, subs // 2 * G)), dmx)
-            if G < HEADER_BLOCKS:                          # a row's last blocks: the upper lanes add 0
-                have = term.type.count
-                term = k.shuffle(term, [min(j, have) for j in range(mlanes)], ir.Constant(term.type, [0.0] * have))
-            macc.set(b.fadd(macc.get(), term))
+            macc.set(b.fadd(macc.get(), _widen_lanes(k, term, mlanes)))    # a row's last blocks: upper lanes 0
             ddx.append(b.fmul(hd.d, dx))
         for g in range(G):
             blk = k.add(blk0, g)
@@ -391,7 +388,7 @@ def _gemv_n_row(k: Kernel, isa: Isa, fmt: BlockFormat, lay: ActLayout, N: int, r
                              f"mins and q8_k's sums of 32, which this format lacks")
         _in_groups(k, nblocks, HEADER_BLOCKS, GEMV_INLINE_BLOCKS, group)
     else:
-        _each_block(k, nblocks, block)
+        _in_groups(k, nblocks, 1, GEMV_INLINE_BLOCKS, lambda blk, _: block(blk))
     for t, (acc, macc) in enumerate(zip(accs, maccs)):
         at = k.mul(k.add(k.mul(k.add(t0, t), N), row), 4)
         k.store(b.fsub(isa.hsum(acc.get()), isa.hsum(macc.get())), k.arg["y"], at)
@@ -495,27 +492,18 @@ GEMV_INLINE_BLOCKS = 8
 
 
 def _in_groups(k: Kernel, nblocks: int, size: int, inline: int, body) -> None:
-    """``body(first, count)`` over a row's blocks in groups of ``size``: inline for rows of at most
-    ``inline`` blocks, else a loop over the whole groups and then the partial last one."""
+    """``body(first, count)`` over a row's blocks in groups of ``size`` (1: block by block): inline
+    with constant indices for rows of at most ``inline`` blocks, else a loop over the whole groups
+    and then the partial last one."""
     if nblocks <= inline:
         for g0 in range(0, nblocks, size):
             body(k.i64(g0), min(size, nblocks - g0))
         return
     whole = nblocks // size
     with k.loop(0, whole, name="blk") as gi:
-        body(k.mul(gi, size), size)
+        body(gi if size == 1 else k.mul(gi, size), size)
     if nblocks % size:
         body(k.i64(whole * size), nblocks % size)
-
-
-def _each_block(k: Kernel, nblocks: int, body) -> None:
-    """``body(blk)`` for each block of a row: inline with constant indices for short rows, else a loop."""
-    if nblocks <= GEMV_INLINE_BLOCKS:
-        for blk in range(nblocks):
-            body(k.i64(blk))
-        return
-    with k.loop(0, nblocks, name="blk") as blk:
-        body(blk)
 
 
 def _lane_bound(fmt: BlockFormat, dec, with_offset: bool = True) -> int:
