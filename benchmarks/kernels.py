@@ -19,7 +19,7 @@ from llvmlite import ir
 
 from ggraph.ir import dtypes
 from ggraph.backends.llvm import jit, kernels
-from ggraph.backends.llvm.target import host_target, runnable_targets
+from ggraph.backends.llvm.target import runnable_targets
 from ggraph.backends.llvm.team import CallTeam
 
 #  wtype   K      N       what it is in gemma 3 270m
@@ -113,8 +113,12 @@ def main() -> None:
             shapes = [(w, int(k), int(n), "--shapes") for w, k, n in (x.split(":") for x in args.shapes.split(","))]
         except ValueError:
             ap.error(f"--shapes takes TYPE:K:N,... (e.g. q4_1:576:1536), got {args.shapes!r}")
-    targets = [host_target(t) for t in args.targets.split(",")] if args.targets else \
-        [t for t in runnable_targets() if t.name != "generic"]
+    runnable = {t.name: t for t in runnable_targets()}        # each with this host's extras (prefetch kind)
+    wanted = args.targets.split(",") if args.targets else [n for n in runnable if n != "generic"]
+    unknown = [n for n in wanted if n not in runnable]
+    if unknown:
+        ap.error(f"--targets: this host does not run {', '.join(unknown)}; it runs {', '.join(runnable)}")
+    targets = [runnable[n] for n in wanted]
     if args.tokens < 2:
         ap.error(f"--tokens is the GEMM's T and must be at least 2 (T=1 is the GEMV column), got {args.tokens}")
     threads = [int(t) for t in args.threads.split(",")]
