@@ -6,7 +6,7 @@ import sys
 
 
 FEATURES_THAT_MATTER = ("sse4.1", "sse4.2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl",
-                        "avx512dq", "avx512vnni", "avxvnni", "amx-tile", "amx-int8", "neon", "dotprod")
+                        "avx512dq", "avx512vnni", "avxvnni", "gfni", "amx-tile", "amx-int8", "neon", "dotprod")
 
 
 def target_report() -> dict:
