@@ -4,6 +4,7 @@ import ctypes
 import dataclasses
 import re
 
+import numpy as np
 import pytest
 from llvmlite import ir
 
@@ -157,6 +158,29 @@ def test_table_lookup_needs_ssse3():
     idx = ir.Constant(vec(i8, 32), [1] * 32)
     with pytest.raises(ValueError, match="ssse3.*'generic'"):
         _isa("generic").lookup16(list(range(16)), idx)
+
+
+@pytest.mark.parametrize("name,extra,n", [("avx2", (), 32), ("avx2", ("gfni",), 32),
+                                          ("avx512_vnni", (), 64), ("avx512_vnni", ("gfni",), 64)])
+def test_nibble_split_per_qword(name, extra, n):
+    """Isa.nibbles: each byte's high or low nibble by its qword, with GFNI one vgf2p8affineqb (a bit
+    matrix per qword), else a word shift and a mask; the same bytes either way."""
+    if not {name, *extra} <= {t.name for t in target.runnable_targets()} | target.host_features():
+        pytest.skip(f"host cannot run {name} with {extra}")
+    t = target.named_target(name, extra)
+    high = [q % 3 == 1 for q in range(n // 8)]
+    m = ir.Module()
+    k = Kernel(m, "split", ("src", "dst"))
+    k.store(Isa(k, t).nibbles(k.load(vec(i8, n), k.arg["src"]), high), k.arg["dst"])
+    k.finish()
+    assert ("vgf2p8affineqb" in jit.emit_assembly(m, t)) == ("gfni" in extra)
+    src = np.random.default_rng(0).integers(0, 256, n, dtype=np.uint8)
+    dst = np.zeros(n, np.uint8)
+    P = ctypes.c_void_p
+    jit.compile(m, t).function("split", None, [P, P, ctypes.c_int64, ctypes.c_int32, ctypes.c_int32])(
+        src.ctypes.data, dst.ctypes.data, 1, 0, 1)
+    expected = np.where(np.repeat(high, 8), src >> 4, src & 15)
+    np.testing.assert_array_equal(dst, expected)
 
 
 # -- what the assembly may contain -------------------------------------------------------------------

@@ -81,6 +81,28 @@ def _lane(k: Kernel, s) -> ir.Value:
     return ir.Constant(i32, s) if isinstance(s, int) else k.b.trunc(s, i32)
 
 
+@dataclass
+class Run:
+    """G consecutive 32-weight blocks of a row, for gemv: ``weights(j, m)`` the bytes of blocks j ..
+    j+m-1 end to end (each as Decoded.chunk(0) gives it), ``d`` and ``mins`` one lane per block."""
+
+    weights: Callable                  # (j, m) -> <32m x i8>
+    d: ir.Value                        # <G x float>
+    mins: ir.Value | None              # <G x float>, or None
+    signed: bool
+    offset: int
+    qmax: int
+
+    @classmethod
+    def of_blocks(cls, k: Kernel, decs: list) -> "Run":
+        """A run from each block's own decoder (a load and an unpack per block)."""
+        first = decs[0]
+        return cls(lambda j, m: k.concat(*[decs[j + i].chunk(0) for i in range(m)]),
+                   k.concat(*[dec.scales for dec in decs]),
+                   k.concat(*[dec.mins for dec in decs]) if first.mins is not None else None,
+                   first.signed, first.offset, first.qmax)
+
+
 @dataclass(frozen=True)
 class BlockFormat:
     """A weight block type: its activation format, and its scalar and vector decoders."""
@@ -95,6 +117,7 @@ class BlockFormat:
     wide: tuple = ()         # groups of chunks whose bytes one 64-byte load holds (gemv steps), if not consecutive
     int_mins: bool = False   # Decoded.ints has mins (super-blocks with w = d*sc*q - dmin*m)
     headers: Callable | None = None   # (k, isa, [blk]) -> Headers of consecutive blocks, where the format has it
+    run: Callable | None = None       # (k, isa, first blk, G) -> Run gathered from 64-byte loads, where it has one
 
     @property
     def chunks(self) -> int:

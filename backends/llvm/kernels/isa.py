@@ -246,6 +246,22 @@ class Isa:
         return k.b.add(acc, k.b.add(k.b.add(quad[0], quad[1]), k.b.add(quad[2], quad[3])))
 
     # -- table lookup -----------------------------------------------------------------------
+    def nibbles(self, v: ir.Value, high: list[bool]) -> ir.Value:
+        """Each byte's high nibble where ``high[q]`` holds for its 8-byte qword q, else its low one, as
+        bytes 0..15: one vgf2p8affineqb with GFNI (a bit matrix per qword), else a word shift and a mask."""
+        k, b = self.k, self.k.b
+        n = v.type.count
+        if len(high) * 8 != n:
+            raise ValueError(f"nibbles: {len(high)} qword choices for {n} bytes")
+        if self.is_x86 and self.t.has("gfni") and n in (16, 32, 64) and (n < 64 or self.t.has("avx512bw")):
+            # output bit i = input bit i (+4 for high): matrix byte 7-i = 1 << i (or 1 << i+4)
+            rows = {False: [0, 0, 0, 0, 8, 4, 2, 1], True: [0, 0, 0, 0, 0x80, 0x40, 0x20, 0x10]}
+            matrix = ir.Constant(vec(i8, n), [r for h in high for r in rows[h]])
+            return k.intrinsic(f"llvm.x86.vgf2p8affineqb.{8 * n}", vec(i8, n), [v, matrix, ir.Constant(i8, 0)])
+        words = k.cast_vec(v, i16)
+        shifted = b.lshr(words, ir.Constant(words.type, [4 if high[w // 4] else 0 for w in range(n // 2)]))
+        return b.and_(k.cast_vec(shifted, i8), ir.Constant(v.type, [0x0F] * n))
+
     def lookup16(self, table: list[int], idx: ir.Value) -> ir.Value:
         """table[idx[i]] for a 16-entry byte table and indices in 0..15 (pshufb)."""
         k = self.k

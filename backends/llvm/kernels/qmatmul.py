@@ -15,7 +15,9 @@ activation scales in f32. Four drivers share the block decoders:
   without a block loop. The super-block types sum a block's dots times their integer scales
   in i32 lanes (two steps' dots packed to i16 words per vpdpwssd) and their mins in integers;
   q4_k and q5_k unpack the headers of HEADER_BLOCKS blocks at once. 32-weight blocks go
-  SMALL_GROUP at a time (scales, offsets and mins as vectors), two to a 512-bit dot. The
+  SMALL_GROUP at a time (scales, offset terms and mins as vectors, the offsets and mins taken out
+  in floats), two to a 512-bit dot, gathered with AVX-512 VNNI by word shuffles of 64-byte loads
+  (`quant_blocks.gathered_run`). The
   rows_only kernels (a batch of sequences) run the gemv arithmetic for every token at any T,
   SMALL_T tokens at a time, each block decoded once for all of them: a token's result is the
   same bits whatever shares the step, and the weights are read once per step.
@@ -40,7 +42,7 @@ from llvmlite import ir
 from ggraph.ir import dtypes
 from ggraph.backends.llvm.kernels import kquant_blocks, quant_blocks
 from ggraph.backends.llvm.kernels.act_quant import GROUP, ActLayout, rows_gemm
-from ggraph.backends.llvm.kernels.blocks import BlockFormat, Decoded, pack
+from ggraph.backends.llvm.kernels.blocks import BlockFormat, Decoded, Run, pack
 from ggraph.backends.llvm.kernels.builder import ROW_CHUNK, Kernel, f32, i8, i16, i32, i64, vec
 from ggraph.backends.llvm.kernels.isa import Isa, vector_path
 from ggraph.backends.llvm.target import Target
@@ -354,30 +356,35 @@ def _gemv_n_row(k: Kernel, isa: Isa, fmt: BlockFormat, lay: ActLayout, N: int, r
     def small_group(blk0, G: int):
         """G consecutive 32-weight blocks: their scales, activation scales and sums, offset terms
         and mins as G-lane vectors, the dots S blocks at a time (lanes 8j.. are block j's)."""
-        decs = [fmt.decode(k, isa, _row(k, fmt, lay, row, k.add(blk0, g))) for g in range(G)]
-        d = k.concat(*[dec.scales for dec in decs])                                   # (G,) f32
-        mins = k.concat(*[dec.mins for dec in decs]) if decs[0].mins is not None else None
-        dec = decs[0]
+        if fmt.run is not None and G == SMALL_GROUP and S == 2 and isa.full_u8_dot:
+            run = fmt.run(k, isa, _row(k, fmt, lay, row, blk0), G)     # gathered from 64-byte loads
+        else:
+            run = Run.of_blocks(k, [fmt.decode(k, isa, _row(k, fmt, lay, row, k.add(blk0, g))) for g in range(G)])
         for xt, acc, macc in zip(xts, accs, maccs):
             dx = k.load(vec(f32, G), xt, lay.d(k, 1, blk0))
-            sd = k.concat(b.fmul(d, dx), ir.Constant(vec(f32, G), [0.0] * G))        # lanes G..: 0
-            xs = lay.load_sums(k, xt, 1, blk0, G)                                     # (G,) i32
-            if mins is not None:                           # sum_b min_b dx_b xsum_b, one lane a block
-                term = b.fmul(b.fmul(mins, dx), b.sitofp(xs, vec(f32, G)))
-                macc.set(b.fadd(macc.get(), _widen_lanes(k, term, mlanes)))
-            init = k.concat(b.mul(xs, ir.Constant(vec(i32, G), [-dec.offset] * G)), ir.Constant(vec(i32, G), [0] * G)) \
-                if dec.offset else None                    # -offset x xsum in each block's first lane
+            ddx = b.fmul(run.d, dx)
+            xs = b.sitofp(lay.load_sums(k, xt, 1, blk0, G), vec(f32, G))              # (G,) activation sums
+            # what the dots leave out, one lane a block: offset x d dx xsum, and min x dx xsum (subtracted)
+            off = b.fmul(ddx, ir.Constant(vec(f32, G), [float(run.offset)] * G)) if run.offset else None
+            own = b.fmul(run.mins, dx) if run.mins is not None else None
+            factor = own if off is None else off if own is None else b.fadd(off, own)
+            if factor is not None:
+                macc.set(isa.fma(factor, xs, macc.get()) if mlanes == G else
+                         b.fadd(macc.get(), _widen_lanes(k, b.fmul(factor, xs), mlanes)))
+            sd = k.concat(ddx, ir.Constant(vec(f32, G), [0.0] * G))                   # lanes G..: 0
+            total = None                                   # the group's sum, then one add to the row's
             for s0 in range(0, G, S):
                 m = min(S, G - s0)
-                w = k.concat(*[decs[s0 + j].chunk(0) for j in range(m)])
+                w = run.weights(s0, m)
                 xv = k.load(vec(i8, 32 * m), xt, k.mul(k.add(blk0, s0), 32))
                 if m < S:                                  # a row's odd last block: zero lanes after it
                     w, xv = (k.concat(v, ir.Constant(v.type, [0] * v.type.count)) for v in (w, xv))
                 which = [s0 + j // 8 if j // 8 < m else G for j in range(lanes)]       # each lane's block
-                start = ir.Constant(vec(i32, lanes), [0] * lanes) if init is None else \
-                    k.shuffle(init, [c if j % 8 == 0 else G for j, c in enumerate(which)])
-                dot = isa.dot(start, w, xv, dec.signed, dec.qmax)
-                acc.set(isa.fma(b.sitofp(dot, vec(f32, lanes)), k.shuffle(sd, which), acc.get()))
+                dot = b.sitofp(isa.dot(ir.Constant(vec(i32, lanes), [0] * lanes), w, xv, run.signed, run.qmax),
+                               vec(f32, lanes))
+                scale = k.shuffle(sd, which)
+                total = b.fmul(dot, scale) if total is None else isa.fma(dot, scale, total)
+            acc.set(b.fadd(acc.get(), total))
 
     nblocks = lay.K // fmt.dtype.block_size
     if small:
@@ -396,10 +403,11 @@ def _gemv_n_row(k: Kernel, isa: Isa, fmt: BlockFormat, lay: ActLayout, N: int, r
 
 # 32-weight blocks a gemv row takes together: their scales, activation scales and sums, offset terms
 # and mins in G-lane vectors (one float step for all of them), their dots two blocks to a 512-bit
-# vector. On a Zen 4, one thread (old and new kernels in one process, 15 alternating rounds), from
-# memory: q8_0 1.31-1.37x, q4_1 1.13-1.23x, q4_0 1.09-1.15x, q5_0 1.01-1.05x; SmolLM2-shaped Q4_1
-# decode 1.07-1.1x at one thread, 1.0-1.3x at two (alternating processes). Still 8-19 GB/s against
-# 23-28 GB/s of streaming: the nibbles' lane inserts and the scales' gathers hold these formats back.
+# vector, summed per group and added to the row's accumulator once. On a Zen 4, one thread, from
+# memory: the groups over block by block, q8_0 1.31-1.37x, q4_1 1.13-1.23x, q4_0 1.09-1.15x, q5_0
+# 1.01-1.05x; with AVX-512 VNNI the quants and scales then gathered by word shuffles (whole groups;
+# GFNI splitting the nibbles), q4_1 1.40x, q4_0 1.30x, q5_0 1.28x, iq4_nl 1.26x, q5_1 1.23x, q8_0
+# 1.00x (benchmarks/kernels.py, 2048x8192, old and new tree alternating, 4 rounds each, medians).
 SMALL_GROUP = 8
 
 
