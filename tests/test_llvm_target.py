@@ -202,14 +202,15 @@ def test_avx512_vnni_uses_vpdpbusd_on_zmm():
 
 def test_gemv_prefetch_is_chosen_by_cpu_vendor():
     """Intel hosts' gemv asks for the next rows' lines at each row's start; AMD hosts' asks for them
-    (further ahead) with each q4_k / q5_k header group only, and nowhere for other types."""
+    (further ahead) with each group of q4_k / q5_k / 32-weight blocks only, and nowhere for q6_k."""
     amd = "processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\n"
     intel = "processor\t: 0\nvendor_id\t: GenuineIntel\ncpu family\t: 6\n"
     assert (target.prefetch_kind(amd), target.prefetch_kind(intel), target.prefetch_kind("")) == \
         ("spread", "rows", "rows")
     t = target.named_target("avx2")                      # rows_only: the gemv arithmetic alone
-    for kind, expected in (("rows", {"q6_k": True, "q4_k": True}), ("spread", {"q6_k": False, "q4_k": True})):
-        for dt in (dtypes.q6_k, dtypes.q4_k):
+    for kind, expected in (("rows", {"q6_k": True, "q4_k": True, "q4_0": True}),
+                           ("spread", {"q6_k": False, "q4_k": True, "q4_0": True})):
+        for dt in (dtypes.q6_k, dtypes.q4_k, dtypes.q4_0):
             m = ir.Module()
             kernels.qmatmul(m, dt, 1024, 64, dataclasses.replace(t, gemv_prefetch=kind), rows_only=True)
             assert ("prefetch" in jit.emit_assembly(m, t)) == expected[dt.name], (kind, dt.name)

@@ -179,7 +179,8 @@ def _with_host_extras(name: str, features: frozenset) -> Target:
 def host_prefetches() -> str:
     """How gemv should prefetch weights on this host (qmatmul.PREFETCH_AHEAD and SPREAD_AHEAD have
     the figures): "spread" on AMD CPUs, where prefetches at a row's start cost more than they bring
-    but q4_k and q5_k gain from lines asked for further ahead, a few at a time; else "rows"."""
+    but q4_k, q5_k and the 32-weight types gain from lines asked for further ahead, a few at a time;
+    else "rows"."""
     return prefetch_kind(_host_cpuinfo())
 
 

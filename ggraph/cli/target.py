@@ -50,8 +50,8 @@ def cmd_target(args) -> int:
                                          " (best available; GGRAPH_TARGET=<set> forces one)"))
     print("gemv weight prefetch: " + {
         "rows": "rows (each row asks for the lines 2 and 4 KB on at its start)",
-        "spread": "spread (an AMD CPU: q4_k and q5_k ask for the lines 8 KB ahead of each group of four "
-                  "blocks; other types leave it to the hardware prefetcher)"}[info["gemv_prefetch"]])
+        "spread": "spread (an AMD CPU: q4_k, q5_k and the 32-weight types ask for the lines 8 KB ahead of "
+                  "each group of blocks; other types leave it to the hardware prefetcher)"}[info["gemv_prefetch"]])
     print("kernels:")
     for op, variant in info["kernels"].items():
         print(f"  {op:<20} {variant}")

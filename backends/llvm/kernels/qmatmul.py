@@ -10,8 +10,8 @@ activation scales in f32. Four drivers share the block decoders:
 
 - gemv (T == 1): one row at a time, 32 weights per step (64 for 256-weight blocks on
   512-bit targets: with VNNI the two chunks one 64-byte load holds, against a copy of the
-  activations in that order), f32 lanes along K, weights prefetched (the next rows; on AMD,
-  q4_k and q5_k header groups only, further ahead), rows of up to GEMV_INLINE_BLOCKS blocks
+  activations in that order), f32 lanes along K, weights prefetched (the next rows; on AMD, with
+  each group of blocks of q4_k, q5_k and the 32-weight types, further ahead), rows of up to GEMV_INLINE_BLOCKS blocks
   without a block loop. The super-block types sum a block's dots times their integer scales
   in i32 lanes (two steps' dots packed to i16 words per vpdpwssd) and their mins in integers;
   q4_k and q5_k unpack the headers of HEADER_BLOCKS blocks at once. 32-weight blocks go
@@ -200,10 +200,13 @@ def _xsum(k: Kernel, fmt: BlockFormat, lay: ActLayout, L: int, base, blk, s: int
 #   larger than L3 (Xeon with AMX, 2 cores), decode 1.07-1.12x at one thread and 1.11-1.13x at two
 #   over one distance of 2048 into L1 (/tmp A/B, alternating processes); 4096 alone was 0.8x.
 # - "spread" (AMD): q4_k and q5_k rows ask, with each header group, for the group's lines
-#   SPREAD_AHEAD bytes on; nothing else. On a Zen 4, one thread, q4_k from memory: 2048-wide rows
-#   1.13-1.16x, 8192-wide 1.06-1.08x, 4096 bytes ahead 0.8x (A/B in one process); 1B-shaped decode
-#   at two threads 1.1-1.3x (alternating processes). The "rows" prefetches cost a Zen 4 q6_k 1.4-1.9x,
-#   and a whole row asked for 8 KB ahead at its start 0.5-0.65x on 8192-wide rows.
+#   SPREAD_AHEAD bytes on, as do the 32-weight types with each group; nothing else. On a Zen 4, one
+#   thread, q4_k from memory: 2048-wide rows 1.13-1.16x, 8192-wide 1.06-1.08x, 4096 bytes ahead 0.8x
+#   (A/B in one process); 1B-shaped decode at two threads 1.1-1.3x (alternating processes); the
+#   32-weight types' 2048x4096 matrices 1.12-1.38x (q4_0 1.38x, q4_1 1.27x, q5_0 1.16x, iq4_nl 1.16x,
+#   q5_1 1.14x, q8_0 1.12x; 16 KB ahead about the same), SmolLM2's 576-wide ones 1.0-1.05x. The "rows"
+#   prefetches cost a Zen 4 q6_k 1.4-1.9x, and a whole row asked for 8 KB ahead at its start 0.5-0.65x
+#   on 8192-wide rows.
 PREFETCH_AHEAD = (2048, 4096)
 SPREAD_AHEAD = 8192
 
@@ -334,10 +337,7 @@ def _gemv_n_row(k: Kernel, isa: Isa, fmt: BlockFormat, lay: ActLayout, N: int, r
     def group(blk0, G: int):
         """Blocks blk0 .. blk0+G-1, their headers unpacked together; the mins of all G in one step."""
         hd = fmt.headers(k, isa, [_row(k, fmt, lay, row, k.add(blk0, g)) for g in range(G)])
-        if isa.t.gemv_prefetch == "spread":
-            at = _row(k, fmt, lay, row, blk0)
-            for line in range(0, G * fmt.dtype.type_size, 64):
-                k.prefetch(k.addr(at, SPREAD_AHEAD + line), level=2)
+        _spread_prefetch(k, isa, fmt, _row(k, fmt, lay, row, blk0), G)
         ddx = []
         for xt, macc in zip(xts, maccs):
             dx = k.load(vec(f32, G), xt, lay.d(k, 1, blk0))
@@ -356,6 +356,7 @@ def _gemv_n_row(k: Kernel, isa: Isa, fmt: BlockFormat, lay: ActLayout, N: int, r
     def small_group(blk0, G: int):
         """G consecutive 32-weight blocks: their scales, activation scales and sums, offset terms
         and mins as G-lane vectors, the dots S blocks at a time (lanes 8j.. are block j's)."""
+        _spread_prefetch(k, isa, fmt, _row(k, fmt, lay, row, blk0), G)
         if fmt.run is not None and G == SMALL_GROUP and S == 2 and isa.full_u8_dot:
             run = fmt.run(k, isa, _row(k, fmt, lay, row, blk0), G)     # gathered from 64-byte loads
         else:
@@ -409,6 +410,13 @@ def _gemv_n_row(k: Kernel, isa: Isa, fmt: BlockFormat, lay: ActLayout, N: int, r
 # GFNI splitting the nibbles), q4_1 1.40x, q4_0 1.30x, q5_0 1.28x, iq4_nl 1.26x, q5_1 1.23x, q8_0
 # 1.00x (benchmarks/kernels.py, 2048x8192, old and new tree alternating, 4 rounds each, medians).
 SMALL_GROUP = 8
+
+
+def _spread_prefetch(k: Kernel, isa: Isa, fmt: BlockFormat, at: ir.Value, G: int) -> None:
+    """With "spread" prefetching (AMD), ask for the lines of the G blocks at ``at`` SPREAD_AHEAD bytes on."""
+    if isa.t.gemv_prefetch == "spread":
+        for line in range(0, G * fmt.dtype.type_size, 64):
+            k.prefetch(k.addr(at, SPREAD_AHEAD + line), level=2)
 
 
 def _widen_lanes(k: Kernel, v: ir.Value, n: int) -> ir.Value:
