@@ -298,108 +298,142 @@ def _gemv_n_row(k: Kernel, isa: Isa, fmt: BlockFormat, lay: ActLayout, N: int, r
     the one token's quants in the order of `gemv_steps` (n == 1), where that is not the natural order."""
     b = k.b
     P = gemv_chunks(fmt, isa.t)
-    steps = gemv_steps(fmt, isa.t) if xorder is not None else _consecutive(fmt, P)
     subs = fmt.dtype.block_size // fmt.sub
     small = fmt.dtype.block_size == 32                  # 32-weight blocks: SMALL_GROUP at a time
     S = 2 if small and isa.t.vector_bits >= 512 else 1  # ... and S of them per dot
     lanes = 8 * (S if small else P)
+    mlanes = subs // 2 * (HEADER_BLOCKS if fmt.headers else 1) if fmt.int_mins else (SMALL_GROUP if small else subs)
     first = k.addr(k.arg["xq"], k.mul(t0, lay.group_bytes(1)))
     xts = [k.addr(first, t * lay.group_bytes(1)) for t in range(n)]
-    quants = [xorder] if xorder is not None else xts      # where each token's step activations are
     _prefetch_row(k, isa, fmt, lay, row)
-    accs = [k.var(vec(f32, lanes), ir.Constant(vec(f32, lanes), [0.0] * lanes)) for _ in range(n)]
-    mlanes = subs // 2 * (HEADER_BLOCKS if fmt.headers else 1) if fmt.int_mins else (SMALL_GROUP if small else subs)
-    maccs = [k.var(vec(f32, mlanes), ir.Constant(vec(f32, mlanes), [0.0] * mlanes)) for _ in range(n)]
-
-    def block(blk):
-        dec = fmt.decode(k, isa, _row(k, fmt, lay, row, blk))
-        terms = []                         # each token's dx, offset init, f32 scales and activation sums
-        for xt, macc in zip(xts, maccs):
-            dx = k.load(f32, xt, lay.d(k, 1, blk))
-            xs = _xsums_row(k, fmt, lay, blk, xt)                                 # (subs,) i32
-            if fmt.int_mins:                               # sum_s min_s x xsum_s in integers, one float step
-                m = _word_pairs(k, isa, dec.ints.mins, xs)
-                macc.set(isa.fma(b.sitofp(m, vec(f32, subs // 2)), k.splat(b.fmul(dec.ints.dmin, dx), subs // 2), macc.get()))
-            elif dec.mins is not None:
-                macc.set(isa.fma(b.fmul(dec.mins, k.splat(dx, subs)), b.sitofp(xs, vec(f32, subs)), macc.get()))
-            init = b.mul(xs, ir.Constant(vec(i32, subs), [-dec.offset] * subs)) if dec.offset else None
-            terms.append((dx, init, None if dec.ints is not None else b.fmul(dec.scales, k.splat(dx, subs)), xs))
-        if dec.ints is not None:
-            dds = [k.splat(b.fmul(dec.ints.d, dx), lanes) for dx, _, _, _ in terms]
-            _int_block(k, isa, fmt, dec, blk, steps, quants, [t[1] for t in terms], dec.ints.scales,
-                       [t[3] for t in terms], dds, accs)
-        else:
-            for step, chunks in enumerate(steps):         # each chunk decoded once, for every token
-                w = k.concat(*[dec.chunk(c) for c in chunks])
-                for xq, acc, (_, init, scales, _) in zip(quants, accs, terms):
-                    _gemv_step(k, isa, fmt, dec, w, blk, step, chunks, init, scales, acc, xq)
-
-    def group(blk0, G: int):
-        """Blocks blk0 .. blk0+G-1, their headers unpacked together; the mins of all G in one step."""
-        hd = fmt.headers(k, isa, [_row(k, fmt, lay, row, k.add(blk0, g)) for g in range(G)])
-        _spread_prefetch(k, isa, fmt, _row(k, fmt, lay, row, blk0), G)
-        ddx = []
-        for xt, macc in zip(xts, maccs):
-            dx = k.load(vec(f32, G), xt, lay.d(k, 1, blk0))
-            xs = k.load(vec(i16, subs * G), xt, lay.sums32(k, 1, k.mul(blk0, subs)))
-            m = isa.dot_pairs(ir.Constant(vec(i32, subs // 2 * G), [0] * (subs // 2 * G)), hd.mins, xs)
-            dmx = k.shuffle(b.fmul(hd.dmin, dx), [g for g in range(G) for _ in range(subs // 2)])
-            term = b.fmul(b.sitofp(m, vec(f32, subs // 2 * G)), dmx)
-            macc.set(b.fadd(macc.get(), _widen_lanes(k, term, mlanes)))    # a row's last blocks: upper lanes 0
-            ddx.append(b.fmul(hd.d, dx))
-        for g in range(G):
-            blk = k.add(blk0, g)
-            scales = b.zext(k.shuffle(hd.scales, range(subs * g, subs * (g + 1))), vec(i32, subs))
-            _int_block(k, isa, fmt, fmt.decode(k, isa, _row(k, fmt, lay, row, blk)), blk, steps, quants,
-                       [None] * n, scales, [None] * n, [k.shuffle(dd, [g] * lanes) for dd in ddx], accs)
-
-    def small_group(blk0, G: int):
-        """G consecutive 32-weight blocks: their scales, activation scales and sums, offset terms
-        and mins as G-lane vectors, the dots S blocks at a time (lanes 8j.. are block j's)."""
-        _spread_prefetch(k, isa, fmt, _row(k, fmt, lay, row, blk0), G)
-        if fmt.run is not None and G == SMALL_GROUP and S == 2 and isa.full_u8_dot:
-            run = fmt.run(k, isa, _row(k, fmt, lay, row, blk0), G)     # gathered from 64-byte loads
-        else:
-            run = Run.of_blocks(k, [fmt.decode(k, isa, _row(k, fmt, lay, row, k.add(blk0, g))) for g in range(G)])
-        for xt, acc, macc in zip(xts, accs, maccs):
-            dx = k.load(vec(f32, G), xt, lay.d(k, 1, blk0))
-            ddx = b.fmul(run.d, dx)
-            xs = b.sitofp(lay.load_sums(k, xt, 1, blk0, G), vec(f32, G))              # (G,) activation sums
-            # what the dots leave out, one lane a block: offset x d dx xsum, and min x dx xsum (subtracted)
-            off = b.fmul(ddx, ir.Constant(vec(f32, G), [float(run.offset)] * G)) if run.offset else None
-            own = b.fmul(run.mins, dx) if run.mins is not None else None
-            factor = own if off is None else off if own is None else b.fadd(off, own)
-            if factor is not None:
-                macc.set(isa.fma(factor, xs, macc.get()) if mlanes == G else
-                         b.fadd(macc.get(), _widen_lanes(k, b.fmul(factor, xs), mlanes)))
-            sd = k.concat(ddx, ir.Constant(vec(f32, G), [0.0] * G))                   # lanes G..: 0
-            total = None                                   # the group's sum, then one add to the row's
-            for s0 in range(0, G, S):
-                m = min(S, G - s0)
-                w = run.weights(s0, m)
-                xv = k.load(vec(i8, 32 * m), xt, k.mul(k.add(blk0, s0), 32))
-                if m < S:                                  # a row's odd last block: zero lanes after it
-                    w, xv = (k.concat(v, ir.Constant(v.type, [0] * v.type.count)) for v in (w, xv))
-                which = [s0 + j // 8 if j // 8 < m else G for j in range(lanes)]       # each lane's block
-                dot = b.sitofp(isa.dot(ir.Constant(vec(i32, lanes), [0] * lanes), w, xv, run.signed, run.qmax),
-                               vec(f32, lanes))
-                scale = k.shuffle(sd, which)
-                total = b.fmul(dot, scale) if total is None else isa.fma(dot, scale, total)
-            acc.set(b.fadd(acc.get(), total))
-
+    r = _GemvRow(k, isa, fmt, lay, row, gemv_steps(fmt, isa.t) if xorder is not None else _consecutive(fmt, P), xts,
+                 [xorder] if xorder is not None else xts,
+                 [k.var(vec(f32, lanes), ir.Constant(vec(f32, lanes), [0.0] * lanes)) for _ in range(n)],
+                 [k.var(vec(f32, mlanes), ir.Constant(vec(f32, mlanes), [0.0] * mlanes)) for _ in range(n)],
+                 lanes, mlanes, S)
     nblocks = lay.K // fmt.dtype.block_size
     if small:
-        _in_groups(k, nblocks, SMALL_GROUP, SMALL_GROUP, small_group)
+        _in_groups(k, nblocks, SMALL_GROUP, SMALL_GROUP, lambda blk0, G: _gemv_small_group(r, blk0, G))
     elif fmt.headers is not None:
         if not (fmt.int_mins and fmt.sub == 32 and lay.has_sums32):
             raise ValueError(f"qmatmul {fmt.dtype.name}: header groups take 32-weight sub-blocks with integer "
                              f"mins and q8_k's sums of 32, which this format lacks")
-        _in_groups(k, nblocks, HEADER_BLOCKS, GEMV_INLINE_BLOCKS, group)
+        _in_groups(k, nblocks, HEADER_BLOCKS, GEMV_INLINE_BLOCKS, lambda blk0, G: _gemv_header_group(r, blk0, G))
     else:
-        _in_groups(k, nblocks, 1, GEMV_INLINE_BLOCKS, lambda blk, _: block(blk))
-    for t, (acc, macc) in enumerate(zip(accs, maccs)):
+        _in_groups(k, nblocks, 1, GEMV_INLINE_BLOCKS, lambda blk, _: _gemv_block(r, blk))
+    for t, (acc, macc) in enumerate(zip(r.accs, r.maccs)):
         at = k.mul(k.add(k.mul(k.add(t0, t), N), row), 4)
         k.store(b.fsub(isa.hsum(acc.get()), isa.hsum(macc.get())), k.arg["y"], at)
+
+
+@dataclass
+class _GemvRow:
+    """What the block drivers of one gemv row share."""
+
+    k: Kernel
+    isa: Isa
+    fmt: BlockFormat
+    lay: ActLayout
+    row: ir.Value
+    steps: list                # the chunks each step dots together
+    xts: list                  # each token's activation row
+    quants: list               # where each token's step activations are (its row, or the xorder copy)
+    accs: list                 # each token's accumulator (``lanes`` f32)
+    maccs: list                # ... of its mins and offset terms (``mlanes`` f32), subtracted at the end
+    lanes: int
+    mlanes: int
+    S: int                     # 32-weight blocks per dot
+
+    @property
+    def subs(self) -> int:
+        return self.fmt.dtype.block_size // self.fmt.sub
+
+    def block(self, blk) -> ir.Value:
+        """Address of block ``blk`` of the row."""
+        return _row(self.k, self.fmt, self.lay, self.row, blk)
+
+
+def _gemv_block(r: _GemvRow, blk) -> None:
+    """One block of the row, for each token."""
+    k, isa, fmt, lay, b, subs = r.k, r.isa, r.fmt, r.lay, r.k.b, r.subs
+    dec = fmt.decode(k, isa, r.block(blk))
+    terms = []                         # each token's dx, offset init, f32 scales and activation sums
+    for xt, macc in zip(r.xts, r.maccs):
+        dx = k.load(f32, xt, lay.d(k, 1, blk))
+        xs = _xsums_row(k, fmt, lay, blk, xt)                                 # (subs,) i32
+        if fmt.int_mins:                               # sum_s min_s x xsum_s in integers, one float step
+            m = _word_pairs(k, isa, dec.ints.mins, xs)
+            macc.set(isa.fma(b.sitofp(m, vec(f32, subs // 2)), k.splat(b.fmul(dec.ints.dmin, dx), subs // 2), macc.get()))
+        elif dec.mins is not None:
+            macc.set(isa.fma(b.fmul(dec.mins, k.splat(dx, subs)), b.sitofp(xs, vec(f32, subs)), macc.get()))
+        init = b.mul(xs, ir.Constant(vec(i32, subs), [-dec.offset] * subs)) if dec.offset else None
+        terms.append((dx, init, None if dec.ints is not None else b.fmul(dec.scales, k.splat(dx, subs)), xs))
+    if dec.ints is not None:
+        dds = [k.splat(b.fmul(dec.ints.d, dx), r.lanes) for dx, _, _, _ in terms]
+        _int_block(k, isa, fmt, dec, blk, r.steps, r.quants, [t[1] for t in terms], dec.ints.scales,
+                   [t[3] for t in terms], dds, r.accs)
+    else:
+        for step, chunks in enumerate(r.steps):         # each chunk decoded once, for every token
+            w = k.concat(*[dec.chunk(c) for c in chunks])
+            for xq, acc, (_, init, scales, _) in zip(r.quants, r.accs, terms):
+                _gemv_step(k, isa, fmt, dec, w, blk, step, chunks, init, scales, acc, xq)
+
+
+def _gemv_header_group(r: _GemvRow, blk0, G: int) -> None:
+    """Blocks blk0 .. blk0+G-1 of the row, their headers unpacked together; the mins of all G in one step."""
+    k, isa, fmt, lay, b, subs = r.k, r.isa, r.fmt, r.lay, r.k.b, r.subs
+    hd = fmt.headers(k, isa, [r.block(k.add(blk0, g)) for g in range(G)])
+    _spread_prefetch(k, isa, fmt, r.block(blk0), G)
+    ddx = []
+    for xt, macc in zip(r.xts, r.maccs):
+        dx = k.load(vec(f32, G), xt, lay.d(k, 1, blk0))
+        xs = k.load(vec(i16, subs * G), xt, lay.sums32(k, 1, k.mul(blk0, subs)))
+        m = isa.dot_pairs(ir.Constant(vec(i32, subs // 2 * G), [0] * (subs // 2 * G)), hd.mins, xs)
+        dmx = k.shuffle(b.fmul(hd.dmin, dx), [g for g in range(G) for _ in range(subs // 2)])
+        term = b.fmul(b.sitofp(m, vec(f32, subs // 2 * G)), dmx)
+        macc.set(b.fadd(macc.get(), _widen_lanes(k, term, r.mlanes)))    # a row's last blocks: upper lanes 0
+        ddx.append(b.fmul(hd.d, dx))
+    for g in range(G):
+        blk = k.add(blk0, g)
+        scales = b.zext(k.shuffle(hd.scales, range(subs * g, subs * (g + 1))), vec(i32, subs))
+        _int_block(k, isa, fmt, fmt.decode(k, isa, r.block(blk)), blk, r.steps, r.quants, [None] * len(r.xts),
+                   scales, [None] * len(r.xts), [k.shuffle(dd, [g] * r.lanes) for dd in ddx], r.accs)
+
+
+def _gemv_small_group(r: _GemvRow, blk0, G: int) -> None:
+    """G consecutive 32-weight blocks of the row: their scales, activation scales and sums, offset
+    terms and mins as G-lane vectors, the dots S blocks at a time (lanes 8j.. are block j's)."""
+    k, isa, fmt, lay, b, S, lanes = r.k, r.isa, r.fmt, r.lay, r.k.b, r.S, r.lanes
+    _spread_prefetch(k, isa, fmt, r.block(blk0), G)
+    if fmt.run is not None and G == SMALL_GROUP and S == 2 and isa.full_u8_dot:
+        run = fmt.run(k, isa, r.block(blk0), G)                         # gathered from 64-byte loads
+    else:
+        run = Run.of_blocks(k, [fmt.decode(k, isa, r.block(k.add(blk0, g))) for g in range(G)])
+    for xt, acc, macc in zip(r.xts, r.accs, r.maccs):
+        dx = k.load(vec(f32, G), xt, lay.d(k, 1, blk0))
+        ddx = b.fmul(run.d, dx)
+        xs = b.sitofp(lay.load_sums(k, xt, 1, blk0, G), vec(f32, G))              # (G,) activation sums
+        # what the dots leave out, one lane a block: offset x d dx xsum, and min x dx xsum (subtracted)
+        off = b.fmul(ddx, ir.Constant(vec(f32, G), [float(run.offset)] * G)) if run.offset else None
+        own = b.fmul(run.mins, dx) if run.mins is not None else None
+        factor = own if off is None else off if own is None else b.fadd(off, own)
+        if factor is not None:
+            macc.set(isa.fma(factor, xs, macc.get()) if r.mlanes == G else
+                     b.fadd(macc.get(), _widen_lanes(k, b.fmul(factor, xs), r.mlanes)))
+        sd = k.concat(ddx, ir.Constant(vec(f32, G), [0.0] * G))                   # lanes G..: 0
+        total = None                                   # the group's sum, then one add to the row's
+        for s0 in range(0, G, S):
+            m = min(S, G - s0)
+            w = run.weights(s0, m)
+            xv = k.load(vec(i8, 32 * m), xt, k.mul(k.add(blk0, s0), 32))
+            if m < S:                                  # a row's odd last block: zero lanes after it
+                w, xv = (k.concat(v, ir.Constant(v.type, [0] * v.type.count)) for v in (w, xv))
+            which = [s0 + j // 8 if j // 8 < m else G for j in range(lanes)]       # each lane's block
+            dot = b.sitofp(isa.dot(ir.Constant(vec(i32, lanes), [0] * lanes), w, xv, run.signed, run.qmax),
+                           vec(f32, lanes))
+            scale = k.shuffle(sd, which)
+            total = b.fmul(dot, scale) if total is None else isa.fma(dot, scale, total)
+        acc.set(b.fadd(acc.get(), total))
 
 
 # 32-weight blocks a gemv row takes together: their scales, activation scales and sums, offset terms
