@@ -110,7 +110,12 @@ def variant(dtype, target: Target) -> str:
     if amx.takes(fmt, target):
         gemm = (f"AMX tiles for T >= {amx.MIN_T} (tdpbssd, {amx.TILE} rows x {amx.MIN_T} tokens, weights times "
                 f"their sub-block scales as lo/hi s8 planes), {gemm} below")
-    return f"{dot}-{target.vector_bits}: {gemm}, gemv {32 * gemv_chunks(fmt, target)} weights/step; {fmt.act} activations"
+    if fmt.dtype.block_size == 32 and target.vector_bits >= 512:
+        gathered = ", gathered by word shuffles" if fmt.run is not None and target.has("avx512vnni") else ""
+        gemv = f"gemv 64 weights/step ({SMALL_GROUP} blocks a group{gathered})"
+    else:
+        gemv = f"gemv {32 * gemv_chunks(fmt, target)} weights/step"
+    return f"{dot}-{target.vector_bits}: {gemm}, {gemv}; {fmt.act} activations"
 
 
 def qmatmul(module: ir.Module, dtype, K: int, N: int, target: Target, rows_only: bool = False) -> str:
