@@ -183,6 +183,21 @@ def test_nibble_split_per_qword(name, extra, n):
     np.testing.assert_array_equal(dst, expected)
 
 
+def test_gathered_runs_refuse_what_their_windows_cannot_hold():
+    """A gathered run of 32-weight blocks takes an even count spanning at least one 128-byte window
+    (gemv gives it whole groups of 8 and decodes a row's last, partial group block by block)."""
+    from ggraph.backends.llvm.kernels.qmatmul import block_format
+    isa = _isa("avx512_vnni")
+    run = block_format(dtypes.q4_0).run
+    with pytest.raises(ValueError, match="q4_0: 3 blocks"):
+        run(isa.k, isa, isa.k.arg["p"], 3)
+    with pytest.raises(ValueError, match="q4_0: 6 blocks .108 bytes"):
+        run(isa.k, isa, isa.k.arg["p"], 6)
+    with pytest.raises(ValueError, match="in pairs from even ones"):
+        run(isa.k, isa, isa.k.arg["p"], 8).weights(1, 2)
+    assert block_format(dtypes.q8_0).run is None and block_format(dtypes.q4_k).run is None
+
+
 # -- what the assembly may contain -------------------------------------------------------------------
 def test_avx2_has_no_vnni_and_no_zmm():
     asm = asm_of(q8_0_matmul, q4_k_matmul, name="avx2")

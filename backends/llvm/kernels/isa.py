@@ -245,7 +245,7 @@ class Isa:
         quad = [k.shuffle(prod, range(i, n, 4)) for i in range(4)]
         return k.b.add(acc, k.b.add(k.b.add(quad[0], quad[1]), k.b.add(quad[2], quad[3])))
 
-    # -- table lookup -----------------------------------------------------------------------
+    # -- nibbles and table lookup ------------------------------------------------------------
     def nibbles(self, v: ir.Value, high: list[bool]) -> ir.Value:
         """Each byte's high nibble where ``high[q]`` holds for its 8-byte qword q, else its low one, as
         bytes 0..15: one vgf2p8affineqb with GFNI (a bit matrix per qword), else a word shift and a mask."""

@@ -126,18 +126,18 @@ class Fields:
     """Where a 32-weight block type of nibbles keeps what gemv gathers (byte offsets in the block)."""
 
     qs: int                      # the 16 bytes of nibbles: weights 0-15 low halves, 16-31 high
-    signed_levels: int           # what to subtract from the unsigned bytes gemv dots (Decoded.offset)
+    offset: int                  # what to subtract from the unsigned bytes gemv dots (as Decoded.offset)
     qmax: int                    # the largest of those bytes
     m: int | None = None         # fp16 m, where w = d*q + m
     qh: int | None = None        # the 32 fifth bits, a little-endian u32
-    values: tuple | None = None  # the 16 levels the nibbles index (iq4_nl), shifted by signed_levels
+    values: tuple | None = None  # the 16 levels the nibbles index (iq4_nl), plus offset
 
 
 def _words(k: Kernel, at: ir.Value, start: int, picks: list) -> ir.Value:
     """The i16 words at byte offsets ``picks`` (even, within WINDOW bytes of ``start``) from ``at``."""
     if any(p % 2 or not start <= p < start + WINDOW - 1 for p in picks):
         raise ValueError(f"gathered run: words {picks} are not all in the {WINDOW} bytes at {start}")
-    lo, hi = (k.load(vec(i16, 32), at, start + half_) for half_ in (0, 64))
+    lo, hi = (k.load(vec(i16, 32), at, start + part) for part in (0, 64))
     return k.shuffle(lo, [(p - start) // 2 for p in picks], hi)
 
 
@@ -187,18 +187,18 @@ def gathered_run(dt, fields: Fields):
 
         d = _gathered_halves(k, isa, at, ts, G, 0, starts)
         mins = b.fneg(_gathered_halves(k, isa, at, ts, G, fields.m, starts)) if fields.m is not None else None
-        return Run(weights, d, mins, False, fields.signed_levels, fields.qmax)
+        return Run(weights, d, mins, False, fields.offset, fields.qmax)
     return run
 
 
 _IQ4_U8 = tuple(v + 128 for v in IQ4_VALUES)
 # q8_0 keeps its per-block loads: gathered the same way, its 34-byte blocks streamed 0.88x as fast
 _FIELDS = {
-    dtypes.q4_0: Fields(qs=2, signed_levels=8, qmax=15),
-    dtypes.q4_1: Fields(qs=4, signed_levels=0, qmax=15, m=2),
-    dtypes.q5_0: Fields(qs=6, signed_levels=16, qmax=31, qh=2),
-    dtypes.q5_1: Fields(qs=8, signed_levels=0, qmax=31, m=2, qh=4),
-    dtypes.iq4_nl: Fields(qs=2, signed_levels=128, qmax=max(_IQ4_U8), values=_IQ4_U8),
+    dtypes.q4_0: Fields(qs=2, offset=8, qmax=15),
+    dtypes.q4_1: Fields(qs=4, offset=0, qmax=15, m=2),
+    dtypes.q5_0: Fields(qs=6, offset=16, qmax=31, qh=2),
+    dtypes.q5_1: Fields(qs=8, offset=0, qmax=31, m=2, qh=4),
+    dtypes.iq4_nl: Fields(qs=2, offset=128, qmax=max(_IQ4_U8), values=_IQ4_U8),
 }
 
 #   dtype          level          scale  decode
