@@ -82,6 +82,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--iterations", type=int, default=20_000_000)
     args = ap.parse_args()
+    if args.iterations < 1000:
+        ap.error(f"--iterations must be at least 1000, got {args.iterations}")
     missing = {"avx512bw", "avx512vnni", "gfni"} - host_features()
     if missing:
         ap.error(f"this host lacks {', '.join(sorted(missing))}")
