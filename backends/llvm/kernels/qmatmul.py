@@ -111,7 +111,7 @@ def variant(dtype, target: Target) -> str:
         gemm = (f"AMX tiles for T >= {amx.MIN_T} (tdpbssd, {amx.TILE} rows x {amx.MIN_T} tokens, weights times "
                 f"their sub-block scales as lo/hi s8 planes), {gemm} below")
     if fmt.dtype.block_size == 32 and target.vector_bits >= 512:
-        gathered = ", gathered by word shuffles" if fmt.run is not None and target.has("avx512vnni") else ""
+        gathered = ", gathered by word shuffles" if _gathers(fmt, target) else ""
         gemv = f"gemv 64 weights/step ({SMALL_GROUP} blocks a group{gathered})"
     else:
         gemv = f"gemv {32 * gemv_chunks(fmt, target)} weights/step"
@@ -410,7 +410,7 @@ def _gemv_small_group(r: _GemvRow, blk0, G: int) -> None:
     terms and mins as G-lane vectors, the dots S blocks at a time (lanes 8j.. are block j's)."""
     k, isa, fmt, lay, b, S, lanes = r.k, r.isa, r.fmt, r.lay, r.k.b, r.S, r.lanes
     _spread_prefetch(k, isa, fmt, r.block(blk0), G)
-    if fmt.run is not None and G == SMALL_GROUP and S == 2 and isa.full_u8_dot:
+    if G == SMALL_GROUP and _gathers(fmt, isa.t):
         run = fmt.run(k, isa, r.block(blk0), G)                         # gathered from 64-byte loads
     else:
         run = Run.of_blocks(k, [fmt.decode(k, isa, r.block(k.add(blk0, g))) for g in range(G)])
@@ -449,6 +449,12 @@ def _gemv_small_group(r: _GemvRow, blk0, G: int) -> None:
 # GFNI splitting the nibbles), q4_1 1.40x, q4_0 1.30x, q5_0 1.28x, iq4_nl 1.26x, q5_1 1.23x, q8_0
 # 1.00x (benchmarks/kernels.py, 2048x8192, old and new tree alternating, 4 rounds each, medians).
 SMALL_GROUP = 8
+
+
+def _gathers(fmt: BlockFormat, target: Target) -> bool:
+    """True if gemv gathers whole groups of ``fmt``'s blocks by word shuffles (BlockFormat.run): 512-bit
+    dots of two blocks, whose unsigned levels VNNI takes whole."""
+    return fmt.run is not None and target.vector_bits >= 512 and target.has("avx512vnni")
 
 
 def _spread_prefetch(k: Kernel, isa: Isa, fmt: BlockFormat, at: ir.Value, G: int) -> None:
