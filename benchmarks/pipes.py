@@ -19,6 +19,7 @@ import llvmlite.binding as llvm
 from llvmlite import ir
 
 from ggraph.backends.llvm import jit
+from ggraph.backends.llvm.kernels.builder import Kernel
 from ggraph.backends.llvm.target import host_features, named_target
 
 REGS = range(3, 11)                                      # zmm3..zmm10 (and zmm11..zmm18): destinations
@@ -52,29 +53,19 @@ TESTS = {                                                # name: (body, instruct
 
 
 def build(names: list[str]):
-    """One function per test and one for the clock: f(iterations, buffer)."""
+    """One kernel per test and one for the clock, each looping over its body ``n`` times."""
     m = ir.Module()
-    i64, ptr = ir.IntType(64), ir.PointerType(ir.IntType(8))
-    fnty = ir.FunctionType(ir.VoidType(), [i64, ptr])
+    clobbers = "r,~{rax},~{memory}," + ",".join(f"~{{zmm{r}}}" for r in range(3, 19))
     for name, body in [("clock", CHAIN)] + [(f"t{j}", TESTS[n]) for j, n in enumerate(names)]:
-        fn = ir.Function(m, fnty, name=name)
-        n, buf = fn.args
-        entry, loop, done = (fn.append_basic_block(x) for x in ("entry", "loop", "done"))
-        b = ir.IRBuilder(entry)
-        b.branch(loop)
-        b.position_at_end(loop)
-        i = b.phi(i64)
-        i.add_incoming(ir.Constant(i64, 0), entry)
-        clobbers = "~{rax},~{memory}," + ",".join(f"~{{zmm{r}}}" for r in range(3, 19))
-        b.call(ir.InlineAsm(ir.FunctionType(ir.VoidType(), [ptr]), body, "r," + clobbers, side_effect=True), [buf])
-        nxt = b.add(i, ir.Constant(i64, 1))
-        i.add_incoming(nxt, loop)
-        b.cbranch(b.icmp_signed("<", nxt, n), loop, done)
-        b.position_at_end(done)
-        b.ret_void()
+        k = Kernel(m, name, ("buf",), sizes=("n",))
+        with k.loop(0, k.arg["n"]):
+            k.b.call(ir.InlineAsm(ir.FunctionType(ir.VoidType(), [k.arg["buf"].type]), body, clobbers,
+                                  side_effect=True), [k.arg["buf"]])
+        k.finish()
     llvm.initialize_native_asmparser()                   # inline assembly needs the x86 parser
     lib = jit.compile(m, named_target("avx512_vnni", ("gfni",)))
-    return {name: lib.function(name, None, [ctypes.c_int64, ctypes.c_void_p])
+    abi = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_int32]          # buf, n, ith, nth
+    return {name: lib.function(name, None, abi)
             for name in ["clock"] + [f"t{j}" for j in range(len(names))]}
 
 
@@ -96,7 +87,7 @@ def main() -> int:
         best = float("inf")
         for _ in range(3):
             t = time.perf_counter()
-            f(args.iterations, at)
+            f(at, args.iterations, 0, 1)
             best = min(best, time.perf_counter() - t)
         return best
     hz = 8 * args.iterations / seconds(fns["clock"])
