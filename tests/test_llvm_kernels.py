@@ -19,6 +19,7 @@ from ggraph.ir import dtypes  # noqa: E402
 from ggraph.backends.llvm import jit, kernels  # noqa: E402
 from ggraph.backends.llvm.kernels.act_quant import ActLayout, rows_gemm, tokens_per_group  # noqa: E402
 from ggraph.backends.llvm.kernels import amx as tiles  # noqa: E402
+from ggraph.backends.llvm.kernels import rows16  # noqa: E402
 from ggraph.backends.llvm.kernels.qmatmul import ROWS, block_format  # noqa: E402
 from ggraph.backends.llvm.target import X86_NAMES, named_target, runnable_targets  # noqa: E402
 
@@ -185,13 +186,17 @@ def test_act_quant_matches_ggml(target, fmt, K):
 
 
 # -- qmatmul --------------------------------------------------------------------------------
-def check_qmatmul(target, dt, K: int, n: int, w: np.ndarray, tokens=TOKENS, rng=None, lib=None, x_of=None) -> None:
+def check_qmatmul(target, dt, K: int, n: int, w: np.ndarray, tokens=TOKENS, rng=None, lib=None, x_of=None,
+                  layout=None) -> None:
     """qmatmul on weight rows `w` (n, row_bytes) against float64 references, for several T and nth;
-    x_of(T) gives the activations (default: standard normal)."""
+    x_of(T) gives the activations (default: standard normal); with ``layout`` the kernel for weights in
+    that layout, given `w` repacked."""
     rng = rng or np.random.default_rng(1)
     fmt = kernels.act_format(dt)
     W = dequant(w, dt, n, K).astype(np.float64)                       # (n, K)
-    f = fn(target, f"qmatmul_{dt.name}_k{K}_n{n}", abi=MATMUL_ABI, lib=lib)
+    f = fn(target, f"qmatmul_{dt.name}_k{K}_n{n}{'_' + layout if layout else ''}", abi=MATMUL_ABI, lib=lib)
+    if layout:
+        w = rows16.repack(w, n, K)
     counter = np.zeros(16, np.int32)
     for T in tokens:
         x = rng.standard_normal((T, K)).astype(np.float32) if x_of is None else x_of(T)
@@ -306,6 +311,60 @@ def test_every_vector_gemm_gives_the_bits_of_the_rows_gemm(dt):
             assert not np.isnan(ys[0]).any()
             for name, y in zip(names[1:], ys[1:]):
                 np.testing.assert_array_equal(y, ys[0], err_msg=f"{name} K={K} T={T}")
+
+
+# q4_k in rows16 (16 rows interleaved): one and several K panels, one and several 32-row tiles; gemv
+# blocks in a loop
+ROWS16_SHAPES = ((512, 32), (2304, 96))
+
+
+def _build_rows16(target_name: str) -> jit.Library:
+    t = named_target(target_name)
+    m = ir.Module()
+    for K, n in ROWS16_SHAPES:
+        kernels.qmatmul(m, dtypes.q4_k, K, n, t)
+        kernels.qmatmul(m, dtypes.q4_k, K, n, t, layout=rows16.LAYOUT)
+        kernels.act_quant(m, "q8_k", K, t)
+    return jit.compile(m, t)
+
+
+_ROWS16_LIBS: dict = {}
+
+
+@pytest.mark.parametrize("K,n", ROWS16_SHAPES)
+def test_qmatmul_on_rows16_weights(K, n):
+    """q4_k weights interleaved 16 rows at a time: the gemv against the float64 reference at every nth
+    (rows split between threads in whole groups), and every T > 1 the same bits as the file's layout
+    gives (the rows gemm decodes the same panels from either)."""
+    name = runnable_target("avx512_vnni", _ROWS16_LIBS, _build_rows16)
+    lib = _ROWS16_LIBS[name]
+    rng = np.random.default_rng(11)
+    w = random_blocks(dtypes.q4_k, n, K, rng)
+    check_qmatmul(name, dtypes.q4_k, K, n, w, tokens=(1, 3, 40), rng=rng, lib=lib, layout=rows16.LAYOUT)
+    grouped = rows16.repack(w, n, K)
+    counter = np.zeros(16, np.int32)
+    for T in (2, 17, 40):
+        x = rng.standard_normal((T, K)).astype(np.float32)
+        buf = quantize_acts(name, x, "q8_k", lib)
+        ys = []
+        for suffix, weights in (("", w), ("_rows16", grouped)):
+            y = np.full((T, n), np.nan, np.float32)
+            counter[:] = 0
+            run(fn(name, f"qmatmul_q4_k_k{K}_n{n}{suffix}", MATMUL_ABI, lib),
+                (weights.ctypes.data, buf.ctypes.data, y.ctypes.data, counter.ctypes.data), T, 2, threads=True)
+            ys.append(y)
+        assert not np.isnan(ys[1]).any()
+        np.testing.assert_array_equal(ys[1], ys[0], err_msg=f"K={K} T={T}")
+
+
+def test_rows16_kernels_are_refused_where_they_do_not_apply():
+    """A rows16 kernel only for q4_k, whole 32-row tiles and AVX-512 VNNI without tiles; the error names why."""
+    for dt, n, target in ((dtypes.q4_k, 48, "avx512_vnni"), (dtypes.q6_k, 64, "avx512_vnni"),
+                          (dtypes.q4_k, 64, "avx2"), (dtypes.q4_k, 64, "amx")):
+        with pytest.raises(ValueError, match=f"no 'rows16' weight layout for {n} rows on {target}"):
+            kernels.qmatmul(ir.Module(), dt, 512, n, named_target(target), layout=rows16.LAYOUT)
+    with pytest.raises(ValueError, match="no 'tiles' weight layout"):
+        kernels.qmatmul(ir.Module(), dtypes.q4_k, 512, 64, named_target("avx512_vnni"), layout="tiles")
 
 
 AMX_K, AMX_N = 4096, 40          # 16 blocks of 256: two K panels of the tile panel (14 q4_k blocks each)

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from llvmlite import ir
 
 from ggraph.ir import dtypes
-from ggraph.backends.llvm.kernels import kquant_blocks, quant_blocks
+from ggraph.backends.llvm.kernels import kquant_blocks, quant_blocks, rows16
 from ggraph.backends.llvm.kernels.act_quant import GROUP, ActLayout, rows_gemm
 from ggraph.backends.llvm.kernels.blocks import BlockFormat, Decoded, Run, pack
 from ggraph.backends.llvm.kernels.builder import ROW_CHUNK, Kernel, f32, i8, i16, i32, i64, vec
@@ -115,24 +115,39 @@ def variant(dtype, target: Target) -> str:
         gemv = f"gemv 64 weights/step ({SMALL_GROUP} blocks a group{gathered})"
     else:
         gemv = f"gemv {32 * gemv_chunks(fmt, target)} weights/step"
+    if rows16.takes(fmt.dtype, 2 * ROWS, target):
+        gemv = (f"weights interleaved {rows16.ROWS} rows at a time at load (rows16, for matrices of whole "
+                f"{2 * ROWS}-row tiles that only matmuls read): gemv {rows16.ROWS} rows as lanes; else {gemv}")
     return f"{dot}-{target.vector_bits}: {gemm}, {gemv}; {fmt.act} activations"
 
 
-def qmatmul(module: ir.Module, dtype, K: int, N: int, target: Target, rows_only: bool = False) -> str:
+def qmatmul(module: ir.Module, dtype, K: int, N: int, target: Target, rows_only: bool = False,
+            layout: str | None = None) -> str:
     """Emit (once) the quantised matmul for weights (N, K) of `dtype`; returns its name. With
     ``rows_only`` (act_quant's rows_only layout) every token is computed the same way at any T (the
     rows gemm's arithmetic with AVX-512 VNNI, gemv's elsewhere): a token's result does not depend on
-    what else is in the step."""
+    what else is in the step. ``layout``: the weights' layout, if not the file's (rows16.LAYOUT)."""
     fmt = block_format(dtype)
     if K % fmt.dtype.block_size:
         raise ValueError(f"qmatmul {fmt.dtype.name}: K={K} is not a multiple of {fmt.dtype.block_size}")
-    name = f"qmatmul_{fmt.dtype.name}_k{K}_n{N}{'_rows' if rows_only else ''}_{target.name}"
+    if layout not in (None, rows16.LAYOUT) or (layout and not rows16.takes(fmt.dtype, N, target)):
+        raise ValueError(f"qmatmul {fmt.dtype.name}: no {layout!r} weight layout for {N} rows on {target.name}")
+    name = f"qmatmul_{fmt.dtype.name}_k{K}_n{N}{'_rows' if rows_only else ''}{'_' + layout if layout else ''}_{target.name}"
     if Kernel.exists(module, name):
         return name
     k = Kernel(module, name, ("w", "xq", "y", "counter"))
     isa = Isa(k, target)
     lay = ActLayout(fmt.act, K)
     T = k.arg["T"]
+    if layout:                        # rows16: gemv 16 rows at a time, the rows gemm's panels from groups
+        with k.b.if_else(k.b.icmp_signed("==", T, k.i64(1))) as (single, many):
+            with single:
+                with k.row_chunks(N, k.arg["counter"], quantum=rows16.ROWS) as rows:
+                    rows16.gemv(k, isa, lay, N, rows)
+            with many:
+                with k.row_chunks(N, k.arg["counter"], quantum=2 * ROWS) as rows:
+                    _rows_gemm(k, isa, fmt, lay, N, rows, layout)
+        return k.finish()
     if rows_only and rows_gemm(target):                  # its arithmetic per token does not depend on T
         with k.row_chunks(N, k.arg["counter"], quantum=2 * ROWS) as rows:
             _rows_gemm(k, isa, fmt, lay, N, rows)
@@ -809,7 +824,7 @@ class Panel:
         return widest.imin(widest.subs)
 
 
-def _rows_gemm(k: Kernel, isa: Isa, fmt: BlockFormat, lay: ActLayout, N: int, rows) -> None:
+def _rows_gemm(k: Kernel, isa: Isa, fmt: BlockFormat, lay: ActLayout, N: int, rows, layout: str | None = None) -> None:
     """Tiles of 32 rows (the last one masked at the end of the rows): a K panel of the tile is
     decoded into a private buffer with rows as lanes (``Panel``), then every token runs over
     the panel, a few at a time, each activation word broadcast into the dot products of both
@@ -831,7 +846,7 @@ def _rows_gemm(k: Kernel, isa: Isa, fmt: BlockFormat, lay: ActLayout, N: int, ro
             c_end = k.b.select(k.b.icmp_signed("<", k.add(c0, STRIPE_TOKENS), T), k.add(c0, STRIPE_TOKENS), T)
             with k.loop(0, nblocks, step=per_panel, name="panel") as p0:
                 count = _panel_count(k, p0, per_panel, nblocks)
-                panel, dec = _decode_panel(k, isa, fmt, lay, N, n0, vecs, p0, count, buf, room)
+                panel, dec = _decode_panel(k, isa, fmt, lay, N, n0, vecs, p0, count, buf, room, layout)
                 with k.loop(c0, c_end, step=TILE_TOKENS, name="tt") as t0:
                     _panel_run(k, isa, lay, vecs, p0, count, buf, room, panel, dec, stripe, c0, c_end, t0)
             _stripe_out(k, N, n0, vecs, end, c0, c_end, stripe)
@@ -848,15 +863,17 @@ def _stripe_out(k: Kernel, N: int, n0, vecs: int, end, c0, c_end, stripe) -> Non
 
 
 def _decode_panel(k: Kernel, isa: Isa, fmt: BlockFormat, lay: ActLayout, N: int, n0, vecs: int, p0, count, buf,
-                  room: int):
+                  room: int, layout: str | None = None):
     """Blocks p0..p0+count of the tile's 16*vecs rows into the buffer (``_tile_rows``; in a matrix of
-    fewer rows, rows past N repeat row N-1), a 16-row vector of a block at a time (run-time loops over vectors and chunk groups keep the code
-    small); returns the Panel layout and one row's decoder (offsets and kinds are the same for every
-    row)."""
+    fewer rows, rows past N repeat row N-1), a 16-row vector of a block at a time (run-time loops over
+    vectors and chunk groups keep the code small), from weights in the file's layout or in ``layout``;
+    returns the Panel layout and one row's decoder (offsets and kinds are the same for every row)."""
     b = k.b
     row_bytes = fmt.dtype.row_bytes(lay.K)
     nblocks = lay.K // fmt.dtype.block_size
     lines = -(-vecs * ROWS * row_bytes // 64 // (nblocks * vecs))   # of the next tile, per vector decoded
+    if layout:                                            # rows16 (q4_k): what each of its groups decodes to
+        panel, dec = Panel(fmt, True, True), rows16.LEVELS
     with k.loop(0, k.mul(count, vecs), name="pvec") as iv:
         i, v = b.sdiv(iv, k.i64(vecs)), b.srem(iv, k.i64(vecs))
         # the next tile's rows are one contiguous stretch: ask for a share of it now, so that a small
@@ -865,40 +882,53 @@ def _decode_panel(k: Kernel, isa: Isa, fmt: BlockFormat, lay: ActLayout, N: int,
         ahead = k.add(k.mul(k.add(n0, vecs * ROWS), row_bytes), k.mul(k.add(k.mul(p0, vecs), iv), 64 * lines))
         for line in range(lines):
             k.prefetch(k.addr(k.arg["w"], k.add(ahead, 64 * line)))
-        if N >= vecs * ROWS:                              # rows at fixed distances from the tile's first
-            first = _row(k, fmt, lay, k.add(_tile_rows(k, N, n0, vecs), k.mul(v, ROWS)), k.add(p0, i))
-            decs = [fmt.decode(k, isa, k.addr(first, r * row_bytes)) for r in range(ROWS)]
-        else:                                             # a matrix smaller than a tile: rows past N repeat N-1
-            rows = [k.add(n0, k.mul(v, ROWS), r) for r in range(ROWS)]
-            rows = [b.select(b.icmp_signed("<", r, k.i64(N)), r, k.i64(N - 1)) for r in rows]
-            decs = [fmt.decode(k, isa, _row(k, fmt, lay, r, k.add(p0, i))) for r in rows]
-        dec = decs[0]
-        panel = Panel(fmt, dec.ints is not None, dec.mins is not None)
-        if not panel.ints and panel.subs > 1:
-            raise ValueError(f"qmatmul {fmt.dtype.name}: sub-block scales without integer scales")
-        vat = k.add(k.mul(i, vecs * room), k.mul(v, room))
-        if panel.ints:
-            for s, col in enumerate(k.transpose([d.ints.scales for d in decs])):
-                k.store(b.sitofp(col, vec(f32, ROWS)), buf, k.add(vat, panel.iscale(s)))
-            _store_int_factors(k, fmt, lay, decs, buf, vat, panel, unit=fmt.sub)
+        if layout:                                        # rows16: the 16 rows' block is one group
+            rows16.decode_panel(k, isa, lay, k.add(_tile_rows(k, N, n0, vecs), k.mul(v, ROWS)), k.add(p0, i), buf,
+                                k.add(k.mul(i, vecs * room), k.mul(v, room)), panel)
         else:
-            k.store(k.concat(*[d.scales for d in decs]), buf, k.add(vat, panel.d))
-            if panel.mins:
-                k.store(k.concat(*[b.fneg(d.mins) for d in decs]), buf, k.add(vat, panel.ndmin))
-        U = fmt.unroll
-        per_chunk = 32 // fmt.sub                            # sub-blocks per 32-weight chunk (1 or 2)
+            panel, dec = _decode_panel_vector(k, isa, fmt, lay, N, n0, vecs, p0, i, v, buf, room)
+    return panel, dec
 
-        def chunk(c, chunk_at):
-            for j, col in enumerate(k.transpose([k.cast_vec(d.chunk(c), i32) for d in decs])):
-                k.store(col, buf, k.add(chunk_at, panel.word(4 * j // fmt.sub, j % (fmt.sub // 4))))
-        if fmt.chunks == U:
-            for c in range(U):
-                chunk(c, k.add(vat, c * per_chunk * panel.sub_bytes))
-        else:
-            with k.loop(0, fmt.chunks // U, name="pchunk") as cg:
-                for u in range(U):
-                    c = k.add(k.mul(cg, U), u)
-                    chunk(c, k.add(vat, k.mul(c, per_chunk * panel.sub_bytes)))
+
+def _decode_panel_vector(k: Kernel, isa: Isa, fmt: BlockFormat, lay: ActLayout, N: int, n0, vecs: int, p0, i, v,
+                         buf, room: int):
+    """Block p0+i of the tile's vector v (16 rows) from the file's layout into the panel buffer."""
+    b = k.b
+    row_bytes = fmt.dtype.row_bytes(lay.K)
+    if N >= vecs * ROWS:                              # rows at fixed distances from the tile's first
+        first = _row(k, fmt, lay, k.add(_tile_rows(k, N, n0, vecs), k.mul(v, ROWS)), k.add(p0, i))
+        decs = [fmt.decode(k, isa, k.addr(first, r * row_bytes)) for r in range(ROWS)]
+    else:                                             # a matrix smaller than a tile: rows past N repeat N-1
+        rows = [k.add(n0, k.mul(v, ROWS), r) for r in range(ROWS)]
+        rows = [b.select(b.icmp_signed("<", r, k.i64(N)), r, k.i64(N - 1)) for r in rows]
+        decs = [fmt.decode(k, isa, _row(k, fmt, lay, r, k.add(p0, i))) for r in rows]
+    dec = decs[0]
+    panel = Panel(fmt, dec.ints is not None, dec.mins is not None)
+    if not panel.ints and panel.subs > 1:
+        raise ValueError(f"qmatmul {fmt.dtype.name}: sub-block scales without integer scales")
+    vat = k.add(k.mul(i, vecs * room), k.mul(v, room))
+    if panel.ints:
+        for s, col in enumerate(k.transpose([d.ints.scales for d in decs])):
+            k.store(b.sitofp(col, vec(f32, ROWS)), buf, k.add(vat, panel.iscale(s)))
+        _store_int_factors(k, fmt, lay, decs, buf, vat, panel, unit=fmt.sub)
+    else:
+        k.store(k.concat(*[d.scales for d in decs]), buf, k.add(vat, panel.d))
+        if panel.mins:
+            k.store(k.concat(*[b.fneg(d.mins) for d in decs]), buf, k.add(vat, panel.ndmin))
+    U = fmt.unroll
+    per_chunk = 32 // fmt.sub                            # sub-blocks per 32-weight chunk (1 or 2)
+
+    def chunk(c, chunk_at):
+        for j, col in enumerate(k.transpose([k.cast_vec(d.chunk(c), i32) for d in decs])):
+            k.store(col, buf, k.add(chunk_at, panel.word(4 * j // fmt.sub, j % (fmt.sub // 4))))
+    if fmt.chunks == U:
+        for c in range(U):
+            chunk(c, k.add(vat, c * per_chunk * panel.sub_bytes))
+    else:
+        with k.loop(0, fmt.chunks // U, name="pchunk") as cg:
+            for u in range(U):
+                c = k.add(k.mul(cg, U), u)
+                chunk(c, k.add(vat, k.mul(c, per_chunk * panel.sub_bytes)))
     return panel, dec
 
 
