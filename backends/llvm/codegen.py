@@ -59,6 +59,7 @@ def lower(graph: Graph, target: Target, profile: bool = False, compiler: jit.Com
         lower_eqn(lw, e)
         if progress is not None:
             progress.advance()
+    lw.settle_layouts()
     outputs = [o if isinstance(o, Literal) else lw.where[o] for o in graph.outvars]
     if profile:                           # i64 cycle stamps, a row of one per call plus the start: row 0
         # as each barrier opens, and (the program binds one more row per thread) as each thread finishes

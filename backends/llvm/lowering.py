@@ -71,6 +71,7 @@ class Buffer:
     name: str
     size: Bytes                            # bytes, given the dims
     data: np.ndarray | None = None         # constants: their bytes
+    layout: str | None = None              # weights: how the program lays them out, if not as the file does
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,6 +135,8 @@ class Lowering:
         self._counters: int | None = None                     # the "counters" buffer, once a kernel asks
         self.bounds: list[tuple] = []                         # (rows, capacity, what): rows <= capacity per run
         self.ranges: list[tuple] = []                         # (invar index, lo, hi, what): lo <= x < hi per run
+        self._layouts: dict[int, tuple[str, list]] = {}       # weight buffer -> (layout, [(call, kernel in the file's)])
+        self._laid_kernels: set[str] = set()                  # kernels asked for weights in a layout of their own
 
     def _add(self, buf: Buffer) -> int:
         self.buffers.append(buf)
@@ -208,6 +211,35 @@ class Lowering:
     def call(self, kernel: str, *args, writes=()) -> None:
         """Append a kernel call; ``writes`` are the Refs it writes (the rest it only reads)."""
         self.calls.append(Call(kernel, tuple(args), frozenset(r.buf for r in writes), self.current))
+
+    def weight_layout(self, w: Ref, layout: str, kernel: Callable[[], str], file_kernel: Callable[[], str]) -> str:
+        """The kernel of the call about to be appended, which reads weight ``w``: ``kernel()``, for weights
+        in ``layout``, if ``w`` is a whole weight buffer; else ``file_kernel()``, for the file's layout.
+        The buffer keeps the layout if every call that reads it asks for the same (``settle_layouts``)."""
+        buf = self.buffers[w.buf]
+        if buf.kind != "param" or w.offset != 0 or self._layouts.get(w.buf, (layout,))[0] != layout:
+            return file_kernel()
+        self._layouts.setdefault(w.buf, (layout, []))[1].append((len(self.calls), file_kernel))
+        name = kernel()
+        self._laid_kernels.add(name)
+        return name
+
+    def settle_layouts(self) -> None:
+        """Give each weight buffer its layout if only the calls that asked for it read it; else point
+        those calls at their kernels for the file's layout."""
+        readers: dict[int, set] = {}
+        for i, c in enumerate(self.calls):
+            for r in c.reads:
+                readers.setdefault(r, set()).add(i)
+        for buf, (layout, calls) in self._layouts.items():
+            if readers.get(buf, set()) == {i for i, _ in calls}:
+                self.buffers[buf].layout = layout
+            else:
+                for i, file_kernel in calls:
+                    self.calls[i] = dataclasses.replace(self.calls[i], kernel=file_kernel())
+        called = {c.kernel for c in self.calls}                # a kernel no call is left with is not built
+        self.units = {key: u for key, u in self.units.items() if called & set(u.names) or not
+                      any(n in self._laid_kernels for n in u.names)}
 
     def memo(self, key, value=None):
         """Remember a lowering product (e.g. quantised activations) for reuse by later eqns."""

@@ -19,6 +19,7 @@ from ggraph.backends.llvm import kernels as K
 from ggraph.backends.llvm.kernels import attention as A
 from ggraph.backends.llvm.kernels import elementwise as E
 from ggraph.backends.llvm.kernels import generic_ops as G
+from ggraph.backends.llvm.kernels import rows16
 from ggraph.backends.llvm.lowering import LOWERINGS, Bytes, Lowering, LoweringError, lowering, rows, symbol_args
 
 
@@ -71,8 +72,12 @@ def _qmatmul(lw, e):
         xq = lw.scratch(Bytes("act", (fmt, R, Kdim, lw.rows_only)), f"xq_{fmt}")
         lw.call(lw.kernel(K.act_quant, fmt, Kdim, lw.target, lw.rows_only), lw.ref(x), xq, R, writes=(xq,))
         lw.memo(("act_quant", x, fmt), xq)
-    lw.call(lw.kernel(K.qmatmul, dt, Kdim, N, lw.target, lw.rows_only), lw.ref(w), xq, out, lw.counter(), R,
-            writes=(out,))
+    def qmatmul(layout=None):
+        return lw.kernel(K.qmatmul, dt, Kdim, N, lw.target, lw.rows_only, layout)
+    # q4_k weights interleaved 16 rows at a time, where every call that reads them can take that
+    name = lw.weight_layout(lw.ref(w), rows16.LAYOUT, lambda: qmatmul(rows16.LAYOUT), qmatmul) \
+        if rows16.takes(dt, N, lw.target) else qmatmul()
+    lw.call(name, lw.ref(w), xq, out, lw.counter(), R, writes=(out,))
 
 
 def lower_eqn(lw: Lowering, e: Eqn) -> None:

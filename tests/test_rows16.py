@@ -1,0 +1,118 @@
+"""q4_k weights interleaved 16 rows at a time (backends/llvm/kernels/rows16.py): where each byte goes,
+which weights a program lays out so (those that only qmatmuls read), one copy per process, and the
+file's pages left intact."""
+import textwrap
+
+import numpy as np
+import pytest
+
+import zoo
+from ggraph.compiler import compile_graph
+from ggraph.ir import dtypes
+from ggraph.ir.text import parse
+from ggraph.backends.llvm import program
+from ggraph.backends.llvm.kernels import rows16
+from ggraph.backends.llvm.target import missing_features, named_target
+
+rng = np.random.default_rng(16)
+
+
+def q4_k_rows(n: int, k: int) -> np.ndarray:
+    """n rows of random q4_k blocks with small finite d and dmin."""
+    raw = rng.integers(0, 256, (n, k // 256, 144), dtype=np.uint8)
+    raw[..., 0:4] = rng.uniform(0.001, 0.01, (n, k // 256, 2)).astype(np.float16).view(np.uint8)
+    return raw.reshape(n, -1)
+
+
+def test_repack_puts_each_word_of_16_rows_side_by_side():
+    N, K = 32, 512
+    w = q4_k_rows(N, K)
+    blocks = w.reshape(N, K // 256, 144)
+    out = rows16.repack(w, N, K).reshape(N // 16, K // 256, rows16.GROUP_BYTES)
+    for g, b, r in ((0, 0, 0), (1, 1, 15), (1, 0, 7)):
+        block, group = blocks[16 * g + r, b], out[g, b]
+        assert bytes(group[2 * r:2 * r + 2]) == bytes(block[0:2])                       # d
+        assert bytes(group[32 + 2 * r:34 + 2 * r]) == bytes(block[2:4])                 # dmin
+        for word in range(3):                                                           # scales and mins
+            at = rows16.SCALES_AT + 64 * word + 4 * r
+            assert bytes(group[at:at + 4]) == bytes(block[4 + 4 * word:8 + 4 * word])
+        for word in (0, 9, 31):                                                         # nibbles
+            at = rows16.QUANTS_AT + 64 * word + 4 * r
+            assert bytes(group[at:at + 4]) == bytes(block[16 + 4 * word:20 + 4 * word])
+    np.testing.assert_array_equal(rows16.unpack(out, N, K), w.reshape(-1))
+
+
+def test_repack_refuses_what_is_not_whole_groups():
+    with pytest.raises(ValueError, match="a q4_k matrix of 24 x 512 has"):
+        rows16.repack(q4_k_rows(24, 512), 24, 512)
+    with pytest.raises(ValueError, match="a q4_k matrix of 32 x 512 has 9216 bytes .* got 4608"):
+        rows16.repack(q4_k_rows(16, 512), 32, 512)
+    with pytest.raises(ValueError, match="the output must be 9216 bytes"):
+        rows16.repack(q4_k_rows(32, 512), 32, 512, out=np.empty(100, np.uint8))
+
+
+def _vnni():
+    if missing_features("avx512_vnni"):
+        pytest.skip("this host cannot run avx512_vnni")
+    return named_target("avx512_vnni")
+
+
+GRAPH = """
+{ lambda ; x:f32[T,256] ids:i32[T]. let
+    w:q4_k[64,256] = param "w"
+    a:f32[T,64] = qmatmul x w
+    u:q4_k[32,256] = param "u"
+    b:f32[T,256] = take u ids
+    c:f32[T,32] = qmatmul x u
+    v:q4_k[48,256] = param "v"
+    d:f32[T,48] = qmatmul x v
+  in (a b c d) }
+"""
+
+
+@pytest.mark.parametrize("T", [1, 5])
+def test_only_weights_that_only_qmatmuls_read_are_laid_out(T):
+    """w (read by a qmatmul) goes to rows16; u (a take reads it too) and v (48 rows: not whole 32-row
+    tiles) stay as in the file; every output equals the numpy backend's."""
+    graph = parse(textwrap.dedent(GRAPH))
+    weights = {"w": q4_k_rows(64, 256), "u": q4_k_rows(32, 256), "v": q4_k_rows(48, 256)}
+    prog = compile_graph(graph, backend="llvm", passes=[], target=_vnni(), threads=2)
+    layouts = {b.name: b.layout for b in prog.spec.buffers if b.kind == "param"}
+    assert layouts == {"w": "rows16", "u": None, "v": None}
+    kernels = sorted({c.kernel for c in prog.spec.calls if c.kernel.startswith("qmatmul")})
+    assert kernels == ["qmatmul_q4_k_k256_n32_avx512_vnni", "qmatmul_q4_k_k256_n48_avx512_vnni",
+                       "qmatmul_q4_k_k256_n64_rows16_avx512_vnni"]
+    built = {n for u in prog.spec.units for n in u.names if n.startswith("qmatmul")}
+    assert built == set(kernels)                          # u's rows16 kernel, asked for first, is not linked
+    prog.bind_weights(weights)
+    ref = compile_graph(graph, backend="numpy", passes=[])
+    ref.bind_weights(weights)
+    x = rng.standard_normal((T, 256)).astype(np.float32)
+    ids = rng.integers(0, 32, T).astype(np.int32)
+    for got, want in zip(prog(x, ids), ref(x, ids)):
+        np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2 * np.abs(want).max())
+
+
+def test_programs_share_one_copy_and_the_file_keeps_its_bytes(tmp_path):
+    """Two programs over one file's weight read one rows16 copy, made once; the file's pages the copy
+    was made from are let go, and read back the same when something reads them again."""
+    from ggraph.gguf.reader import GGUFFile
+    from ggraph.gguf.writer import write
+    raw = q4_k_rows(256, 1024)                             # 36 pages: whole pages to let go
+    path = tmp_path / "w.gguf"
+    write(path, {}, {"w": (raw, dtypes.q4_k, (256, 1024))})
+    f = GGUFFile(path)
+    graph = parse(textwrap.dedent("""
+    { lambda ; x:f32[T,1024]. let
+        w:q4_k[256,1024] = param "w"
+        a:f32[T,256] = qmatmul x w
+      in (a) }
+    """))
+    progs = [compile_graph(graph, backend="llvm", passes=[], target=_vnni(), threads=1, weights=f) for _ in range(2)]
+    copies = [p._keep[p.spec.param_index[graph.params[0]]] for p in progs]
+    assert copies[0] is copies[1] and isinstance(copies[0], program._Laid)
+    assert copies[0].data.ctypes.data % program.HUGE_PAGE == 0
+    np.testing.assert_array_equal(rows16.unpack(copies[0].data, 256, 1024), raw.reshape(-1))
+    np.testing.assert_array_equal(f.tensors["w"].data.reshape(-1), raw.reshape(-1))
+    x = rng.standard_normal((1, 1024)).astype(np.float32)
+    np.testing.assert_array_equal(progs[0](x)[0], progs[1](x)[0])
