@@ -2,6 +2,7 @@
 
     python benchmarks/kernels.py [--targets avx512_vnni,avx2] [--threads 1,2] [--types q8_0,q4_k]
     python benchmarks/kernels.py --shapes q4_1:576:1536,q4_1:1536:576     # any TYPE:K:N instead
+    python benchmarks/kernels.py --shapes q4_k:2048:8192 --layouts file,rows16   # the file's layout and rows16
 
 GEMV (T=1) streams weights that are not in cache (copies are rotated so that each call
 reads a fresh one; the 178 MB output matrix is read as one), the decode situation.
@@ -19,6 +20,8 @@ from llvmlite import ir
 
 from ggraph.ir import dtypes
 from ggraph.backends.llvm import jit, kernels
+from ggraph.backends.llvm.kernels import rows16
+from ggraph.backends.llvm.program import _huge_pages
 from ggraph.backends.llvm.target import runnable_targets
 from ggraph.backends.llvm.team import CallTeam
 
@@ -46,9 +49,9 @@ def random_weights(dt, N: int, K: int, rng) -> np.ndarray:
     return raw
 
 
-def timed(fn, args_for, reps: int, nth: int) -> float:
-    """Seconds per call: nth threads each run their share `reps` times; best of 5. Every call gets a
-    work counter of its own (zeroed before each of the 5 runs), as a program gives each of its calls;
+def timed(fn, args_for, reps: int, nth: int, runs: int = 5) -> float:
+    """Seconds per call: nth threads each run their share `reps` times; best of ``runs``. Every call
+    gets a work counter of its own (zeroed before each run), as a program gives each of its calls;
     args_for(r, counter) gives call r's arguments."""
     counters = np.zeros((reps, 16), np.int32)
     base = counters.ctypes.data
@@ -59,7 +62,7 @@ def timed(fn, args_for, reps: int, nth: int) -> float:
     team = CallTeam(nth)
     try:
         best = float("inf")
-        for _ in range(5):
+        for _ in range(runs):
             counters[:] = 0
             best = min(best, team.best_time(worker, tries=1))
         return best / reps
@@ -67,35 +70,55 @@ def timed(fn, args_for, reps: int, nth: int) -> float:
         team.close()
 
 
-def bench_shape(target, wtype: str, K: int, N: int, threads: list[int], rng, hot: bool = False,
-                tokens: int = 64) -> dict:
-    dt = dtypes.from_name(wtype)
-    fmt = kernels.act_format(dt)
-    m = ir.Module()
-    qname = kernels.qmatmul(m, dt, K, N, target)
-    aname = kernels.act_quant(m, fmt, K, target)
-    lib = jit.compile(m, target)
-    qm = lib.function(qname, None, ABI)
-    aq = lib.function(aname, None, ACT_ABI)
-    raw = random_weights(dt, N, K, rng)
-    copies = 1 if hot else max(1, COLD_BYTES // raw.nbytes)
-    pool = np.empty((copies, raw.nbytes), np.uint8)
-    pool[:] = raw.reshape(1, -1)
-    out = {}
-    for T in (1, tokens):
-        x = rng.standard_normal((T, K)).astype(np.float32)
-        xq = np.zeros(kernels.act_bytes(fmt, T, K), np.uint8)
-        aq(x.ctypes.data, xq.ctypes.data, T, 0, 1)
-        y = np.zeros((T, N), np.float32)
-        n_copies = copies if T == 1 else 1
-        work = raw.nbytes if T == 1 else 2 * T * N * K
+class Shape:
+    """One qmatmul compiled for (target, type, K, N) and weights in the file's ``layout`` or one a
+    program lays them out in (rows16: in 2 MB pages, as a program allocates them): ``gemv(nth)``
+    GB/s of weights at T=1 (cold: a fresh copy per call, unless ``hot``), ``gemm(nth)`` GFLOP/s."""
+
+    def __init__(self, target, wtype: str, K: int, N: int, rng, hot: bool = False, tokens: int = 64,
+                 layout: str = "file"):
+        dt = dtypes.from_name(wtype)
+        fmt = kernels.act_format(dt)
+        m = ir.Module()
+        qname = kernels.qmatmul(m, dt, K, N, target, layout=None if layout == "file" else layout)
+        aname = kernels.act_quant(m, fmt, K, target)
+        self.lib = jit.compile(m, target)
+        self.qm = self.lib.function(qname, None, ABI)
+        aq = self.lib.function(aname, None, ACT_ABI)
+        raw = random_weights(dt, N, K, rng)
+        self.bytes = raw.nbytes
+        self.copies = 1 if hot else max(1, COLD_BYTES // raw.nbytes)
+        if layout == "file":
+            self.pool = np.empty((self.copies, raw.nbytes), np.uint8)
+            self.pool[:] = raw.reshape(1, -1)
+        else:
+            self.pool = _huge_pages(self.copies * raw.nbytes).reshape(self.copies, raw.nbytes)
+            self.pool[:] = rows16.repack(raw, N, K).reshape(1, -1)
+        self.acts = {}
+        for T in (1, tokens):
+            x = rng.standard_normal((T, K)).astype(np.float32)
+            xq = np.zeros(kernels.act_bytes(fmt, T, K), np.uint8)
+            aq(x.ctypes.data, xq.ctypes.data, T, 0, 1)
+            self.acts[T] = (xq, np.zeros((T, N), np.float32), 2 * T * N * K)
+        self.tokens = tokens
+
+    def _rate(self, T: int, nth: int, runs: int) -> float:
+        xq, y, flops = self.acts[T]
+        copies = self.copies if T == 1 else 1
+        work = self.bytes if T == 1 else flops
         reps = max(3, min(200, int(2e8 // work * (1 if T == 1 else 50))))
-        base, stride = pool.ctypes.data, raw.nbytes
-        args = lambda r, c: (base + (r % n_copies) * stride, xq.ctypes.data, y.ctypes.data, c, T)  # noqa: E731
-        for nth in threads:
-            sec = timed(qm, args, reps, nth)
-            out[(T, nth)] = (raw.nbytes / sec / 1e9) if T == 1 else (work / sec / 1e9)
-    return out
+        base, stride = self.pool.ctypes.data, self.bytes
+        args = lambda r, c: (base + (r % copies) * stride, xq.ctypes.data, y.ctypes.data, c, T)  # noqa: E731
+        return work / timed(self.qm, args, reps, nth, runs) / 1e9
+
+    def gemv(self, nth: int, runs: int = 1) -> float:
+        return self._rate(1, nth, runs)
+
+    def gemm(self, nth: int) -> float:
+        return self._rate(self.tokens, nth, 5)
+
+
+ROUNDS = 7                       # alternating GEMV rounds of the layouts of one shape
 
 
 def main() -> None:
@@ -106,7 +129,13 @@ def main() -> None:
     ap.add_argument("--hot", action="store_true", help="GEMV on one cached copy: the compute ceiling")
     ap.add_argument("--shapes", default="", help="comma list of TYPE:K:N to run instead of Gemma 3's shapes")
     ap.add_argument("--tokens", type=int, default=64, help="T of the GEMM columns (a prefill's length)")
+    ap.add_argument("--layouts", default="file", help="comma list of weight layouts, a row each: file (as "
+                    "in the GGUF file), rows16 (q4_k interleaved 16 rows at a time, as a program lays out "
+                    "q4_k matrices on AVX-512 VNNI)")
     args = ap.parse_args()
+    layouts = args.layouts.split(",")
+    if any(lay not in ("file", rows16.LAYOUT) for lay in layouts):
+        ap.error(f"--layouts takes file and rows16, got {args.layouts!r}")
     shapes = SHAPES
     if args.shapes:
         try:
@@ -131,11 +160,29 @@ def main() -> None:
         if args.types and wtype not in args.types.split(","):
             continue
         for target in targets:
-            r = bench_shape(target, wtype, K, N, threads, rng, args.hot, args.tokens)
-            gemv = " ".join(f"{r[(1, n)]:10.2f}" for n in threads)
-            gemm = " ".join(f"{r[(args.tokens, n)]:10.1f}" for n in threads)
-            print(f"{wtype:6} {K:5} {N:7} {target.name:12} {gemv} {gemm}   {what}", flush=True)
-
+            shapes_of, missing = {}, []
+            for layout in layouts:
+                if layout != "file" and not rows16.takes(dtypes.from_name(wtype), N, target):
+                    missing.append(f"{wtype:6} {K:5} {N:7} {target.name:12} (no {layout} layout for {wtype}, "
+                                   f"{N} rows, {target.name})")
+                    continue
+                shapes_of[layout] = Shape(target, wtype, K, N, rng, args.hot, args.tokens, layout)
+            # GEMV: the layouts' rounds alternate, so that each meets the same neighbours; the median
+            # of the rounds, and of each round's ratio to the first layout's
+            rates = {(lay, n): [] for lay in shapes_of for n in threads}
+            for _ in range(ROUNDS if len(shapes_of) > 1 else 1):
+                for lay, sh in shapes_of.items():
+                    for n in threads:
+                        rates[(lay, n)].append(sh.gemv(n, runs=1 if len(shapes_of) > 1 else 5))
+            first = next(iter(shapes_of), None)
+            for lay, sh in shapes_of.items():
+                gemv = " ".join(f"{np.median(rates[(lay, n)]):10.2f}" for n in threads)
+                gemm = " ".join(f"{sh.gemm(n):10.1f}" for n in threads)
+                ratio = "" if lay == first else " (" + lay + ": gemv " + ", ".join(
+                    f"{np.median(np.divide(rates[(lay, n)], rates[(first, n)])):.2f}x" for n in threads) + ")"
+                print(f"{wtype:6} {K:5} {N:7} {target.name:12} {gemv} {gemm}   {what}{ratio}", flush=True)
+            for line in missing:
+                print(line, flush=True)
 
 if __name__ == "__main__":
     main()

@@ -19,3 +19,18 @@ def test_attention_benchmark_runs(cache_type):
     rows = [line.split() for line in out.stdout.splitlines() if "decode T=1 P=40" in line or "prefill T=4" in line]
     assert rows and all(float(r[-4]) > 0 for r in rows), out.stdout        # attention µs of every row
     assert f"{cache_type} caches" in out.stdout
+
+
+def test_kernel_benchmark_compares_layouts():
+    """Each layout a row; rows16 (q4_k on AVX-512 VNNI) with its gemv ratio to the file's layout from
+    alternating rounds, and a line saying so where a layout does not apply (48 rows, another type)."""
+    target = host_target().name
+    out = subprocess.run([sys.executable, str(BENCHMARKS / "kernels.py"), "--targets", target, "--threads", "1,2",
+                          "--shapes", "q4_k:256:64,q4_k:256:48,q8_0:64:32", "--layouts", "file,rows16",
+                          "--tokens", "4"], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert "(no rows16 layout for q4_k, 48 rows" in out.stdout and "(no rows16 layout for q8_0, 32 rows" in out.stdout
+    if target == "avx512_vnni":
+        rows16 = [line.split() for line in lines if "(rows16: gemv" in line]
+        assert len(rows16) == 1 and rows16[0][:3] == ["q4_k", "256", "64"] and float(rows16[0][4]) > 0, out.stdout
