@@ -135,7 +135,7 @@ class Lowering:
         self._counters: int | None = None                     # the "counters" buffer, once a kernel asks
         self.bounds: list[tuple] = []                         # (rows, capacity, what): rows <= capacity per run
         self.ranges: list[tuple] = []                         # (invar index, lo, hi, what): lo <= x < hi per run
-        self._layouts: dict[int, tuple[str, list]] = {}       # weight buffer -> (layout, [(call, kernel in the file's)])
+        self._layouts: dict[int, tuple[str, list]] = {}       # weight buffer -> (layout, [(call, file kernel)])
         self._laid_kernels: set[str] = set()                  # kernels asked for weights in a layout of their own
 
     def _add(self, buf: Buffer) -> int:
@@ -238,8 +238,8 @@ class Lowering:
                 for i, file_kernel in calls:
                     self.calls[i] = dataclasses.replace(self.calls[i], kernel=file_kernel())
         called = {c.kernel for c in self.calls}                # a kernel no call is left with is not built
-        self.units = {key: u for key, u in self.units.items() if called & set(u.names) or not
-                      any(n in self._laid_kernels for n in u.names)}
+        self.units = {key: u for key, u in self.units.items()
+                      if called & set(u.names) or not self._laid_kernels & set(u.names)}
 
     def memo(self, key, value=None):
         """Remember a lowering product (e.g. quantised activations) for reuse by later eqns."""

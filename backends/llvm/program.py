@@ -6,8 +6,8 @@
 Weights are read in place from the GGUF mmap, except those the program lays out its own way
 (``Buffer.layout``: q4_k matrices interleaved 16 rows at a time on AVX-512 VNNI, see
 kernels/rows16.py), copied once per process into 2 MB pages as they are bound, the file's
-pages let go. Activations live in one arena that grows to the largest step seen and is reused. One call runs the whole graph: every team
-thread enters the program once.
+pages let go. Activations live in one arena that grows to the largest step seen and is
+reused. One call runs the whole graph: every team thread enters the program once.
 
 Building is cached at two levels: each kernel unit's object code (``jit.unit``), and the
 whole lowered program (its buffers, calls and the program function's object code) by the
@@ -381,8 +381,8 @@ _LAID: "weakref.WeakValueDictionary[tuple, _Laid]" = weakref.WeakValueDictionary
 
 
 def laid_out(value, aval, layout: str) -> _Laid:
-    """``value`` (a weight's Blocks) in ``layout``, 64-byte aligned: the copy already made in this
-    process for the same bytes, or a new one (rows16.repack)."""
+    """``value`` (a weight's Blocks) in ``layout``: the copy already made in this process for the
+    same bytes, or a new one (rows16.repack) in huge pages."""
     from ggraph.backends.llvm.kernels import rows16
     data = value.data if isinstance(value, Blocks) else value
     key = (data.ctypes.data, data.nbytes, layout)
@@ -406,7 +406,10 @@ def _huge_pages(nbytes: int) -> np.ndarray:
     import mmap
     m = mmap.mmap(-1, nbytes + HUGE_PAGE)
     if hasattr(m, "madvise") and hasattr(mmap, "MADV_HUGEPAGE"):
-        m.madvise(mmap.MADV_HUGEPAGE)
+        try:
+            m.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:                               # transparent huge pages switched off: 4 KB pages
+            pass
     whole = np.frombuffer(m, np.uint8)
     at = -whole.ctypes.data % HUGE_PAGE
     return whole[at:at + nbytes]
@@ -424,8 +427,11 @@ def _drop_file_pages(a: np.ndarray) -> None:
         return
     start = a.ctypes.data - np.frombuffer(owner, np.uint8).ctypes.data
     lo, hi = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE, (start + a.nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
-    if hi > lo:
-        owner.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
+    if hi > lo and hasattr(owner, "madvise"):
+        try:
+            owner.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
+        except OSError:                               # they stay mapped: only memory is lost
+            pass
 
 
 def _output_plan(ref, var, spec) -> tuple:

@@ -132,7 +132,8 @@ def qmatmul(module: ir.Module, dtype, K: int, N: int, target: Target, rows_only:
         raise ValueError(f"qmatmul {fmt.dtype.name}: K={K} is not a multiple of {fmt.dtype.block_size}")
     if layout not in (None, rows16.LAYOUT) or (layout and not rows16.takes(fmt.dtype, N, target)):
         raise ValueError(f"qmatmul {fmt.dtype.name}: no {layout!r} weight layout for {N} rows on {target.name}")
-    name = f"qmatmul_{fmt.dtype.name}_k{K}_n{N}{'_rows' if rows_only else ''}{'_' + layout if layout else ''}_{target.name}"
+    suffix = ("_rows" if rows_only else "") + (f"_{layout}" if layout else "")
+    name = f"qmatmul_{fmt.dtype.name}_k{K}_n{N}{suffix}_{target.name}"
     if Kernel.exists(module, name):
         return name
     k = Kernel(module, name, ("w", "xq", "y", "counter"))
@@ -143,7 +144,7 @@ def qmatmul(module: ir.Module, dtype, K: int, N: int, target: Target, rows_only:
         with k.b.if_else(k.b.icmp_signed("==", T, k.i64(1))) as (single, many):
             with single:
                 with k.row_chunks(N, k.arg["counter"], quantum=rows16.ROWS) as rows:
-                    rows16.gemv(k, isa, lay, N, rows)
+                    rows16.gemv(k, isa, lay, rows)
             with many:
                 with k.row_chunks(N, k.arg["counter"], quantum=2 * ROWS) as rows:
                     _rows_gemm(k, isa, fmt, lay, N, rows, layout)

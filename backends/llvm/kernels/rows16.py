@@ -49,11 +49,13 @@ def takes(dtype, N: int, target: Target) -> bool:
     gemm takes rows as lanes too), no AMX tiles (whose kernels read the file's layout), and whole
     32-row tiles."""
     from ggraph.backends.llvm.kernels.act_quant import rows_gemm
-    return dtype.name == "q4_k" and rows_gemm(target) and not target.has("amx-int8") and N > 0 and N % (2 * ROWS) == 0
+    return (dtype.name == "q4_k" and rows_gemm(target) and not target.has("amx-int8")
+            and N > 0 and N % (2 * ROWS) == 0)
 
 
 # (byte in the block, byte in the group, units, unit): d and dmin, the scale words, the nibble words
-_PARTS = ((0, 0, 2, np.dtype(np.uint16)), (4, SCALES_AT, 3, np.dtype(np.uint32)), (16, QUANTS_AT, 32, np.dtype(np.uint32)))
+_PARTS = ((0, 0, 2, np.dtype(np.uint16)), (4, SCALES_AT, 3, np.dtype(np.uint32)),
+          (16, QUANTS_AT, 32, np.dtype(np.uint32)))
 
 
 def repack(data: np.ndarray, N: int, K: int, out: np.ndarray | None = None) -> np.ndarray:
@@ -128,16 +130,17 @@ def group_at(k: Kernel, lay, row, blk) -> ir.Value:
     return k.addr(k.arg["w"], k.mul(k.add(k.mul(k.b.sdiv(row, k.i64(ROWS)), nb), blk), GROUP_BYTES))
 
 
-def gemv(k: Kernel, isa: Isa, lay, N: int, rows) -> None:
+def gemv(k: Kernel, isa: Isa, lay, rows) -> None:
     """y[rows] for the one token: 16 rows at a time, every activation word broadcast to the 16 rows'
     dot products, each sub-block's dot times its scales in i32 lanes, one float step per block.
     ``rows``: [start, end), multiples of 16.
 
     The weights stream in order, and the hardware prefetcher alone fetches them ahead (asking for
-    them 8-64 KB ahead cost 10-25% on a Zen 4). A group's pass over its row streams 2304 bytes a
-    block through L1, which evicts the activations before the next group reads them again once the
-    row is longer than about 8 blocks, so each block asks for the next block's activations: on a Zen 4,
-    one thread, from memory, 8192 x 2048 0.83-0.91x of the file's layout without, 1.0-1.1x with."""
+    them 8-64 KB ahead cost 5-25% on a Zen 4). A group's pass over its row streams 2304 bytes a
+    block through L1, which evicts the activations before the next group reads them again once
+    the row is longer than about 8 blocks, so each block asks for the next block's activations: on
+    a Zen 4, one thread, from memory, 8192 x 2048 0.83-0.91x of the file's layout without, 1.0-1.1x
+    with."""
     b = k.b
     nb = lay.K // BLOCK
     xt = k.arg["xq"]
