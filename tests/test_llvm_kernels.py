@@ -322,9 +322,10 @@ def _build_rows16(target_name: str) -> jit.Library:
     t = named_target(target_name)
     m = ir.Module()
     for K, n in ROWS16_SHAPES:
-        kernels.qmatmul(m, dtypes.q4_k, K, n, t)
-        kernels.qmatmul(m, dtypes.q4_k, K, n, t, layout=rows16.LAYOUT)
-        kernels.act_quant(m, "q8_k", K, t)
+        for rows_only in (False, True):
+            kernels.qmatmul(m, dtypes.q4_k, K, n, t, rows_only)
+            kernels.qmatmul(m, dtypes.q4_k, K, n, t, rows_only, layout=rows16.LAYOUT)
+            kernels.act_quant(m, "q8_k", K, t, rows_only)
     return jit.compile(m, t)
 
 
@@ -355,6 +356,28 @@ def test_qmatmul_on_rows16_weights(K, n):
             ys.append(y)
         assert not np.isnan(ys[1]).any()
         np.testing.assert_array_equal(ys[1], ys[0], err_msg=f"K={K} T={T}")
+    # the batch kernel: the file's bits at every T, and a token alone gets the bits it gets among others
+    act = fn(name, f"act_quant_q8_k_k{K}_rows", ACT_ABI, lib)
+    for T in (1, 9):
+        x = rng.standard_normal((T, K)).astype(np.float32)
+        buf = np.zeros(kernels.act_bytes("q8_k", T, K, rows_only=True), np.uint8)
+        run(act, (x.ctypes.data, buf.ctypes.data), T, 2)
+        ys = []
+        for suffix, weights in (("_rows", w), ("_rows_rows16", grouped)):
+            y = np.full((T, n), np.nan, np.float32)
+            counter[:] = 0
+            run(fn(name, f"qmatmul_q4_k_k{K}_n{n}{suffix}", MATMUL_ABI, lib),
+                (weights.ctypes.data, buf.ctypes.data, y.ctypes.data, counter.ctypes.data), T, 2, threads=True)
+            ys.append(y)
+        np.testing.assert_array_equal(ys[1], ys[0], err_msg=f"rows_only K={K} T={T}")
+        if T > 1:
+            x1 = np.zeros(kernels.act_bytes("q8_k", 1, K, rows_only=True), np.uint8)
+            run(act, (x[:1].ctypes.data, x1.ctypes.data), 1, 1)
+            y1 = np.zeros((1, n), np.float32)
+            counter[:] = 0
+            run(fn(name, f"qmatmul_q4_k_k{K}_n{n}_rows_rows16", MATMUL_ABI, lib),
+                (grouped.ctypes.data, x1.ctypes.data, y1.ctypes.data, counter.ctypes.data), 1, 1)
+            np.testing.assert_array_equal(ys[1][:1], y1, err_msg=f"rows_only K={K}: token 0 alone")
 
 
 def test_rows16_kernels_are_refused_where_they_do_not_apply():

@@ -140,7 +140,7 @@ def qmatmul(module: ir.Module, dtype, K: int, N: int, target: Target, rows_only:
     isa = Isa(k, target)
     lay = ActLayout(fmt.act, K)
     T = k.arg["T"]
-    if layout:                        # rows16: gemv 16 rows at a time, the rows gemm's panels from groups
+    if layout and not rows_only:      # rows16: gemv 16 rows at a time, the rows gemm's panels from groups
         with k.b.if_else(k.b.icmp_signed("==", T, k.i64(1))) as (single, many):
             with single:
                 with k.row_chunks(N, k.arg["counter"], quantum=rows16.ROWS) as rows:
@@ -148,6 +148,10 @@ def qmatmul(module: ir.Module, dtype, K: int, N: int, target: Target, rows_only:
             with many:
                 with k.row_chunks(N, k.arg["counter"], quantum=2 * ROWS) as rows:
                     _rows_gemm(k, isa, fmt, lay, N, rows, layout)
+        return k.finish()
+    if layout:                                           # rows_only: the rows gemm at every T
+        with k.row_chunks(N, k.arg["counter"], quantum=2 * ROWS) as rows:
+            _rows_gemm(k, isa, fmt, lay, N, rows, layout)
         return k.finish()
     if rows_only and rows_gemm(target):                  # its arithmetic per token does not depend on T
         with k.row_chunks(N, k.arg["counter"], quantum=2 * ROWS) as rows:
