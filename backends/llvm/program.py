@@ -427,7 +427,7 @@ def _drop_file_pages(a: np.ndarray) -> None:
         return
     start = a.ctypes.data - np.frombuffer(owner, np.uint8).ctypes.data
     lo, hi = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE, (start + a.nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
-    if hi > lo and hasattr(owner, "madvise"):
+    if hi > lo and hasattr(owner, "madvise") and hasattr(mmap, "MADV_DONTNEED"):
         try:
             owner.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
         except OSError:                               # they stay mapped: only memory is lost
