@@ -19,10 +19,11 @@ of sub-block 2p in its low nibbles and of sub-block 2p+1 in its high ones.
 
 The prefill kernel (qmatmul's rows gemm) decodes its panels from this layout too (the same bits
 as from the file's), so a program keeps one copy of each weight. On a Zen 4, one thread, the
-gemv ran 2048 x 8192 at 40-49 GB/s from L3 where the file's layout ran 20-23, and from memory
-1.1-1.3x as fast for rows of 2048 (8192-wide rows 1.0-1.1x); two threads share the memory
-bandwidth, and there both layouts run at about what it gives (``python benchmarks/kernels.py
---shapes q4_k:2048:8192,q4_k:8192:2048 --layouts file,rows16``, alternating rounds).
+gemv ran 2048 x 8192 at 40-55 GB/s from L3 where the file's layout ran 20-25, and from memory
+1.0-1.3x as fast for rows of 2048 (8192-wide rows 1.0-1.1x; once, for a few minutes, 0.5-0.8x);
+two threads share the memory bandwidth, and there both layouts run at about what it gives
+(``python benchmarks/kernels.py --shapes q4_k:2048:8192,q4_k:8192:2048 --layouts file,rows16``,
+alternating rounds).
 """
 from __future__ import annotations
 
