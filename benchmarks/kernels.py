@@ -21,7 +21,7 @@ from llvmlite import ir
 from ggraph.ir import dtypes
 from ggraph.backends.llvm import jit, kernels
 from ggraph.backends.llvm.kernels import rows16
-from ggraph.backends.llvm.program import _huge_pages
+from ggraph.backends.llvm.program import huge_pages
 from ggraph.backends.llvm.target import runnable_targets
 from ggraph.backends.llvm.team import CallTeam
 
@@ -92,7 +92,7 @@ class Shape:
             self.pool = np.empty((self.copies, raw.nbytes), np.uint8)
             self.pool[:] = raw.reshape(1, -1)
         else:
-            self.pool = _huge_pages(self.copies * raw.nbytes).reshape(self.copies, raw.nbytes)
+            self.pool = huge_pages(self.copies * raw.nbytes).reshape(self.copies, raw.nbytes)
             self.pool[:] = rows16.repack(raw, N, K).reshape(1, -1)
         self.acts = {}
         for T in (1, tokens):
@@ -183,6 +183,7 @@ def main() -> None:
                 print(f"{wtype:6} {K:5} {N:7} {target.name:12} {gemv} {gemm}   {what}{ratio}", flush=True)
             for line in missing:
                 print(line, flush=True)
+
 
 if __name__ == "__main__":
     main()

@@ -344,40 +344,31 @@ def test_qmatmul_on_rows16_weights(K, n):
     check_qmatmul(name, dtypes.q4_k, K, n, w, tokens=(1, 3, 40), rng=rng, lib=lib, layout=rows16.LAYOUT)
     grouped = rows16.repack(w, n, K)
     counter = np.zeros(16, np.int32)
+
+    def outputs(kernel, weights, buf, T, nth=2):
+        y = np.full((T, n), np.nan, np.float32)
+        counter[:] = 0
+        run(fn(name, f"qmatmul_q4_k_k{K}_n{n}{kernel}", MATMUL_ABI, lib),
+            (weights.ctypes.data, buf.ctypes.data, y.ctypes.data, counter.ctypes.data), T, nth, threads=nth > 1)
+        return y
     for T in (2, 17, 40):
-        x = rng.standard_normal((T, K)).astype(np.float32)
-        buf = quantize_acts(name, x, "q8_k", lib)
-        ys = []
-        for suffix, weights in (("", w), ("_rows16", grouped)):
-            y = np.full((T, n), np.nan, np.float32)
-            counter[:] = 0
-            run(fn(name, f"qmatmul_q4_k_k{K}_n{n}{suffix}", MATMUL_ABI, lib),
-                (weights.ctypes.data, buf.ctypes.data, y.ctypes.data, counter.ctypes.data), T, 2, threads=True)
-            ys.append(y)
-        assert not np.isnan(ys[1]).any()
-        np.testing.assert_array_equal(ys[1], ys[0], err_msg=f"K={K} T={T}")
+        buf = quantize_acts(name, rng.standard_normal((T, K)).astype(np.float32), "q8_k", lib)
+        y = outputs("_rows16", grouped, buf, T)
+        assert not np.isnan(y).any()
+        np.testing.assert_array_equal(y, outputs("", w, buf, T), err_msg=f"K={K} T={T}")
     # the batch kernel: the file's bits at every T, and a token alone gets the bits it gets among others
     act = fn(name, f"act_quant_q8_k_k{K}_rows", ACT_ABI, lib)
     for T in (1, 9):
         x = rng.standard_normal((T, K)).astype(np.float32)
         buf = np.zeros(kernels.act_bytes("q8_k", T, K, rows_only=True), np.uint8)
         run(act, (x.ctypes.data, buf.ctypes.data), T, 2)
-        ys = []
-        for suffix, weights in (("_rows", w), ("_rows_rows16", grouped)):
-            y = np.full((T, n), np.nan, np.float32)
-            counter[:] = 0
-            run(fn(name, f"qmatmul_q4_k_k{K}_n{n}{suffix}", MATMUL_ABI, lib),
-                (weights.ctypes.data, buf.ctypes.data, y.ctypes.data, counter.ctypes.data), T, 2, threads=True)
-            ys.append(y)
-        np.testing.assert_array_equal(ys[1], ys[0], err_msg=f"rows_only K={K} T={T}")
+        y = outputs("_rows_rows16", grouped, buf, T)
+        np.testing.assert_array_equal(y, outputs("_rows", w, buf, T), err_msg=f"rows_only K={K} T={T}")
         if T > 1:
             x1 = np.zeros(kernels.act_bytes("q8_k", 1, K, rows_only=True), np.uint8)
             run(act, (x[:1].ctypes.data, x1.ctypes.data), 1, 1)
-            y1 = np.zeros((1, n), np.float32)
-            counter[:] = 0
-            run(fn(name, f"qmatmul_q4_k_k{K}_n{n}_rows_rows16", MATMUL_ABI, lib),
-                (grouped.ctypes.data, x1.ctypes.data, y1.ctypes.data, counter.ctypes.data), 1, 1)
-            np.testing.assert_array_equal(ys[1][:1], y1, err_msg=f"rows_only K={K}: token 0 alone")
+            y1 = outputs("_rows_rows16", grouped, x1, 1, nth=1)
+            np.testing.assert_array_equal(y[:1], y1, err_msg=f"rows_only K={K}: token 0 alone")
 
 
 def test_rows16_kernels_are_refused_where_they_do_not_apply():

@@ -391,7 +391,7 @@ def laid_out(value, aval, layout: str) -> _Laid:
         if layout != rows16.LAYOUT or aval.dtype.name != "q4_k":
             raise ValueError(f"weight {aval.source!r}: no layout {layout!r} for {aval}")
         N, K = aval.shape
-        laid = _LAID[key] = _Laid(value, rows16.repack(data, N, K, out=_huge_pages(data.nbytes)))
+        laid = _LAID[key] = _Laid(value, rows16.repack(data, N, K, out=huge_pages(data.nbytes)))
         _drop_file_pages(data)
     return laid
 
@@ -399,7 +399,7 @@ def laid_out(value, aval, layout: str) -> _Laid:
 HUGE_PAGE = 2 << 20
 
 
-def _huge_pages(nbytes: int) -> np.ndarray:
+def huge_pages(nbytes: int) -> np.ndarray:
     """``nbytes`` of memory of its own (uint8), 2 MB aligned, where Linux is asked for huge pages:
     a gemv then streams the weights with a fraction of the page walks (rows16 q4_k from memory,
     one Zen 4 thread: 24.4 GB/s in 2 MB pages, 23.1 in 4 KB; the file layout's gemv gains nothing)."""

@@ -149,13 +149,9 @@ def qmatmul(module: ir.Module, dtype, K: int, N: int, target: Target, rows_only:
                 with k.row_chunks(N, k.arg["counter"], quantum=2 * ROWS) as rows:
                     _rows_gemm(k, isa, fmt, lay, N, rows, layout)
         return k.finish()
-    if layout:                                           # rows_only: the rows gemm at every T
-        with k.row_chunks(N, k.arg["counter"], quantum=2 * ROWS) as rows:
-            _rows_gemm(k, isa, fmt, lay, N, rows, layout)
-        return k.finish()
     if rows_only and rows_gemm(target):                  # its arithmetic per token does not depend on T
         with k.row_chunks(N, k.arg["counter"], quantum=2 * ROWS) as rows:
-            _rows_gemm(k, isa, fmt, lay, N, rows)
+            _rows_gemm(k, isa, fmt, lay, N, rows, layout)
         return k.finish()
     if rows_only:
         with k.row_chunks(N, k.arg["counter"]) as rows:
