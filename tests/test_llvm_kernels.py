@@ -16,6 +16,7 @@ gq = pytest.importorskip("gguf.quants")
 from gguf import GGMLQuantizationType  # noqa: E402
 
 from ggraph.ir import dtypes  # noqa: E402
+from ggraph.gguf.quants import F16_FIELDS  # noqa: E402
 from ggraph.backends.llvm import jit, kernels  # noqa: E402
 from ggraph.backends.llvm.kernels.act_quant import ActLayout, rows_gemm, tokens_per_group  # noqa: E402
 from ggraph.backends.llvm.kernels import amx as tiles  # noqa: E402
@@ -35,12 +36,6 @@ P = ctypes.c_void_p
 MATMUL_ABI = [P, P, P, P, ctypes.c_int64, ctypes.c_int32, ctypes.c_int32]   # q/fmatmul: w, x(q), y, counter
 ACT_ABI = [P, P, ctypes.c_int64, ctypes.c_int32, ctypes.c_int32]
 ROWS_ABI = [P, P, P, P, ctypes.c_int64, ctypes.c_int32, ctypes.c_int32]    # get_rows: table, ids, out, status
-# fp16 fields per block, overwritten with sane values in random blocks
-F16_FIELDS = {"q4_0": (0,), "q4_1": (0, 2), "q5_0": (0,), "q5_1": (0, 2), "q8_0": (0,),
-              "iq4_nl": (0,), "q2_k": (80, 82), "q3_k": (108,), "q4_k": (0, 2), "q5_k": (0, 2),
-              "q6_k": (208,), "iq4_xs": (0,)}
-
-
 def k_of(dt) -> int:
     return K_OF_BLOCK[dt.block_size]
 
@@ -196,7 +191,7 @@ def check_qmatmul(target, dt, K: int, n: int, w: np.ndarray, tokens=TOKENS, rng=
     W = dequant(w, dt, n, K).astype(np.float64)                       # (n, K)
     f = fn(target, f"qmatmul_{dt.name}_k{K}_n{n}{'_' + layout if layout else ''}", abi=MATMUL_ABI, lib=lib)
     if layout:
-        w = rows16.repack(w, n, K)
+        w = rows16.repack(w, dt, n, K)
     counter = np.zeros(16, np.int32)
     for T in tokens:
         x = rng.standard_normal((T, K)).astype(np.float32) if x_of is None else x_of(T)
@@ -313,8 +308,8 @@ def test_every_vector_gemm_gives_the_bits_of_the_rows_gemm(dt):
                 np.testing.assert_array_equal(y, ys[0], err_msg=f"{name} K={K} T={T}")
 
 
-# q4_k in rows16 (16 rows interleaved): one and several K panels, one and several 32-row tiles; gemv
-# blocks in a loop
+# q4_k and q6_k in rows16 (16 rows interleaved): one and several K panels, one and several 32-row
+# tiles; gemv blocks in a loop
 ROWS16_SHAPES = ((512, 32), (2304, 96))
 
 
@@ -323,8 +318,9 @@ def _build_rows16(target_name: str) -> jit.Library:
     m = ir.Module()
     for K, n in ROWS16_SHAPES:
         for rows_only in (False, True):
-            kernels.qmatmul(m, dtypes.q4_k, K, n, t, rows_only)
-            kernels.qmatmul(m, dtypes.q4_k, K, n, t, rows_only, layout=rows16.LAYOUT)
+            for dt in (dtypes.q4_k, dtypes.q6_k):
+                kernels.qmatmul(m, dt, K, n, t, rows_only)
+                kernels.qmatmul(m, dt, K, n, t, rows_only, layout=rows16.LAYOUT)
             kernels.act_quant(m, "q8_k", K, t, rows_only)
     return jit.compile(m, t)
 
@@ -332,23 +328,25 @@ def _build_rows16(target_name: str) -> jit.Library:
 _ROWS16_LIBS: dict = {}
 
 
+@pytest.mark.parametrize("wtype", rows16.TYPES)
 @pytest.mark.parametrize("K,n", ROWS16_SHAPES)
-def test_qmatmul_on_rows16_weights(K, n):
-    """q4_k weights interleaved 16 rows at a time: the gemv against the float64 reference at every nth
+def test_qmatmul_on_rows16_weights(K, n, wtype):
+    """Weights interleaved 16 rows at a time: the gemv against the float64 reference at every nth
     (rows split between threads in whole groups), and every T > 1 the same bits as the file's layout
     gives (the rows gemm decodes the same panels from either)."""
     name = runnable_target("avx512_vnni", _ROWS16_LIBS, _build_rows16)
     lib = _ROWS16_LIBS[name]
     rng = np.random.default_rng(11)
-    w = random_blocks(dtypes.q4_k, n, K, rng)
-    check_qmatmul(name, dtypes.q4_k, K, n, w, tokens=(1, 3, 40), rng=rng, lib=lib, layout=rows16.LAYOUT)
-    grouped = rows16.repack(w, n, K)
+    dt = dtypes.from_name(wtype)
+    w = random_blocks(dt, n, K, rng)
+    check_qmatmul(name, dt, K, n, w, tokens=(1, 3, 40), rng=rng, lib=lib, layout=rows16.LAYOUT)
+    grouped = rows16.repack(w, dt, n, K)
     counter = np.zeros(16, np.int32)
 
     def outputs(kernel, weights, buf, T, nth=2):
         y = np.full((T, n), np.nan, np.float32)
         counter[:] = 0
-        run(fn(name, f"qmatmul_q4_k_k{K}_n{n}{kernel}", MATMUL_ABI, lib),
+        run(fn(name, f"qmatmul_{wtype}_k{K}_n{n}{kernel}", MATMUL_ABI, lib),
             (weights.ctypes.data, buf.ctypes.data, y.ctypes.data, counter.ctypes.data), T, nth, threads=nth > 1)
         return y
     for T in (2, 17, 40):
@@ -372,8 +370,9 @@ def test_qmatmul_on_rows16_weights(K, n):
 
 
 def test_rows16_kernels_are_refused_where_they_do_not_apply():
-    """A rows16 kernel only for q4_k, whole 32-row tiles and AVX-512 VNNI without tiles; the error names why."""
-    for dt, n, target in ((dtypes.q4_k, 48, "avx512_vnni"), (dtypes.q6_k, 64, "avx512_vnni"),
+    """A rows16 kernel only for q4_k and q6_k, whole 32-row tiles and AVX-512 VNNI without tiles; the
+    error names why."""
+    for dt, n, target in ((dtypes.q4_k, 48, "avx512_vnni"), (dtypes.q5_k, 64, "avx512_vnni"),
                           (dtypes.q4_k, 64, "avx2"), (dtypes.q4_k, 64, "amx")):
         with pytest.raises(ValueError, match=f"no 'rows16' weight layout for {n} rows on {target}"):
             kernels.qmatmul(ir.Module(), dt, 512, n, named_target(target), layout=rows16.LAYOUT)

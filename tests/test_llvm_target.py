@@ -183,6 +183,31 @@ def test_nibble_split_per_qword(name, extra, n):
     np.testing.assert_array_equal(dst, expected)
 
 
+@pytest.mark.parametrize("name,extra,n", [("avx2", (), 32), ("avx512_vnni", (), 64), ("avx512_vnni", ("gfni",), 64)])
+def test_byte_bits_move_a_field_of_each_byte(name, extra, n):
+    """Isa.byte_bits: bits shift.. of each byte at bits to.., the rest zero (q6_k's 2-bit fields to bit 4,
+    nibbles down, a field in place), with GFNI one vgf2p8affineqb each, else a word shift and a mask."""
+    if not {name, *extra} <= {t.name for t in target.runnable_targets()} | target.host_features():
+        pytest.skip(f"host cannot run {name} with {extra}")
+    t = target.named_target(name, extra)
+    fields = [(0, 2, 4), (2, 2, 4), (4, 2, 4), (6, 2, 4), (4, 4, 0), (0, 4, 0), (1, 3, 5)]
+    m = ir.Module()
+    k = Kernel(m, "fields", ("src", "dst"))
+    isa = Isa(k, t)
+    v = k.load(vec(i8, n), k.arg["src"])
+    for f, (shift, width, to) in enumerate(fields):
+        k.store(isa.byte_bits(v, shift, width, to), k.arg["dst"], n * f)
+    k.finish()
+    assert ("vgf2p8affineqb" in jit.emit_assembly(m, t)) == ("gfni" in extra)
+    src = np.random.default_rng(1).integers(0, 256, n, dtype=np.uint8)
+    dst = np.zeros((len(fields), n), np.uint8)
+    P = ctypes.c_void_p
+    jit.compile(m, t).function("fields", None, [P, P, ctypes.c_int64, ctypes.c_int32, ctypes.c_int32])(
+        src.ctypes.data, dst.ctypes.data, 1, 0, 1)
+    for got, (shift, width, to) in zip(dst, fields):
+        np.testing.assert_array_equal(got, ((src >> shift) & ((1 << width) - 1)) << to, err_msg=f"{shift, width, to}")
+
+
 def test_gathered_runs_refuse_what_their_windows_cannot_hold():
     """A gathered run of 32-weight blocks takes an even count spanning at least one 128-byte window
     (gemv gives it whole groups of 8 and decodes a row's last, partial group block by block)."""

@@ -16,12 +16,7 @@ from gguf.constants import GGMLQuantizationType as GT  # noqa: E402
 
 HERE = Path(__file__).parent
 
-# byte offsets of the f16 scale fields that must hold sane values in random blocks
-F16_FIELDS = {
-    "q4_0": [0], "q4_1": [0, 2], "q5_0": [0], "q5_1": [0, 2], "q8_0": [0], "q8_1": [0, 2],
-    "q2_k": [80, 82], "q3_k": [108], "q4_k": [0, 2], "q5_k": [0, 2], "q6_k": [208],
-    "iq4_nl": [0], "iq4_xs": [0],
-}
+F16_FIELDS = quants.F16_FIELDS
 GGUF_PY_TYPES = ["f32", "f16", "bf16", *[n for n in F16_FIELDS if n != "q8_1"]]
 
 

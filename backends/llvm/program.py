@@ -388,10 +388,11 @@ def laid_out(value, aval, layout: str) -> _Laid:
     key = (data.ctypes.data, data.nbytes, layout)
     laid = _LAID.get(key)
     if laid is None:
-        if layout != rows16.LAYOUT or aval.dtype.name != "q4_k":
+        if layout != rows16.LAYOUT or aval.dtype.name not in rows16.TYPES:
             raise ValueError(f"weight {aval.source!r}: no layout {layout!r} for {aval}")
         N, K = aval.shape
-        laid = _LAID[key] = _Laid(value, rows16.repack(data, N, K, out=huge_pages(data.nbytes)))
+        laid = _LAID[key] = _Laid(value, rows16.repack(data, aval.dtype, N, K,
+                                                    out=huge_pages(rows16.nbytes(aval.dtype, N, K))))
         _drop_file_pages(data)
     return laid
 

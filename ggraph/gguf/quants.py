@@ -30,6 +30,12 @@ QK_K = 256  # elements in a K-quant super-block
 IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10,
                        1, 13, 25, 38, 53, 69, 89, 113], dtype=np.float32)
 
+# byte offsets of each block type's f16 fields (d, and dmin where it has one): what random blocks must
+# hold finite, small values in to be sane weights
+F16_FIELDS = {"q4_0": (0,), "q4_1": (0, 2), "q5_0": (0,), "q5_1": (0, 2), "q8_0": (0,), "q8_1": (0, 2),
+              "iq4_nl": (0,), "q2_k": (80, 82), "q3_k": (108,), "q4_k": (0, 2), "q5_k": (0, 2),
+              "q6_k": (208,), "iq4_xs": (0,)}
+
 _CHUNK = 1 << 16  # elements per step: keeps the temporaries of a step in L2, not in RAM
 
 

@@ -34,6 +34,15 @@ _PSHUFB = {("avx512bw", 64): "llvm.x86.avx512.pshuf.b.512", ("avx2", 32): "llvm.
            ("ssse3", 16): "llvm.x86.ssse3.pshuf.b.128"}
 
 
+def _bit_matrix(shift: int, width: int, to: int) -> list[int]:
+    """vgf2p8affineqb's 8 matrix bytes that move a byte's bits shift.. to to.. (width of them): output
+    bit i is the parity of (input & matrix byte 7-i)."""
+    rows = [0] * 8
+    for i in range(width):
+        rows[7 - (to + i)] = 1 << (shift + i)
+    return rows
+
+
 def vector_path(target: Target) -> bool:
     """True if kernels use their vector emitters; baseline x86 gets the scalar twins."""
     return target.arch != "x86_64" or target.has("avx2")
@@ -253,14 +262,35 @@ class Isa:
         n = v.type.count
         if len(high) * 8 != n:
             raise ValueError(f"nibbles: {len(high)} qword choices for {n} bytes")
-        if self.is_x86 and self.t.has("gfni") and n in (16, 32, 64) and (n < 64 or self.t.has("avx512bw")):
-            # output bit i = input bit i (+4 for high): matrix byte 7-i = 1 << i (or 1 << i+4)
-            rows = {False: [0, 0, 0, 0, 8, 4, 2, 1], True: [0, 0, 0, 0, 0x80, 0x40, 0x20, 0x10]}
-            matrix = ir.Constant(vec(i8, n), [r for h in high for r in rows[h]])
-            return k.intrinsic(f"llvm.x86.vgf2p8affineqb.{8 * n}", vec(i8, n), [v, matrix, ir.Constant(i8, 0)])
+        if self._affine(n):
+            rows = {h: _bit_matrix(4 * h, 4, 0) for h in (False, True)}
+            return self._affine_bytes(v, [r for h in high for r in rows[h]])
         words = k.cast_vec(v, i16)
         shifted = b.lshr(words, ir.Constant(words.type, [4 if high[w // 4] else 0 for w in range(n // 2)]))
         return b.and_(k.cast_vec(shifted, i8), ir.Constant(v.type, [0x0F] * n))
+
+    def byte_bits(self, v: ir.Value, shift: int, width: int, to: int) -> ir.Value:
+        """Each byte's bits shift..shift+width-1 moved to bits to..to+width-1, the others zero: a mask
+        where they stay in place, else one vgf2p8affineqb with GFNI, a word shift and a mask without."""
+        k, b = self.k, self.k.b
+        n = v.type.count
+        mask = ir.Constant(v.type, [((1 << width) - 1) << to] * n)
+        if shift == to:
+            return b.and_(v, mask)
+        if self._affine(n):
+            return self._affine_bytes(v, _bit_matrix(shift, width, to) * (n // 8))
+        words = k.cast_vec(v, i16)
+        by = ir.Constant(words.type, [abs(shift - to)] * (n // 2))
+        return b.and_(k.cast_vec(b.lshr(words, by) if shift > to else b.shl(words, by), i8), mask)
+
+    def _affine(self, n: int) -> bool:
+        """True if vgf2p8affineqb takes n bytes on this target."""
+        return self.is_x86 and self.t.has("gfni") and n in (16, 32, 64) and (n < 64 or self.t.has("avx512bw"))
+
+    def _affine_bytes(self, v: ir.Value, matrix: list[int]) -> ir.Value:
+        n = v.type.count
+        return self.k.intrinsic(f"llvm.x86.vgf2p8affineqb.{8 * n}", vec(i8, n),
+                                [v, ir.Constant(vec(i8, n), matrix), ir.Constant(i8, 0)])
 
     def lookup16(self, table: list[int], idx: ir.Value) -> ir.Value:
         """table[idx[i]] for a 16-entry byte table and indices in 0..15 (pshufb)."""

@@ -144,7 +144,7 @@ def qmatmul(module: ir.Module, dtype, K: int, N: int, target: Target, rows_only:
         with k.b.if_else(k.b.icmp_signed("==", T, k.i64(1))) as (single, many):
             with single:
                 with k.row_chunks(N, k.arg["counter"], quantum=rows16.ROWS) as rows:
-                    rows16.gemv(k, isa, lay, rows)
+                    rows16.gemv(k, isa, fmt.dtype, lay, rows)
             with many:
                 with k.row_chunks(N, k.arg["counter"], quantum=2 * ROWS) as rows:
                     _rows_gemm(k, isa, fmt, lay, N, rows, layout)
@@ -873,8 +873,9 @@ def _decode_panel(k: Kernel, isa: Isa, fmt: BlockFormat, lay: ActLayout, N: int,
     row_bytes = fmt.dtype.row_bytes(lay.K)
     nblocks = lay.K // fmt.dtype.block_size
     lines = -(-vecs * ROWS * row_bytes // 64 // (nblocks * vecs))   # of the next tile, per vector decoded
-    if layout:                                            # rows16 (q4_k): what each of its groups decodes to
-        panel, dec = Panel(fmt, True, True), rows16.LEVELS
+    if layout:                                            # rows16: what each of its groups decodes to
+        kind = rows16.kind(fmt.dtype)
+        panel, dec = Panel(fmt, True, kind.MINS), kind.LEVELS
     with k.loop(0, k.mul(count, vecs), name="pvec") as iv:
         i, v = b.sdiv(iv, k.i64(vecs)), b.srem(iv, k.i64(vecs))
         # the next tile's rows are one contiguous stretch: ask for a share of it now, so that a small

@@ -1,28 +1,35 @@
-"""q4_k weights interleaved 16 rows at a time ("rows16"), made once when a program binds them.
+"""q4_k and q6_k weights interleaved 16 rows at a time ("rows16"), made once when a program binds them.
 
-In a GGUF file a q4_k row is its 144-byte blocks one after another. A gemv over that layout
-spends most of its instructions on one row's block at a time: its 6-bit scales shuffled into
-place, its dot products packed to words to be scaled, its partial sums reduced across lanes.
-With 16 rows interleaved, one 64-byte vector holds the same 4-byte word of 16 rows' blocks, so
-that lanes are rows: one broadcast activation word serves 16 rows, a sub-block's dot product is
-one i32 lane per row, its scale a lane of a vector decoded once for 16 rows, and nothing is
-shuffled. Group g (rows 16g .. 16g+15), block b, at (g * blocks + b) * 2304 bytes:
+In a GGUF file a row is its blocks one after another. A gemv over that layout spends most of its
+instructions on one row's block at a time: its scales shuffled into place, its dot products
+packed to words to be scaled, its partial sums reduced across lanes. With 16 rows interleaved,
+one 64-byte vector holds the same 4-byte word of 16 rows' blocks, so that lanes are rows: one
+broadcast activation word serves 16 rows, a sub-block's dot product is one i32 lane per row, its
+scale a lane of a vector decoded once for 16 rows, and nothing is shuffled. Group g (rows 16g ..
+16g+15), block b, lies at (g * blocks + b) * BYTES, each part of the block as a run of its units
+(2 or 4 bytes), unit u of 16 rows side by side, in the order a gemv step reads them:
 
-    +0     d     16 x f16        the rows' block scales
-    +32    dmin  16 x f16
-    +64    3 x 64 bytes          word w (w < 3) of the 12 packed scale bytes, of each row
-    +256   32 x 64 bytes         word w (w < 32) of the 128 nibble bytes, of each row
+    q4_k (2304 bytes)                       q6_k (3392 bytes)
+    +0     d, dmin   2 x 16 x f16           +0     scales   4 x 64 bytes   int8, one per 16 weights
+    +64    scales    3 x 64 bytes           +256   16 x (ql, ql, qh)       3 x 64 bytes a step
+    +256   nibbles  32 x 64 bytes           +3328  d       16 x f16, then 32 bytes of zeros
 
-the same bytes as the 16 rows' blocks, so the weights take no more memory than in the file
-(where they are read once, to repack them). Word 8p + j of the nibbles holds weights 4j..4j+3
-of sub-block 2p in its low nibbles and of sub-block 2p+1 in its high ones.
+q4_k: word 8p + j of the nibbles holds weights 4j..4j+3 of sub-block 2p in its low nibbles and of
+sub-block 2p+1 in its high ones; the same bytes as the file's. q6_k: step (h, j) (half h, j < 8)
+holds ql word 16h + j (weights 128h + 4j.. in its low nibbles, 128h + 64 + 4j.. in its high ones),
+ql word 16h + 8 + j (128h + 32 + 4j.., 128h + 96 + 4j..), and qh word 8h + j (their top two bits,
+in that order from bit 0). A q6_k block of 16 rows is 3360 bytes: 32 bytes of padding keep every
+block 64-byte aligned (1% more memory; on a Zen 4, from memory, 1.15-1.25x faster than unaligned),
+and reading the words in the order they lie lets the hardware prefetcher stream them (about 3x
+faster than reading ql and qh as runs of their own).
 
 The prefill kernel (qmatmul's rows gemm) decodes its panels from this layout too (the same bits
-as from the file's), so a program keeps one copy of each weight. On a Zen 4, one thread, the
+as from the file's), so a program keeps one copy of each weight. On a Zen 4, one thread, the q4_k
 gemv ran 2048 x 8192 at 40-55 GB/s from L3 where the file's layout ran 20-25, and from memory
 1.0-1.3x as fast for rows of 2048 (8192-wide rows 1.0-1.1x; once, for a few minutes, 0.5-0.8x);
-two threads share the memory bandwidth, and there both layouts run at about what it gives
-(``python benchmarks/kernels.py --shapes q4_k:2048:8192,q4_k:8192:2048 --layouts file,rows16``,
+q6_k 1.35-1.7x from L3, from memory 1.15-1.2x for rows of 8192 and 0.9-1.0x for rows of 2048. Two
+threads share the memory bandwidth, and there both layouts run at about what it gives
+(``python benchmarks/kernels.py --shapes q4_k:2048:8192,q6_k:8192:2048 --layouts file,rows16``,
 alternating rounds).
 """
 from __future__ import annotations
@@ -37,71 +44,40 @@ from ggraph.backends.llvm.target import Target
 
 LAYOUT = "rows16"
 ROWS = 16
-BLOCK = 256                     # weights per q4_k block
-BLOCK_BYTES = 144
-GROUP_BYTES = ROWS * BLOCK_BYTES
-SCALES_AT, QUANTS_AT = 64, 256
-# what the rows gemm's dot products need to know of every rows16 level: unsigned nibbles, no offset
-LEVELS = Decoded(chunk=None, signed=False, offset=0, qmax=15, scales=None, mins=None)
+BLOCK = 256                     # weights per block of either type
+_U16, _U32 = np.dtype(np.uint16), np.dtype(np.uint32)
 
 
-def takes(dtype, N: int, target: Target) -> bool:
-    """True if a q4_k matmul of N rows runs on rows16 weights on ``target``: AVX-512 VNNI (whose rows
-    gemm takes rows as lanes too), no AMX tiles (whose kernels read the file's layout), and whole
-    32-row tiles."""
-    from ggraph.backends.llvm.kernels.act_quant import rows_gemm
-    return (dtype.name == "q4_k" and rows_gemm(target) and not target.has("amx-int8")
-            and N > 0 and N % (2 * ROWS) == 0)
+def _splat(value: int) -> ir.Constant:
+    return ir.Constant(vec(i32, ROWS), [value] * ROWS)
 
 
-# (byte in the block, byte in the group, units, unit): d and dmin, the scale words, the nibble words
-_PARTS = ((0, 0, 2, np.dtype(np.uint16)), (4, SCALES_AT, 3, np.dtype(np.uint32)),
-          (16, QUANTS_AT, 32, np.dtype(np.uint32)))
+def _zero() -> ir.Constant:
+    return _splat(0)
 
 
-def repack(data: np.ndarray, N: int, K: int, out: np.ndarray | None = None) -> np.ndarray:
-    """The rows16 bytes of a q4_k matrix of N rows of K weights (``data``: its bytes, as in the file),
-    in ``out`` if given (uint8, as many bytes)."""
-    nb = K // BLOCK
-    if K % BLOCK or N % ROWS or data.nbytes != N * nb * BLOCK_BYTES:
-        raise ValueError(f"rows16: a q4_k matrix of {N} x {K} has {N * (K // BLOCK) * BLOCK_BYTES} bytes in whole "
-                         f"16-row groups; got {data.nbytes} bytes")
-    blocks = np.ascontiguousarray(data).view(np.uint8).reshape(N // ROWS, ROWS, nb, BLOCK_BYTES)
-    flat = np.empty(data.nbytes, np.uint8) if out is None else out
-    if flat.nbytes != data.nbytes or flat.dtype != np.uint8:
-        raise ValueError(f"rows16: the output must be {data.nbytes} bytes (uint8), not {flat.nbytes} ({flat.dtype})")
-    out = flat.reshape(N // ROWS, nb, GROUP_BYTES)
-    for first, at, count, unit in _PARTS:                   # each part moved in units of 2 or 4 bytes
-        part = blocks[..., first:first + count * unit.itemsize].view(unit).reshape(N // ROWS, ROWS, nb, count)
-        out[..., at:at + count * ROWS * unit.itemsize].view(unit).reshape(N // ROWS, nb, count, ROWS)[:] = \
-            part.transpose(0, 2, 3, 1)
-    return flat
+class _Q4K:
+    """One q4_k block of a group, decoded as lanes of rows: the integer scales and mins of each
+    sub-block of 32 (<16 x i32>), d and dmin (<16 x f32>), the nibble words on demand."""
 
-
-def unpack(data: np.ndarray, N: int, K: int) -> np.ndarray:
-    """The file's bytes of a rows16 matrix (repack's inverse)."""
-    nb = K // BLOCK
-    groups = np.ascontiguousarray(data).view(np.uint8).reshape(N // ROWS, nb, GROUP_BYTES)
-    out = np.empty((N // ROWS, ROWS, nb, BLOCK_BYTES), np.uint8)
-    for first, at, count, unit in _PARTS:
-        part = groups[..., at:at + count * ROWS * unit.itemsize].view(unit).reshape(N // ROWS, nb, count, ROWS)
-        out[..., first:first + count * unit.itemsize].view(unit).reshape(N // ROWS, ROWS, nb, count)[:] = \
-            part.transpose(0, 3, 1, 2)
-    return out.reshape(-1)
-
-
-class Group:
-    """One block of a 16-row group, decoded as lanes of rows: the integer scales and mins of each
-    sub-block (<16 x i32>), d and dmin (<16 x f32>), and the nibble words on demand."""
+    SUB = 32
+    # (byte in the block, byte in the group, units, unit): d and dmin, the scale words, the nibble words
+    PARTS = ((0, 0, 2, _U16), (4, 64, 3, _U32), (16, 256, 32, _U32))
+    SCALES_AT, QUANTS_AT = 64, 256
+    BYTES = 2304             # a block of 16 rows
+    # what the rows gemm's dot products need to know of the levels: unsigned nibbles, no offset
+    LEVELS = Decoded(chunk=None, signed=False, offset=0, qmax=15, scales=None, mins=None)
+    MINS = True
+    TERMS = 2                # (scaled dots, d) and (mins times activation sums, -dmin)
 
     def __init__(self, k: Kernel, isa: Isa, at: ir.Value):
         b = k.b
         self.k, self.isa, self.at = k, isa, at
-        w = [k.load(vec(i32, ROWS), at, SCALES_AT + 64 * i) for i in range(3)]
+        w = [k.load(vec(i32, ROWS), at, self.SCALES_AT + 64 * i) for i in range(3)]
 
         def field(v, shift: int, width: int) -> ir.Value:
             return b.and_(b.lshr(v, _splat(shift)), _splat((1 << width) - 1))
-        # q4_k's 12 scale bytes: sub-block s < 4 keeps its 6-bit scale in byte s, its min in byte s+4;
+        # the 12 scale bytes: sub-block s < 4 keeps its 6-bit scale in byte s, its min in byte s+4;
         # s >= 4 the low 4 bits of both in byte s+4 and the high 2 in the top bits of bytes s-4 and s
         self.scales = [field(w[0], 8 * s, 6) for s in range(4)] + \
             [b.or_(field(w[2], 8 * s, 4), b.shl(field(w[0], 8 * s + 6, 2), _splat(4))) for s in range(4)]
@@ -110,83 +86,214 @@ class Group:
         self.d = isa.f16_to_f32(k.load(vec(i16, ROWS), at, 0))
         self.dmin = isa.f16_to_f32(k.load(vec(i16, ROWS), at, 32))
 
-    def nibbles(self, p: int, j: int) -> tuple[ir.Value, ir.Value]:
-        """Word j of sub-blocks 2p (low nibbles) and 2p+1 (high), 16 rows: two <64 x i8> of levels 0..15."""
-        q = self.k.load(vec(i8, 64), self.at, QUANTS_AT + 64 * (8 * p + j))
-        low = self.k.b.and_(q, ir.Constant(q.type, [0x0F] * 64))
-        return low, self.isa.nibbles(q, [True] * 8)
+    def words(self):
+        """(sub-block, word in it, <64 x i8> of levels 0..15 of 16 rows), in the order of the loads."""
+        for p in range(4):
+            for j in range(8):
+                q = self.k.load(vec(i8, 64), self.at, self.QUANTS_AT + 64 * (8 * p + j))
+                yield 2 * p, j, self.k.b.and_(q, ir.Constant(q.type, [0x0F] * 64))
+                yield 2 * p + 1, j, self.isa.nibbles(q, [True] * 8)
 
     def min_pairs(self, p: int) -> ir.Value:
         """The mins of sub-blocks 2p and 2p+1 as one i16 pair per row."""
         return self.k.b.or_(self.mins[2 * p], self.k.b.shl(self.mins[2 * p + 1], _splat(16)))
 
+    def terms(self, lay, xt, blk, isum: ir.Value) -> list:
+        """The block's (integer sum, float factor) terms of y, given isum = sum_s scale_s * dot_s: the
+        scaled dots times d, and the mins times the activation sums of 32 times -dmin."""
+        k, b = self.k, self.k.b
+        sums = k.load(vec(i32, 4), xt, lay.sums32(k, 1, k.mul(blk, 8)))       # i16 pairs of sub-block sums
+        msum = _zero()
+        for p in range(4):
+            pair = k.cast_vec(k.splat(b.extract_element(sums, ir.Constant(i32, p)), ROWS), i16)
+            msum = self.isa.dot_pairs(msum, k.cast_vec(self.min_pairs(p), i16), pair)
+        return [(isum, self.d), (msum, b.fneg(self.dmin))]
 
-def _splat(value: int) -> ir.Constant:
-    return ir.Constant(vec(i32, ROWS), [value] * ROWS)
+
+def _q6_k_parts(scales: int, triples: int, d: int) -> tuple:
+    """q6_k's parts: the scale words at ``scales``; from ``triples``, for each half h and j < 8 the
+    three words a gemv step reads (ql 16h + j, ql 16h + 8 + j, qh 8h + j), so that the weights stream
+    in the order they are read; d at ``d``."""
+    steps = [(h, j) for h in range(2) for j in range(8)]
+    words = [(4 * (16 * h + j), 4 * (16 * h + 8 + j), 128 + 4 * (8 * h + j)) for h, j in steps]
+    runs = [(at, triples + 64 * (3 * step + n), 1, _U32) for step, ats in enumerate(words) for n, at in enumerate(ats)]
+    return ((192, scales, 4, _U32), *runs, (208, d, 1, _U16))
 
 
-def group_at(k: Kernel, lay, row, blk) -> ir.Value:
+class _Q6K:
+    """One q6_k block of a group, decoded as lanes of rows: the integer scales of its sub-blocks of
+    16 (<16 x i32>, -128..127), d (<16 x f32>), the 6-bit levels (q + 32, 0..63) on demand."""
+
+    SUB = 16
+    SCALES_AT, TRIPLES_AT, D_AT = 0, 256, 3328
+    BYTES = 3392             # a block of 16 rows, 3360 bytes, and 32 of padding: every block 64-byte aligned
+    PARTS = _q6_k_parts(SCALES_AT, TRIPLES_AT, D_AT)
+    LEVELS = Decoded(chunk=None, signed=False, offset=32, qmax=63, scales=None, mins=None)
+    MINS = False
+    TERMS = 1
+
+    def __init__(self, k: Kernel, isa: Isa, at: ir.Value):
+        b = k.b
+        self.k, self.isa, self.at = k, isa, at
+        w = [k.load(vec(i32, ROWS), at, self.SCALES_AT + 64 * i) for i in range(4)]
+        self.scales = [b.ashr(b.shl(w[s // 4], _splat(24 - 8 * (s % 4))), _splat(24)) for s in range(16)]
+        self.d = isa.f16_to_f32(k.load(vec(i16, ROWS), at, self.D_AT))
+
+    def words(self):
+        """(sub-block, word in it, <64 x i8> of levels 0..63 of 16 rows), in the order of the loads."""
+        k, b, isa = self.k, self.k.b, self.isa
+        for h in range(2):
+            for j in range(8):
+                *ql, qh = [k.load(vec(i8, 64), self.at, self.TRIPLES_AT + 64 * (3 * (8 * h + j) + n))
+                           for n in range(3)]
+                for i in range(4):       # weights 128h + 32i + 4j..: nibble i // 2 of ql[i % 2], bits 2i.. of qh
+                    low = isa.byte_bits(ql[i % 2], 4 * (i // 2), 4, 0)
+                    yield 8 * h + 2 * i + j // 4, j % 4, b.or_(low, isa.byte_bits(qh, 2 * i, 2, 4))
+
+    def terms(self, lay, xt, blk, isum: ir.Value) -> list:
+        """The block's one term: (isum - 32 * sum_s scale_s * xsum_s) times d; the activation sums of
+        16 two at a time, one vpdpwssd a pair of sub-blocks."""
+        k, b = self.k, self.k.b
+        msum = _zero()
+        for p in range(8):
+            pair = k.cast_vec(k.splat(k.load(i32, xt, lay.sums(k, 1, k.add(k.mul(blk, 16), 2 * p))), ROWS), i16)
+            scales = b.or_(b.and_(self.scales[2 * p], _splat(0xFFFF)), b.shl(self.scales[2 * p + 1], _splat(16)))
+            msum = self.isa.dot_pairs(msum, k.cast_vec(scales, i16), pair)
+        return [(b.sub(isum, b.shl(msum, _splat(5))), self.d)]
+
+
+_KINDS = {"q4_k": _Q4K, "q6_k": _Q6K}
+TYPES = tuple(_KINDS)
+
+
+def takes(dtype, N: int, target: Target) -> bool:
+    """True if a matmul of N rows of ``dtype`` runs on rows16 weights on ``target``: q4_k or q6_k,
+    AVX-512 VNNI (whose rows gemm takes rows as lanes too), no AMX tiles (whose kernels read the
+    file's layout), and whole 32-row tiles."""
+    from ggraph.backends.llvm.kernels.act_quant import rows_gemm
+    return (dtype.name in _KINDS and rows_gemm(target) and not target.has("amx-int8")
+            and N > 0 and N % (2 * ROWS) == 0)
+
+
+def kind(dtype):
+    """The rows16 decoder class of ``dtype`` (its PARTS, LEVELS, MINS)."""
+    if dtype.name not in _KINDS:
+        raise ValueError(f"rows16: no layout for {dtype.name}; it has {', '.join(_KINDS)}")
+    return _KINDS[dtype.name]
+
+
+def nbytes(dtype, N: int, K: int) -> int:
+    """Bytes of an N x K ``dtype`` matrix in rows16 (q6_k: 32 more per block of 16 rows than in the file)."""
+    return N // ROWS * (K // BLOCK) * kind(dtype).BYTES
+
+
+def _checked(dtype, data: np.ndarray, N: int, K: int, size: int):
+    """``dtype``'s kind, once ``data`` is checked to be ``size`` bytes per block of whole 16-row groups
+    of N x K."""
+    kind_ = kind(dtype)
+    nb = K // BLOCK
+    if K % BLOCK or N % ROWS or data.nbytes != N // ROWS * nb * size:
+        raise ValueError(f"rows16: a {dtype.name} matrix of {N} x {K} has {N // ROWS * nb * size} bytes in "
+                         f"whole 16-row groups; got {data.nbytes} bytes")
+    return kind_
+
+
+def _moves(kind_, blocks: np.ndarray, groups: np.ndarray):
+    """Each part's (units in the blocks (groups, 16, blocks, count), units in the groups (groups, blocks,
+    count, 16)) views, for ``blocks`` (groups, 16, blocks, block bytes) and ``groups`` (groups, blocks,
+    BYTES)."""
+    G, nb = blocks.shape[0], blocks.shape[2]
+    for first, at, count, unit in kind_.PARTS:
+        yield (blocks[..., first:first + count * unit.itemsize].view(unit).reshape(G, ROWS, nb, count),
+               groups[..., at:at + count * ROWS * unit.itemsize].view(unit).reshape(G, nb, count, ROWS))
+
+
+def repack(data: np.ndarray, dtype, N: int, K: int, out: np.ndarray | None = None) -> np.ndarray:
+    """The rows16 bytes of a ``dtype`` matrix of N rows of K weights (``data``: its bytes, as in the
+    file), in ``out`` if given (uint8, ``nbytes`` of them)."""
+    kind_, nb = _checked(dtype, data, N, K, ROWS * dtype.type_size), K // BLOCK
+    blocks = np.ascontiguousarray(data).view(np.uint8).reshape(N // ROWS, ROWS, nb, dtype.type_size)
+    size = nbytes(dtype, N, K)
+    flat = np.empty(size, np.uint8) if out is None else out
+    if flat.nbytes != size or flat.dtype != np.uint8:
+        raise ValueError(f"rows16: the output must be {size} bytes (uint8), not {flat.nbytes} ({flat.dtype})")
+    groups = flat.reshape(N // ROWS, nb, kind_.BYTES)
+    groups[..., ROWS * dtype.type_size:] = 0                          # padding
+    step = max(1, (1 << 20) // (nb * kind_.BYTES))      # ~1 MB of groups a step: its many parts read it from cache
+    for g in range(0, N // ROWS, step):
+        for src, dst in _moves(kind_, blocks[g:g + step], groups[g:g + step]):
+            dst[:] = src.transpose(0, 2, 3, 1)
+    return flat
+
+
+def unpack(data: np.ndarray, dtype, N: int, K: int) -> np.ndarray:
+    """The file's bytes of a rows16 matrix (repack's inverse)."""
+    kind_, nb = _checked(dtype, data, N, K, kind(dtype).BYTES), K // BLOCK
+    groups = np.ascontiguousarray(data).view(np.uint8).reshape(N // ROWS, nb, kind_.BYTES)
+    out = np.empty((N // ROWS, ROWS, nb, dtype.type_size), np.uint8)
+    for dst, src in _moves(kind_, out, groups):
+        dst[:] = src.transpose(0, 3, 1, 2)
+    return out.reshape(-1)
+
+
+def group_at(k: Kernel, dtype, lay, row, blk) -> ir.Value:
     """Address of block ``blk`` of the 16-row group that starts at ``row`` (a multiple of 16)."""
     nb = lay.K // BLOCK
-    return k.addr(k.arg["w"], k.mul(k.add(k.mul(k.b.sdiv(row, k.i64(ROWS)), nb), blk), GROUP_BYTES))
+    return k.addr(k.arg["w"], k.mul(k.add(k.mul(k.b.sdiv(row, k.i64(ROWS)), nb), blk), kind(dtype).BYTES))
 
 
-def gemv(k: Kernel, isa: Isa, lay, rows) -> None:
+def gemv(k: Kernel, isa: Isa, dtype, lay, rows) -> None:
     """y[rows] for the one token: 16 rows at a time, every activation word broadcast to the 16 rows'
-    dot products, each sub-block's dot times its scales in i32 lanes, one float step per block.
-    ``rows``: [start, end), multiples of 16.
+    dot products, each sub-block's dot times its scales in i32 lanes, one float step per block and
+    term. ``rows``: [start, end), multiples of 16.
 
     The weights stream in order, and the hardware prefetcher alone fetches them ahead (asking for
-    them 8-64 KB ahead cost 5-25% on a Zen 4). A group's pass over its row streams 2304 bytes a
-    block through L1, which evicts the activations before the next group reads them again once
-    the row is longer than about 8 blocks, so each block asks for the next block's activations: on
-    a Zen 4, one thread, from memory, 8192 x 2048 0.83-0.91x of the file's layout without, 1.0-1.1x
-    with."""
+    them 8-64 KB ahead cost 5-25% on a Zen 4). A group's pass over its row streams a block of 16
+    rows through L1 at a time, which evicts the activations before the next group reads them again
+    once the row is longer than a few blocks, so each block asks for the next block's activations:
+    on a Zen 4, one thread, from memory, q4_k 8192 x 2048 0.83-0.91x of the file's layout without,
+    1.0-1.1x with."""
     b = k.b
-    nb = lay.K // BLOCK
+    kind_ = kind(dtype)
+    nb, words = lay.K // BLOCK, kind_.SUB // 4
     xt = k.arg["xq"]
+    v16 = vec(f32, ROWS)
     with k.loop(*rows, step=ROWS, name="n") as row:
-        acc = k.var(vec(f32, ROWS), ir.Constant(vec(f32, ROWS), [0.0] * ROWS))
-        macc = k.var(vec(f32, ROWS), ir.Constant(vec(f32, ROWS), [0.0] * ROWS))
+        accs = [k.var(v16, ir.Constant(v16, [0.0] * ROWS)) for _ in range(kind_.TERMS)]
         with k.loop(0, nb, name="blk") as blk:
-            at = group_at(k, lay, row, blk)
             x = k.mul(blk, BLOCK)
             for line in range(0, BLOCK, 64):             # the next block's activations, into L1
                 k.prefetch(k.addr(xt, k.add(x, BLOCK + line)), level=1)
-            g = Group(k, isa, at)
+            g = kind_(k, isa, group_at(k, dtype, lay, row, blk))
+            dots = [_zero()] * (BLOCK // kind_.SUB)
+            for s, j, w in g.words():
+                word = k.load(i32, xt, k.add(x, 4 * (words * s + j)))
+                dots[s] = isa.dot(dots[s], w, k.cast_vec(k.splat(word, ROWS), i8), False, kind_.LEVELS.qmax)
             isum = None
-            for p in range(4):
-                zero = ir.Constant(vec(i32, ROWS), [0] * ROWS)
-                dots = [zero, zero]
-                for j in range(8):
-                    for h, w in enumerate(g.nibbles(p, j)):
-                        word = k.load(i32, xt, k.add(x, 64 * p + 32 * h + 4 * j))
-                        dots[h] = isa.dot(dots[h], w, k.cast_vec(k.splat(word, ROWS), i8), False, 15)
-                scaled = b.add(b.mul(dots[0], g.scales[2 * p]), b.mul(dots[1], g.scales[2 * p + 1]))
+            for s, dot in enumerate(dots):
+                scaled = b.mul(dot, g.scales[s])
                 isum = scaled if isum is None else b.add(isum, scaled)
-            sums = k.load(vec(i32, 4), xt, lay.sums32(k, 1, k.mul(blk, 8)))    # i16 pairs of sub-block sums
-            msum = ir.Constant(vec(i32, ROWS), [0] * ROWS)
-            for p in range(4):
-                pair = k.cast_vec(k.splat(b.extract_element(sums, ir.Constant(i32, p)), ROWS), i16)
-                msum = isa.dot_pairs(msum, k.cast_vec(g.min_pairs(p), i16), pair)
             dx = k.splat(k.load(f32, xt, lay.d(k, 1, blk)), ROWS)
-            acc.set(isa.fma(b.sitofp(isum, vec(f32, ROWS)), b.fmul(g.d, dx), acc.get()))
-            macc.set(isa.fma(b.sitofp(msum, vec(f32, ROWS)), b.fmul(g.dmin, dx), macc.get()))
-        k.store(b.fsub(acc.get(), macc.get()), k.arg["y"], k.mul(row, 4))
+            for acc, (total, factor) in zip(accs, g.terms(lay, xt, blk, isum), strict=True):
+                acc.set(isa.fma(b.sitofp(total, v16), b.fmul(factor, dx), acc.get()))
+        y = accs[0].get()
+        for acc in accs[1:]:
+            y = b.fadd(y, acc.get())
+        k.store(y, k.arg["y"], k.mul(row, 4))
 
 
 def decode_panel(k: Kernel, isa: Isa, lay, row, blk, buf, vat, panel) -> None:
     """Block ``blk`` of the 16 rows from ``row`` into a rows gemm panel at ``vat`` (qmatmul.Panel's
-    places: nibble words as u8 levels, f32 integer scales, d, -dmin and the min pairs)."""
+    places: levels as u8 words, f32 integer scales, d, and for q4_k -dmin and the min pairs)."""
     b = k.b
-    g = Group(k, isa, group_at(k, lay, row, blk))
-    for s in range(8):
-        k.store(b.sitofp(g.scales[s], vec(f32, ROWS)), buf, k.add(vat, panel.iscale(s)))
+    dtype = panel.fmt.dtype
+    g = kind(dtype)(k, isa, group_at(k, dtype, lay, row, blk))
+    for s, scale in enumerate(g.scales):
+        k.store(b.sitofp(scale, vec(f32, ROWS)), buf, k.add(vat, panel.iscale(s)))
     k.store(g.d, buf, k.add(vat, panel.d))
-    k.store(b.fneg(g.dmin), buf, k.add(vat, panel.ndmin))
-    for p in range(4):
-        k.store(g.min_pairs(p), buf, k.add(vat, panel.imin(p)))
-        for j in range(8):
-            low, high = g.nibbles(p, j)
-            k.store(low, buf, k.add(vat, panel.word(2 * p, j)))
-            k.store(high, buf, k.add(vat, panel.word(2 * p + 1, j)))
+    if g.MINS:
+        k.store(b.fneg(g.dmin), buf, k.add(vat, panel.ndmin))
+        for p in range(len(g.mins) // 2):
+            k.store(g.min_pairs(p), buf, k.add(vat, panel.imin(p)))
+    for s, j, w in g.words():
+        k.store(w, buf, k.add(vat, panel.word(s, j)))
