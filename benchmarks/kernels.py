@@ -134,7 +134,7 @@ def main() -> None:
     ap.add_argument("--shapes", default="", help="comma list of TYPE:K:N to run instead of Gemma 3's shapes")
     ap.add_argument("--tokens", type=int, default=64, help="T of the GEMM columns (a prefill's length)")
     ap.add_argument("--layouts", default="file", help="comma list of weight layouts, a row each: file (as "
-                    "in the GGUF file), rows16 (q4_k and q6_k interleaved 16 rows at a time, as a "
+                    "in the GGUF file), rows16 (q4_k, q5_k and q6_k interleaved 16 rows at a time, as a "
                     "program lays them out on AVX-512 VNNI)")
     args = ap.parse_args()
     layouts = args.layouts.split(",")

@@ -308,7 +308,7 @@ def test_every_vector_gemm_gives_the_bits_of_the_rows_gemm(dt):
                 np.testing.assert_array_equal(y, ys[0], err_msg=f"{name} K={K} T={T}")
 
 
-# q4_k and q6_k in rows16 (16 rows interleaved): one and several K panels, one and several 32-row
+# q4_k, q5_k and q6_k in rows16 (16 rows interleaved): one and several K panels, one and several 32-row
 # tiles; gemv blocks in a loop
 ROWS16_SHAPES = ((512, 32), (2304, 96))
 
@@ -318,7 +318,7 @@ def _build_rows16(target_name: str) -> jit.Library:
     m = ir.Module()
     for K, n in ROWS16_SHAPES:
         for rows_only in (False, True):
-            for dt in (dtypes.q4_k, dtypes.q6_k):
+            for dt in map(dtypes.from_name, rows16.TYPES):
                 kernels.qmatmul(m, dt, K, n, t, rows_only)
                 kernels.qmatmul(m, dt, K, n, t, rows_only, layout=rows16.LAYOUT)
             kernels.act_quant(m, "q8_k", K, t, rows_only)
@@ -370,9 +370,9 @@ def test_qmatmul_on_rows16_weights(K, n, wtype):
 
 
 def test_rows16_kernels_are_refused_where_they_do_not_apply():
-    """A rows16 kernel only for q4_k and q6_k, whole 32-row tiles and AVX-512 VNNI without tiles; the
-    error names why."""
-    for dt, n, target in ((dtypes.q4_k, 48, "avx512_vnni"), (dtypes.q5_k, 64, "avx512_vnni"),
+    """A rows16 kernel only for q4_k, q5_k and q6_k, whole 32-row tiles and AVX-512 VNNI without tiles;
+    the error names why."""
+    for dt, n, target in ((dtypes.q4_k, 48, "avx512_vnni"), (dtypes.q3_k, 64, "avx512_vnni"),
                           (dtypes.q4_k, 64, "avx2"), (dtypes.q4_k, 64, "amx")):
         with pytest.raises(ValueError, match=f"no 'rows16' weight layout for {n} rows on {target}"):
             kernels.qmatmul(ir.Module(), dt, 512, n, named_target(target), layout=rows16.LAYOUT)

@@ -1,4 +1,4 @@
-"""q4_k and q6_k weights interleaved 16 rows at a time (backends/llvm/kernels/rows16.py): where each byte goes,
+"""q4_k, q5_k and q6_k weights interleaved 16 rows at a time (backends/llvm/kernels/rows16.py): where each byte goes,
 which weights a program lays out so (those that only qmatmuls read), one copy per process, and the
 file's pages left intact."""
 import textwrap
@@ -9,6 +9,7 @@ import pytest
 import zoo
 from ggraph.compiler import compile_graph
 from ggraph.ir import dtypes
+from ggraph.gguf.quants import F16_FIELDS
 from ggraph.ir.text import parse
 from ggraph.backends.llvm import program
 from ggraph.backends.llvm.kernels import rows16
@@ -17,18 +18,20 @@ from ggraph.backends.llvm.target import missing_features, named_target
 rng = np.random.default_rng(16)
 
 
-def q4_k_rows(n: int, k: int) -> np.ndarray:
-    """n rows of random q4_k blocks with small finite d and dmin."""
-    raw = rng.integers(0, 256, (n, k // 256, 144), dtype=np.uint8)
-    raw[..., 0:4] = rng.uniform(0.001, 0.01, (n, k // 256, 2)).astype(np.float16).view(np.uint8)
+def random_rows(dtype, n: int, k: int) -> np.ndarray:
+    """n rows of random ``dtype`` blocks with small finite f16 fields (d, dmin)."""
+    raw = rng.integers(0, 256, (n, k // 256, dtype.type_size), dtype=np.uint8)
+    for at in F16_FIELDS[dtype.name]:
+        raw[..., at:at + 2] = rng.uniform(0.001, 0.01, (n, k // 256, 1)).astype(np.float16).view(np.uint8)
     return raw.reshape(n, -1)
+
+
+def q4_k_rows(n: int, k: int) -> np.ndarray:
+    return random_rows(dtypes.q4_k, n, k)
 
 
 def q6_k_rows(n: int, k: int) -> np.ndarray:
-    """n rows of random q6_k blocks with a small finite d."""
-    raw = rng.integers(0, 256, (n, k // 256, 210), dtype=np.uint8)
-    raw[..., 208:210] = rng.uniform(0.001, 0.01, (n, k // 256, 1)).astype(np.float16).view(np.uint8)
-    return raw.reshape(n, -1)
+    return random_rows(dtypes.q6_k, n, k)
 
 
 def test_repack_puts_each_word_of_16_rows_side_by_side():
@@ -73,6 +76,25 @@ def test_repack_q6_k_puts_each_steps_words_together_in_aligned_blocks():
     np.testing.assert_array_equal(rows16.unpack(laid, dtypes.q6_k, N, K), w.reshape(-1))
 
 
+def test_repack_q5_k_puts_the_qh_words_beside_the_first_nibble_words():
+    """q5_k: d, dmin and the scale words as q4_k's; then nibble word j and qh word j side by side for
+    j < 8 (the first steps read both), then nibble words 8..31."""
+    N, K = 32, 512
+    raw = random_rows(dtypes.q5_k, N, K).reshape(N, K // 256, 176)
+    out = rows16.repack(raw, dtypes.q5_k, N, K).reshape(N // 16, K // 256, 2816)
+    for g, b, r in ((0, 0, 0), (1, 1, 15), (1, 0, 6)):
+        block, group = raw[16 * g + r, b], out[g, b]
+        assert bytes(group[2 * r:2 * r + 2]) == bytes(block[0:2])                       # d
+        assert bytes(group[32 + 2 * r:34 + 2 * r]) == bytes(block[2:4])                 # dmin
+        assert bytes(group[64 + 64 * 2 + 4 * r:][:4]) == bytes(block[12:16])            # scale word 2
+        for j in (0, 5, 7):
+            assert bytes(group[256 + 128 * j + 4 * r:][:4]) == bytes(block[48 + 4 * j:52 + 4 * j])   # nibbles
+            assert bytes(group[320 + 128 * j + 4 * r:][:4]) == bytes(block[16 + 4 * j:20 + 4 * j])   # qh
+        for w in (8, 31):
+            assert bytes(group[1280 + 64 * (w - 8) + 4 * r:][:4]) == bytes(block[48 + 4 * w:52 + 4 * w])
+    np.testing.assert_array_equal(rows16.unpack(out, dtypes.q5_k, N, K), raw.reshape(-1))
+
+
 def test_repack_refuses_what_is_not_whole_groups():
     with pytest.raises(ValueError, match="a q4_k matrix of 24 x 512 has"):
         rows16.repack(q4_k_rows(24, 512), dtypes.q4_k, 24, 512)
@@ -84,8 +106,8 @@ def test_repack_refuses_what_is_not_whole_groups():
         rows16.repack(q4_k_rows(32, 512), dtypes.q6_k, 32, 512)
     with pytest.raises(ValueError, match="the output must be 13568 bytes"):
         rows16.repack(q6_k_rows(32, 512), dtypes.q6_k, 32, 512, out=np.empty(13440, np.uint8))
-    with pytest.raises(ValueError, match="no layout for q5_k; it has q4_k, q6_k"):
-        rows16.repack(q4_k_rows(32, 512), dtypes.q5_k, 32, 512)
+    with pytest.raises(ValueError, match="no layout for q3_k; it has q4_k, q5_k, q6_k"):
+        rows16.repack(q4_k_rows(32, 512), dtypes.q3_k, 32, 512)
 
 
 def _vnni():
@@ -105,22 +127,26 @@ GRAPH = """
     d:f32[T,48] = qmatmul x v
     s:q6_k[32,256] = param "s"
     e:f32[T,32] = qmatmul x s
-  in (a b c d e) }
+    f:q5_k[32,256] = param "f"
+    g:f32[T,32] = qmatmul x f
+  in (a b c d e g) }
 """
 
 
 @pytest.mark.parametrize("T", [1, 5])
 def test_only_weights_that_only_qmatmuls_read_are_laid_out(T):
-    """w and s (q6_k), read by qmatmuls, go to rows16; u (a take reads it too) and v (48 rows: not
+    """w, s (q6_k) and f (q5_k), read by qmatmuls, go to rows16; u (a take reads it too) and v (48 rows: not
     whole 32-row tiles) stay as in the file; every output equals the numpy backend's."""
     graph = parse(textwrap.dedent(GRAPH))
-    weights = {"w": q4_k_rows(64, 256), "u": q4_k_rows(32, 256), "v": q4_k_rows(48, 256), "s": q6_k_rows(32, 256)}
+    weights = {"w": q4_k_rows(64, 256), "u": q4_k_rows(32, 256), "v": q4_k_rows(48, 256), "s": q6_k_rows(32, 256),
+               "f": random_rows(dtypes.q5_k, 32, 256)}
     prog = compile_graph(graph, backend="llvm", passes=[], target=_vnni(), threads=2)
     layouts = {b.name: b.layout for b in prog.spec.buffers if b.kind == "param"}
-    assert layouts == {"w": "rows16", "u": None, "v": None, "s": "rows16"}
+    assert layouts == {"w": "rows16", "u": None, "v": None, "s": "rows16", "f": "rows16"}
     kernels = sorted({c.kernel for c in prog.spec.calls if c.kernel.startswith("qmatmul")})
     assert kernels == ["qmatmul_q4_k_k256_n32_avx512_vnni", "qmatmul_q4_k_k256_n48_avx512_vnni",
-                       "qmatmul_q4_k_k256_n64_rows16_avx512_vnni", "qmatmul_q6_k_k256_n32_rows16_avx512_vnni"]
+                       "qmatmul_q4_k_k256_n64_rows16_avx512_vnni", "qmatmul_q5_k_k256_n32_rows16_avx512_vnni",
+                       "qmatmul_q6_k_k256_n32_rows16_avx512_vnni"]
     built = {n for u in prog.spec.units for n in u.names if n.startswith("qmatmul")}
     assert built == set(kernels)                          # u's rows16 kernel, asked for first, is not linked
     prog.bind_weights(weights)

@@ -74,7 +74,7 @@ def _qmatmul(lw, e):
         lw.memo(("act_quant", x, fmt), xq)
     def qmatmul(layout=None):
         return lw.kernel(K.qmatmul, dt, Kdim, N, lw.target, lw.rows_only, layout)
-    # q4_k and q6_k weights interleaved 16 rows at a time, where every call that reads them can take that
+    # q4_k, q5_k and q6_k weights interleaved 16 rows at a time, where every call that reads them can take that
     name = lw.weight_layout(lw.ref(w), rows16.LAYOUT, lambda: qmatmul(rows16.LAYOUT), qmatmul) \
         if rows16.takes(dt, N, lw.target) else qmatmul()
     lw.call(name, lw.ref(w), xq, out, lw.counter(), R, writes=(out,))

@@ -1,4 +1,5 @@
-"""q4_k and q6_k weights interleaved 16 rows at a time ("rows16"), made once when a program binds them.
+"""q4_k, q5_k and q6_k weights interleaved 16 rows at a time ("rows16"), made once when a program
+binds them.
 
 In a GGUF file a row is its blocks one after another. A gemv over that layout spends most of its
 instructions on one row's block at a time: its scales shuffled into place, its dot products
@@ -9,28 +10,30 @@ scale a lane of a vector decoded once for 16 rows, and nothing is shuffled. Grou
 16g+15), block b, lies at (g * blocks + b) * BYTES, each part of the block as a run of its units
 (2 or 4 bytes), unit u of 16 rows side by side, in the order a gemv step reads them:
 
-    q4_k (2304 bytes)                       q6_k (3392 bytes)
-    +0     d, dmin   2 x 16 x f16           +0     scales   4 x 64 bytes   int8, one per 16 weights
-    +64    scales    3 x 64 bytes           +256   16 x (ql, ql, qh)       3 x 64 bytes a step
-    +256   nibbles  32 x 64 bytes           +3328  d       16 x f16, then 32 bytes of zeros
+    q4_k (2304 bytes)           q5_k (2816 bytes)                 q6_k (3392 bytes)
+    +0    d, dmin  2 x 32 B     +0    d, dmin  2 x 32 B            +0     scales  4 x 64 B (int8)
+    +64   scales   3 x 64 B     +64   scales   3 x 64 B            +256   16 x (ql, ql, qh) 3 x 64 B
+    +256  nibbles 32 x 64 B     +256  8 x (nibbles, qh) 2 x 64 B   +3328  d 32 B, 32 B of zeros
+                                +1280 nibbles 24 x 64 B
 
-q4_k: word 8p + j of the nibbles holds weights 4j..4j+3 of sub-block 2p in its low nibbles and of
-sub-block 2p+1 in its high ones; the same bytes as the file's. q6_k: step (h, j) (half h, j < 8)
-holds ql word 16h + j (weights 128h + 4j.. in its low nibbles, 128h + 64 + 4j.. in its high ones),
-ql word 16h + 8 + j (128h + 32 + 4j.., 128h + 96 + 4j..), and qh word 8h + j (their top two bits,
-in that order from bit 0). A q6_k block of 16 rows is 3360 bytes: 32 bytes of padding keep every
-block 64-byte aligned (1% more memory; on a Zen 4, from memory, 1.15-1.25x faster than unaligned),
-and reading the words in the order they lie lets the hardware prefetcher stream them (about 3x
-faster than reading ql and qh as runs of their own).
+q4_k and q5_k: nibble word 8p + j holds weights 4j..4j+3 of sub-block 2p in its low nibbles and of
+sub-block 2p+1 in its high ones; q5_k's qh word j their fifth bits (bit s for sub-block s). q6_k:
+step (h, j) (half h, j < 8) holds ql word 16h + j (weights 128h + 4j.. in its low nibbles,
+128h + 64 + 4j.. in its high ones), ql word 16h + 8 + j (128h + 32 + 4j.., 128h + 96 + 4j..), and
+qh word 8h + j (their top two bits, in that order from bit 0); its 3360 bytes take 32 of padding
+so that every block is 64-byte aligned (1% more memory; on a Zen 4, from memory, 1.15-1.25x
+faster than unaligned). Reading the words in the order they lie is what lets the hardware
+prefetcher stream them: from memory, q6_k's ql and qh as runs of their own ran about 3x slower,
+q5_k's qh as a run before the nibbles 2x, and q6_k's d at the front of its block instead of the
+end 0.88-0.98x.
 
 The prefill kernel (qmatmul's rows gemm) decodes its panels from this layout too (the same bits
-as from the file's), so a program keeps one copy of each weight. On a Zen 4, one thread, the q4_k
-gemv ran 2048 x 8192 at 40-55 GB/s from L3 where the file's layout ran 20-25, and from memory
-1.0-1.3x as fast for rows of 2048 (8192-wide rows 1.0-1.1x; once, for a few minutes, 0.5-0.8x);
-q6_k 1.35-1.7x from L3, from memory 1.15-1.2x for rows of 8192 and 0.9-1.0x for rows of 2048. Two
-threads share the memory bandwidth, and there both layouts run at about what it gives
-(``python benchmarks/kernels.py --shapes q4_k:2048:8192,q6_k:8192:2048 --layouts file,rows16``,
-alternating rounds).
+as from the file's), so a program keeps one copy of each weight. On a Zen 4, one thread, against
+the file's layout (``python benchmarks/kernels.py --shapes q4_k:2048:8192,q6_k:8192:2048 --layouts
+file,rows16``, alternating rounds, with and without ``--hot``): from L3, q4_k 2.0-2.2x (40-55
+GB/s against 20-25), q5_k 2.0x, q6_k 1.35-1.7x; from memory, q4_k 1.0-1.3x (once, for a few
+minutes, 0.5-0.8x), q5_k 1.25-1.35x, q6_k 1.0-1.2x. Two threads share the memory bandwidth, and
+there the layouts run at about what it gives.
 """
 from __future__ import annotations
 
@@ -63,7 +66,7 @@ class _Q4K:
     SUB = 32
     # (byte in the block, byte in the group, units, unit): d and dmin, the scale words, the nibble words
     PARTS = ((0, 0, 2, _U16), (4, 64, 3, _U32), (16, 256, 32, _U32))
-    SCALES_AT, QUANTS_AT = 64, 256
+    D_AT, SCALES_AT = 0, 64
     BYTES = 2304             # a block of 16 rows
     # what the rows gemm's dot products need to know of the levels: unsigned nibbles, no offset
     LEVELS = Decoded(chunk=None, signed=False, offset=0, qmax=15, scales=None, mins=None)
@@ -83,16 +86,21 @@ class _Q4K:
             [b.or_(field(w[2], 8 * s, 4), b.shl(field(w[0], 8 * s + 6, 2), _splat(4))) for s in range(4)]
         self.mins = [field(w[1], 8 * s, 6) for s in range(4)] + \
             [b.or_(field(w[2], 8 * s + 4, 4), b.shl(field(w[1], 8 * s + 6, 2), _splat(4))) for s in range(4)]
-        self.d = isa.f16_to_f32(k.load(vec(i16, ROWS), at, 0))
-        self.dmin = isa.f16_to_f32(k.load(vec(i16, ROWS), at, 32))
+        self.d = isa.f16_to_f32(k.load(vec(i16, ROWS), at, self.D_AT))
+        self.dmin = isa.f16_to_f32(k.load(vec(i16, ROWS), at, self.D_AT + 32))
+
+    @staticmethod
+    def quants_at(w: int) -> int:
+        """Where nibble word w lies in the group's block."""
+        return 256 + 64 * w
 
     def words(self):
         """(sub-block, word in it, <64 x i8> of levels 0..15 of 16 rows), in the order of the loads."""
         for p in range(4):
             for j in range(8):
-                q = self.k.load(vec(i8, 64), self.at, self.QUANTS_AT + 64 * (8 * p + j))
-                yield 2 * p, j, self.k.b.and_(q, ir.Constant(q.type, [0x0F] * 64))
-                yield 2 * p + 1, j, self.isa.nibbles(q, [True] * 8)
+                q = self.k.load(vec(i8, 64), self.at, self.quants_at(8 * p + j))
+                yield 2 * p, j, self.isa.byte_bits(q, 0, 4, 0)
+                yield 2 * p + 1, j, self.isa.byte_bits(q, 4, 4, 0)
 
     def min_pairs(self, p: int) -> ir.Value:
         """The mins of sub-blocks 2p and 2p+1 as one i16 pair per row."""
@@ -108,6 +116,29 @@ class _Q4K:
             pair = k.cast_vec(k.splat(b.extract_element(sums, ir.Constant(i32, p)), ROWS), i16)
             msum = self.isa.dot_pairs(msum, k.cast_vec(self.min_pairs(p), i16), pair)
         return [(isum, self.d), (msum, b.fneg(self.dmin))]
+
+
+class _Q5K(_Q4K):
+    """One q5_k block of a group: q4_k's scales, mins, d and dmin, and levels 0..31 whose fifth bits
+    come from the qh words (bit s of byte l: weight l of sub-block s). The qh words lie between the
+    first 8 nibble words, which the first steps read with them (the hardware prefetcher streams what
+    is read in order: qh and the nibbles as two runs of their own ran at half the speed from memory);
+    later steps find them in L1."""
+
+    PARTS = ((0, 0, 2, _U16), (4, 64, 3, _U32), *[(48 + 4 * j, 256 + 128 * j, 1, _U32) for j in range(8)],
+             *[(16 + 4 * j, 320 + 128 * j, 1, _U32) for j in range(8)], (80, 1280, 24, _U32))
+    BYTES = 2816             # a block of 16 rows
+    LEVELS = Decoded(chunk=None, signed=False, offset=0, qmax=31, scales=None, mins=None)
+
+    @staticmethod
+    def quants_at(w: int) -> int:
+        return 256 + 128 * w if w < 8 else 1280 + 64 * (w - 8)
+
+    def words(self):
+        """(sub-block, word in it, <64 x i8> of levels 0..31 of 16 rows): q4_k's nibbles and a bit of qh."""
+        for s, j, low in super().words():
+            qh = self.k.load(vec(i8, 64), self.at, 320 + 128 * j)
+            yield s, j, self.k.b.or_(low, self.isa.byte_bits(qh, s, 1, 4))
 
 
 def _q6_k_parts(scales: int, triples: int, d: int) -> tuple:
@@ -162,12 +193,12 @@ class _Q6K:
         return [(b.sub(isum, b.shl(msum, _splat(5))), self.d)]
 
 
-_KINDS = {"q4_k": _Q4K, "q6_k": _Q6K}
+_KINDS = {"q4_k": _Q4K, "q5_k": _Q5K, "q6_k": _Q6K}
 TYPES = tuple(_KINDS)
 
 
 def takes(dtype, N: int, target: Target) -> bool:
-    """True if a matmul of N rows of ``dtype`` runs on rows16 weights on ``target``: q4_k or q6_k,
+    """True if a matmul of N rows of ``dtype`` runs on rows16 weights on ``target``: q4_k, q5_k or q6_k,
     AVX-512 VNNI (whose rows gemm takes rows as lanes too), no AMX tiles (whose kernels read the
     file's layout), and whole 32-row tiles."""
     from ggraph.backends.llvm.kernels.act_quant import rows_gemm
