@@ -85,16 +85,20 @@ def test_unfused_pipeline_runs_natively(arch):
     assert cos >= 0.999                                 # fused runs on q8 activations, as llama.cpp does
 
 
-def test_decode_matches_llama_cpp_at_every_position():
-    """Token by token, q4_k_m: the gemv kernels (on AVX-512 VNNI the q4_k ones on weights interleaved
-    16 rows at a time) give llama.cpp's logits at every position, as the prefill does."""
-    path = zoo.cached_model("llama", "q4_k_m", **zoo.K_QUANT_DIMS)
+@pytest.mark.parametrize("mix", ["q4_k_m", "q5_k_m"])
+def test_decode_matches_llama_cpp_at_every_position(mix):
+    """Token by token, q4_k_m and q5_k_m: the gemv kernels (on AVX-512 VNNI the q4_k, q5_k and q6_k
+    ones on weights interleaved 16 rows at a time) give llama.cpp's logits at every position, as the
+    prefill does."""
+    path = zoo.cached_model("llama", mix, **zoo.K_QUANT_DIMS)
     ids = prompt_ids(24)
     s = Session(path, backend="llvm", threads=2, ctx=64, **EXACT)
     got = np.concatenate([s.step([t], last_only=False) for t in ids])
     program = s.program(False)
     if program.target.name == "avx512_vnni":
         assert any(b.layout == "rows16" for b in program.spec.buffers)
+        laid = {"_".join(c.kernel.split("_")[1:3]) for c in program.spec.calls if "_rows16_" in c.kernel}
+        assert laid == {mix[:4], "q6_k"}, laid
     cos, top1 = agreement(got, oracle.llama_logits(path, ids, n_ctx=64))
     assert cos > 0.9995 and top1 >= 0.95, (cos, top1)
 

@@ -84,7 +84,7 @@ VOCAB_DIR = Path(__file__).parent / "data" / "vocab"
 VOCABS = {"llama-spm": "ggml-vocab-llama-spm.gguf", "qwen2": "ggml-vocab-qwen2.gguf", "gpt-2": "ggml-vocab-gpt-2.gguf"}
 
 # llama.cpp ftype per mix; None means written directly by gguf-py
-MIXES = {"f32": None, "f16": None, "q4_1": 3, "q8_0": 7, "q4_k_m": 15}
+MIXES = {"f32": None, "f16": None, "q4_1": 3, "q8_0": 7, "q4_k_m": 15, "q5_k_m": 17}
 
 # width presets for tests: k-quants appear only when rows are whole 256-blocks
 K_QUANT_DIMS = dict(n_embd=256, n_ff=512, n_head=4, n_head_kv=2, head_dim=64)
