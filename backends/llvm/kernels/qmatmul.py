@@ -870,12 +870,13 @@ def _decode_panel(k: Kernel, isa: Isa, fmt: BlockFormat, lay: ActLayout, N: int,
     vectors and chunk groups keep the code small), from weights in the file's layout or in ``layout``;
     returns the Panel layout and one row's decoder (offsets and kinds are the same for every row)."""
     b = k.b
-    row_bytes = fmt.dtype.row_bytes(lay.K)
     nblocks = lay.K // fmt.dtype.block_size
-    lines = -(-vecs * ROWS * row_bytes // 64 // (nblocks * vecs))   # of the next tile, per vector decoded
+    row_bytes = fmt.dtype.row_bytes(lay.K)                # a row's share of the matrix, in its layout
     if layout:                                            # rows16: what each of its groups decodes to
         kind = rows16.kind(fmt.dtype)
         panel, dec = Panel(fmt, True, kind.MINS), kind.LEVELS
+        row_bytes = nblocks * kind.BYTES // ROWS
+    lines = -(-vecs * ROWS * row_bytes // 64 // (nblocks * vecs))   # of the next tile, per vector decoded
     with k.loop(0, k.mul(count, vecs), name="pvec") as iv:
         i, v = b.sdiv(iv, k.i64(vecs)), b.srem(iv, k.i64(vecs))
         # the next tile's rows are one contiguous stretch: ask for a share of it now, so that a small
