@@ -64,18 +64,20 @@ def test_tensor_names_and_types(arch, mix):
     matrices = {n: t for n, (t, _) in types.items() if n not in vectors}
     assert set(vectors.values()) == {dtypes.f32}, "norms, biases and rope factors stay f32"
     expected = {"f32": {dtypes.f32}, "f16": {dtypes.f16}, "q8_0": {dtypes.q8_0}, "q4_1": {dtypes.q4_1, dtypes.q8_0},
-                # 64/128-wide rows have no whole 256-block: q4_k -> q5_0 and q6_k -> q8_0 fallbacks
-                "q4_k_m": {dtypes.q5_0, dtypes.q8_0}}[mix]
+                # 64/128-wide rows have no whole 256-block: q4_k -> q5_0, q5_k -> q5_1, q6_k -> q8_0 fallbacks
+                "q4_k_m": {dtypes.q5_0, dtypes.q8_0}, "q5_k_m": {dtypes.q5_1, dtypes.q8_0}}[mix]
     assert set(matrices.values()) <= expected
-    assert dtypes.q5_0 in set(matrices.values()) or mix != "q4_k_m"
+    fallback = {"q4_k_m": dtypes.q5_0, "q5_k_m": dtypes.q5_1}.get(mix)
+    assert fallback is None or fallback in set(matrices.values())
 
 
+@pytest.mark.parametrize("mix,main", [("q4_k_m", dtypes.q4_k), ("q5_k_m", dtypes.q5_k)])
 @pytest.mark.parametrize("arch", ARCHS)
-def test_k_quant_width_gives_q4_k_and_q6_k(arch):
+def test_k_quant_width_gives_k_quants_and_q6_k(arch, mix, main):
     pytest.importorskip("llama_cpp")
-    types = tensor_types(zoo.cached_model(arch, "q4_k_m", **zoo.K_QUANT_DIMS))
+    types = tensor_types(zoo.cached_model(arch, mix, **zoo.K_QUANT_DIMS))
     found = {t for t, _ in types.values()}
-    assert {dtypes.q4_k, dtypes.q6_k} <= found
+    assert {main, dtypes.q6_k} <= found
     for name, (t, ne0) in types.items():
         assert ne0 % t.block_size == 0, f"{name}: {t} rows of {ne0}"
 
