@@ -315,7 +315,7 @@ def gemv(k: Kernel, isa: Isa, dtype, lay, rows) -> None:
 
 def decode_panel(k: Kernel, isa: Isa, lay, row, blk, buf, vat, panel) -> None:
     """Block ``blk`` of the 16 rows from ``row`` into a rows gemm panel at ``vat`` (qmatmul.Panel's
-    places: levels as u8 words, f32 integer scales, d, and for q4_k -dmin and the min pairs)."""
+    places: levels as u8 words, f32 integer scales, d, and for q4_k and q5_k -dmin and the min pairs)."""
     b = k.b
     dtype = panel.fmt.dtype
     g = kind(dtype)(k, isa, group_at(k, dtype, lay, row, blk))
