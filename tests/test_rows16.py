@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 
 import zoo
+from test_llvm_kernels import random_blocks
 from ggraph.compiler import compile_graph
 from ggraph.ir import dtypes
-from ggraph.gguf.quants import F16_FIELDS
 from ggraph.ir.text import parse
 from ggraph.backends.llvm import program
 from ggraph.backends.llvm.kernels import rows16
@@ -20,10 +20,7 @@ rng = np.random.default_rng(16)
 
 def random_rows(dtype, n: int, k: int) -> np.ndarray:
     """n rows of random ``dtype`` blocks with small finite f16 fields (d, dmin)."""
-    raw = rng.integers(0, 256, (n, k // 256, dtype.type_size), dtype=np.uint8)
-    for at in F16_FIELDS[dtype.name]:
-        raw[..., at:at + 2] = rng.uniform(0.001, 0.01, (n, k // 256, 1)).astype(np.float16).view(np.uint8)
-    return raw.reshape(n, -1)
+    return random_blocks(dtype, n, k, rng)
 
 
 def q4_k_rows(n: int, k: int) -> np.ndarray:

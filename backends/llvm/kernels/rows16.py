@@ -59,6 +59,11 @@ def _zero() -> ir.Constant:
     return _splat(0)
 
 
+def _i16_pairs(b: ir.IRBuilder, low: ir.Value, high: ir.Value) -> ir.Value:
+    """Lanes of i32 values that fit i16 as one (low, high) i16 pair per lane."""
+    return b.or_(b.and_(low, _splat(0xFFFF)), b.shl(high, _splat(16)))
+
+
 class _Q4K:
     """One q4_k block of a group, decoded as lanes of rows: the integer scales and mins of each
     sub-block of 32 (<16 x i32>), d and dmin (<16 x f32>), the nibble words on demand."""
@@ -104,7 +109,7 @@ class _Q4K:
 
     def min_pairs(self, p: int) -> ir.Value:
         """The mins of sub-blocks 2p and 2p+1 as one i16 pair per row."""
-        return self.k.b.or_(self.mins[2 * p], self.k.b.shl(self.mins[2 * p + 1], _splat(16)))
+        return _i16_pairs(self.k.b, self.mins[2 * p], self.mins[2 * p + 1])
 
     def terms(self, lay, xt, blk, isum: ir.Value) -> list:
         """The block's (integer sum, float factor) terms of y, given isum = sum_s scale_s * dot_s: the
@@ -118,6 +123,16 @@ class _Q4K:
         return [(isum, self.d), (msum, b.fneg(self.dmin))]
 
 
+def _q5_k_nibbles_at(w: int) -> int:
+    """Where q5_k's nibble word w lies in its group's block: the first 8 each beside a qh word."""
+    return 256 + 128 * w if w < 8 else 1280 + 64 * (w - 8)
+
+
+def _q5_k_qh_at(j: int) -> int:
+    """Where q5_k's qh word j lies: after nibble word j."""
+    return 320 + 128 * j
+
+
 class _Q5K(_Q4K):
     """One q5_k block of a group: q4_k's scales, mins, d and dmin, and levels 0..31 whose fifth bits
     come from the qh words (bit s of byte l: weight l of sub-block s). The qh words lie between the
@@ -125,19 +140,16 @@ class _Q5K(_Q4K):
     is read in order: qh and the nibbles as two runs of their own ran at half the speed from memory);
     later steps find them in L1."""
 
-    PARTS = ((0, 0, 2, _U16), (4, 64, 3, _U32), *[(48 + 4 * j, 256 + 128 * j, 1, _U32) for j in range(8)],
-             *[(16 + 4 * j, 320 + 128 * j, 1, _U32) for j in range(8)], (80, 1280, 24, _U32))
+    quants_at = staticmethod(_q5_k_nibbles_at)
+    PARTS = ((0, 0, 2, _U16), (4, 64, 3, _U32), *[(48 + 4 * w, _q5_k_nibbles_at(w), 1, _U32) for w in range(8)],
+             *[(16 + 4 * j, _q5_k_qh_at(j), 1, _U32) for j in range(8)], (80, _q5_k_nibbles_at(8), 24, _U32))
     BYTES = 2816             # a block of 16 rows
     LEVELS = Decoded(chunk=None, signed=False, offset=0, qmax=31, scales=None, mins=None)
-
-    @staticmethod
-    def quants_at(w: int) -> int:
-        return 256 + 128 * w if w < 8 else 1280 + 64 * (w - 8)
 
     def words(self):
         """(sub-block, word in it, <64 x i8> of levels 0..31 of 16 rows): q4_k's nibbles and a bit of qh."""
         for s, j, low in super().words():
-            qh = self.k.load(vec(i8, 64), self.at, 320 + 128 * j)
+            qh = self.k.load(vec(i8, 64), self.at, _q5_k_qh_at(j))
             yield s, j, self.k.b.or_(low, self.isa.byte_bits(qh, s, 1, 4))
 
 
@@ -188,7 +200,7 @@ class _Q6K:
         msum = _zero()
         for p in range(8):
             pair = k.cast_vec(k.splat(k.load(i32, xt, lay.sums(k, 1, k.add(k.mul(blk, 16), 2 * p))), ROWS), i16)
-            scales = b.or_(b.and_(self.scales[2 * p], _splat(0xFFFF)), b.shl(self.scales[2 * p + 1], _splat(16)))
+            scales = _i16_pairs(b, self.scales[2 * p], self.scales[2 * p + 1])
             msum = self.isa.dot_pairs(msum, k.cast_vec(scales, i16), pair)
         return [(b.sub(isum, b.shl(msum, _splat(5))), self.d)]
 
