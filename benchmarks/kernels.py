@@ -99,11 +99,12 @@ class Shape:
             self.pool = huge_pages(self.copies * laid.nbytes).reshape(self.copies, laid.nbytes)
             self.pool[:] = laid.reshape(1, -1)
         self.acts = {}
-        for T in (1, tokens):
+        for T in (1, tokens):            # in 2 MB pages, as a program's activations are (numpy's large arrays)
             x = rng.standard_normal((T, K)).astype(np.float32)
-            xq = np.zeros(kernels.act_bytes(fmt, T, K), np.uint8)
+            xq = huge_pages(kernels.act_bytes(fmt, T, K))
             aq(x.ctypes.data, xq.ctypes.data, T, 0, 1)
-            self.acts[T] = (xq, np.zeros((T, N), np.float32), 2 * T * N * K)
+            y = huge_pages(4 * T * N).view(np.float32).reshape(T, N)
+            self.acts[T] = (xq, y, 2 * T * N * K)
         self.tokens = tokens
 
     def _rate(self, T: int, nth: int, runs: int) -> float:

@@ -125,8 +125,10 @@ def unpack_act(buf: np.ndarray, fmt: str, T: int, K: int, target: str):
     d = g[:, L * K:at_s].copy().view(np.float32).reshape(G, nb, L)
     s = g[:, at_s:at_s32].copy().view(np.int16).reshape(G, ns, L)
     flat = lambda a, n: a.transpose(0, 2, 1).reshape(G * L, n)  # noqa: E731
-    s32 = flat(g[:, at_s32:].copy().view(np.int16).reshape(G, K // 32, L), K // 32) if lay.has_sums32 else None
-    assert lay.has_sums32 or at_s32 == g.shape[1]
+    end = lay.used_bytes(L)
+    s32 = flat(g[:, at_s32:end].copy().view(np.int16).reshape(G, K // 32, L), K // 32) if lay.has_sums32 else None
+    assert lay.has_sums32 or at_s32 == end
+    assert lay.group_bytes(L) == g.shape[1] and lay.group_bytes(L) % 64 == 0 and lay.group_bytes(L) - end < 64
     return q.astype(np.int32), flat(d, nb), flat(s, ns), s32
 
 
@@ -380,14 +382,15 @@ def test_rows16_kernels_are_refused_where_they_do_not_apply():
         kernels.qmatmul(ir.Module(), dtypes.q4_k, 512, 64, named_target("avx512_vnni"), layout="tiles")
 
 
-AMX_K, AMX_N = 4096, 40          # 16 blocks of 256: two K panels of the tile panel (14 q4_k blocks each)
+AMX_K, AMX_NS = 4096, (40, 100)  # 16 blocks of 256: two K panels; groups of 2 and of 4 tiles of rows, the last shifted back
 
 
 def _build_amx_bits(target_name: str) -> jit.Library:
     t = named_target(target_name)
     m = ir.Module()
     for dt in (d for d in kernels.QUANT_TYPES if d.block_size == 256):
-        kernels.qmatmul(m, dt, AMX_K, AMX_N, t)
+        for n in AMX_NS:
+            kernels.qmatmul(m, dt, AMX_K, n, t)
     kernels.act_quant(m, "q8_k", AMX_K, t)
     return jit.compile(m, t)
 
@@ -399,19 +402,23 @@ _AMX_LIBS: dict = {}
 def test_amx_tiles_give_the_bits_of_the_rows_gemm(dt):
     """The tiled GEMM sums each block in integers, its AVX-512 VNNI twin in f32 lanes (exact while the
     sums stay below 2**24, as they do for these blocks), and both take the same float steps in the
-    same order, so every output is the same bits: one and several K panels, and the last tiles of
-    rows and tokens shifted back over earlier ones."""
+    same order, so every output is the same bits: one and several K panels, groups of tiles of rows
+    and pairs of token tiles with the last shifted back over earlier ones, several chunks of pairs
+    and several spans of tokens."""
     amx = runnable_target("amx", _LIBS, _build)
     vnni = runnable_target("avx512_vnni", _LIBS, _build)
     for name in (amx, vnni):
         runnable_target(name, _AMX_LIBS, _build_amx_bits)
-    assert AMX_K // 256 * tiles.TilePanel(block_format(dt), 8).room > tiles.PANEL_BYTES, "one panel only"
+    assert AMX_K // 256 > tiles.PANEL_BLOCKS, "one panel only"
+    assert 600 > tiles.SPAN and 200 > tiles.CHUNK_PAIRS * tiles.MIN_T
+    assert [tiles.tiles_per_group(n) for n in AMX_NS] == [2, tiles.GROUP_TILES] and tiles.GROUP_TILES >= 4
     rng = np.random.default_rng(6)
-    for K, n, lib_of in ((k_of(dt), N, lambda name: None), (LONG_K, LONG_N, lambda name: None),
-                         (AMX_K, AMX_N, _AMX_LIBS.get)):
+    for K, n, lib_of, Ts in ((k_of(dt), N, lambda name: None, (32, 33, 64, 75)),
+                             (LONG_K, LONG_N, lambda name: None, (32, 33, 64, 75)),
+                             *((AMX_K, n, _AMX_LIBS.get, (32, 75, 200, 600)) for n in AMX_NS)):
         w = random_blocks(dt, n, K, rng)
         counter = np.zeros(16, np.int32)
-        for T in (32, 33, 64, 75):
+        for T in Ts:
             x = rng.standard_normal((T, K)).astype(np.float32)
             buf = quantize_acts(vnni, x, kernels.act_format(dt), lib_of(vnni))
             ys = []

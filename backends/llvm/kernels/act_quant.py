@@ -13,6 +13,7 @@ lanes, else 16; the last group is zero-padded). Per group:
                             most 32 * 128 in size, so two sub-blocks' sums share a word
     sums32 i16 [K/32, L]    q8_k only: sums of 32 quants (the sub-blocks of q4_k and q5_k), so
                             that one 4-byte word holds the sums of two of them
+    (padding)               to the next 64-byte line
 
 q8_0: d = amax/127 rounded to fp16 (as ggml stores it), q = round_even(x * 127/amax).
 q8_k: ggml's quantize_row_q8_K with the sign of d made positive (iscale = 127/amax,
@@ -71,9 +72,16 @@ class ActLayout:
     def has_sums32(self) -> bool:
         return self.sum_block < 32
 
-    def group_bytes(self, L: int) -> int:
+    def used_bytes(self, L: int) -> int:
+        """Bytes of a group that hold quants, scales and sums."""
         return L * (self.K + 4 * (self.K // self.block) + 2 * (self.K // self.sum_block)
                     + (2 * (self.K // 32) if self.has_sums32 else 0))
+
+    def group_bytes(self, L: int) -> int:
+        """Bytes from one group to the next: used_bytes rounded up to a 64-byte line, so that every
+        row of one token (L = 1) starts a line (an AMX tile load reads 64 bytes of each; q8_k at
+        K = 2048 takes 2464 bytes, which would leave every other row split across two lines)."""
+        return -(-self.used_bytes(L) // 64) * 64
 
     def qs(self, k: Kernel, L, word, lane=0):
         """Offset of 4-byte word `word` (features 4w..4w+3) of token `lane` in its group."""
@@ -98,10 +106,13 @@ class ActLayout:
 
 
 def act_bytes(fmt: str, T: int, K: int, rows_only: bool = False) -> int:
-    """Bytes of scratch the quantised activations of T tokens take (on any target: one row per
-    token never takes more than groups of 16 with their padding)."""
-    L = tokens_per_group(T, rows_only)
-    return (T + L - 1) // L * ActLayout(fmt, K).group_bytes(L)
+    """Bytes of scratch the quantised activations of T tokens take, on any target: the larger of one
+    row per token and groups of 16."""
+    lay = ActLayout(fmt, K)
+    rows = T * lay.group_bytes(1)
+    if rows_only or T == 1:
+        return rows
+    return max(rows, (T + GROUP - 1) // GROUP * lay.group_bytes(GROUP))
 
 
 def act_quant(module: ir.Module, fmt: str, K: int, target: Target, rows_only: bool = False) -> str:

@@ -15,9 +15,23 @@ then takes one float step (times d and the activation scale), and the mins one v
 chain, as the rows gemm does.
 
 Four result tiles (2 token tiles x lo, hi), 2 activation tiles and 2 weight tiles use all
-eight tile registers. The last tile of rows starts at N - 16 and the last pair of token
-tiles at T - 32, so every tile row is real; rows an earlier tile owns are masked out of the
-stores to y, and tokens an earlier pass did are skipped.
+eight tile registers: a unit is one block of 16 rows times a pair of token tiles, 16 tile
+multiplies. Its float steps (32 tokens' vectors of 16 rows) run between the next unit's tile
+multiplies, which the tile unit does while the vector units do them. Around the units, the
+loops keep each operand in the cache that feeds it: a K panel of activations (8 blocks of 512
+tokens, 1.3 MB) in L2 while a chunk of rows goes over it; a block's planes in L1 while 4 pairs
+of tokens take them; a pair's activations in L1 while a group of 4 tiles of rows takes them.
+On a 2-core Xeon with AMX (one thread, T = 512, `benchmarks/kernels.py --targets
+avx512_vnni,amx --tokens 512`), against the AVX-512 VNNI rows gemm in the same run: 2048 x
+2048 q4_k 1.89x, 8192 x 2048 q4_k 1.63x, 2048 x 8192 q6_k 2.66x with the activations in 2 MB
+pages, as a program's are (1.50x, 1.35x, 2.15x in 4 KB pages, where one tile of rows at a
+time over all of K gave 1.21x, 0.64x and 1.98x). Groups of 4 tiles gave 1.13-1.25x of one
+(A/B in one process), K panels outermost 1.5x on 8192-wide rows (whose activations are
+larger than L2).
+
+The last group of tiles of rows starts at N - 16R and the last pair of token tiles at T - 32,
+so every tile row is real; rows an earlier group owns are masked out of the stores to y, and
+tokens an earlier pair did are skipped.
 
 Types with a float scale per 32 weights stay on the rows gemm: each 32 features would need
 their own result tiles stored and scaled, and storing a tile and reading it back costs more
@@ -32,22 +46,31 @@ from llvmlite import ir
 from ggraph.ir import dtypes
 from ggraph.backends.llvm.kernels.act_quant import ActLayout
 from ggraph.backends.llvm.kernels.blocks import BlockFormat
-from ggraph.backends.llvm.kernels.builder import Kernel, f32, i8, i16, i32, vec
+from ggraph.backends.llvm.kernels.builder import Kernel, f32, i8, i16, i32, i64, vec
 from ggraph.backends.llvm.kernels.isa import Isa
 from ggraph.backends.llvm.kernels.qmatmul import (_launder, _panel_count, _row, _row_mask, _store_int_factors,
                                                    _sum_of, _tile_rows)
 from ggraph.backends.llvm.target import Target
 
 TILE = 16                  # rows of a tile, and 4-byte columns; weight rows per tile of the matrix
-MIN_T = 2 * TILE           # tokens the path needs (two token tiles; fewer go to the rows gemm)
+MIN_T = 2 * TILE           # tokens the path needs (a pair of token tiles; fewer go to the rows gemm)
 KSTEP = 64                 # features per tile multiply
-PANEL_BYTES = 131072       # decoded weights of one tile of rows kept at once (a K panel, in L2)
+PANEL_BLOCKS = 8           # blocks of 16 rows decoded at once: a K panel (8 x 8.6 KB of q4_k planes, in L2)
+CHUNK_PAIRS = 4            # token pairs that go over a K panel together, block by block (a block's planes in L1)
+GROUP_TILES = 4            # tiles of rows that take each pair's activations in turn (from L1)
+SPAN = 512                 # tokens whose accumulators a tile of rows keeps while it runs over K (32 KB)
 C_BYTES = TILE * 64        # one i32 result tile
+UNIT_BYTES = 4 * C_BYTES   # the four result tiles of a unit (a block of 16 rows x a pair of token tiles)
 
 
 def on_tiles(dtype) -> bool:
     """True for the weight types the tiles take: super-block types (integer sub-block scales)."""
     return dtypes.from_name(dtype).block_size > 32
+
+
+def tiles_per_group(N: int) -> int:
+    """Tiles of rows that go over the activations together: GROUP_TILES, or what N has room for."""
+    return max(1, min(GROUP_TILES, N // TILE))
 
 
 def takes(fmt: BlockFormat, target: Target) -> bool:
@@ -59,10 +82,24 @@ def takes(fmt: BlockFormat, target: Target) -> bool:
 class TilePanel:
     """Where one block of 16 rows lies in a tile panel: the lo and hi planes, ``block_size / 4``
     64-byte lines each; then the rows' d (16 f32), their negated dmin, and the integer mins as
-    i16 pairs, one line per pair of activation sums."""
+    i16 pairs, one line per pair of activation sums (of ``unit`` features: 32 for types with
+    sub-blocks of 32, whose mins then take half as many pairs, else act_quant's sum blocks)."""
 
     fmt: BlockFormat
-    pairs: int                 # pairs of activation sums per block
+    lay: ActLayout
+
+    @property
+    def unit(self) -> int:
+        return 32 if self.fmt.sub == 32 and self.lay.has_sums32 else self.lay.sum_block
+
+    @property
+    def pairs(self) -> int:
+        return self.fmt.dtype.block_size // self.unit // 2
+
+    def sums(self, k: Kernel, blk, p: int):
+        """Offset in a token's activations of the i16 pair of sums that imin(p) of block blk meets."""
+        first = k.add(k.mul(blk, 2 * self.pairs), 2 * p)
+        return self.lay.sums32(k, 1, first) if self.unit == 32 else self.lay.sums(k, 1, first)
 
     @property
     def lines(self) -> int:
@@ -112,21 +149,44 @@ def tile_op(k: Kernel, op: str, *args) -> None:
     k.intrinsic(f"llvm.x86.{op}", ir.VoidType(), [ir.Constant(i8, a) if isinstance(a, int) else a for a in args])
 
 
-def amx_gemm(k: Kernel, isa: Isa, fmt: BlockFormat, lay: ActLayout, N: int, rows) -> None:
-    """The kernel body for T >= MIN_T and N >= TILE: configure the tiles, run every 16-row tile of the
-    chunks ``rows`` yields ([start, end), multiples of 16), release the tiles."""
-    tp = TilePanel(fmt, fmt.dtype.block_size // lay.sum_block // 2)
+def amx_gemm(k: Kernel, isa: Isa, fmt: BlockFormat, lay: ActLayout, N: int, rows, R: int) -> None:
+    """The kernel body for T >= MIN_T and N >= R * TILE: configure the tiles, run every group of R
+    16-row tiles of the chunks ``rows`` yields ([start, end), multiples of R * 16), release the tiles.
+    A chunk goes over K one panel (PANEL_BLOCKS blocks) at a time, all its groups over a panel before
+    the next, so the activations of a panel (1.3 MB for 512 tokens) stay in L2 while the chunk's
+    groups use them. Per group, the panel is decoded once; then the tokens, SPAN at a time with
+    their accumulators private (y holds them between panels), go over it CHUNK_PAIRS pairs at a time,
+    block by block, and for each pair every tile of the group in turn: a block's planes stay in L1
+    while the chunk's pairs take them, and a pair's activations while the group's tiles do."""
+    b = k.b
+    T = k.arg["T"]
+    tp = TilePanel(fmt, lay)
     nblocks = lay.K // fmt.dtype.block_size
-    per_panel = max(1, min(nblocks, PANEL_BYTES // tp.room))
-    buf = k.scratch(i8, tp.room * per_panel)
-    cbuf = k.scratch(i8, 4 * C_BYTES)
+    per_panel = min(nblocks, PANEL_BLOCKS)
+    buf = k.scratch(i8, R * tp.room * per_panel)
+    cbuf = k.scratch(i8, 2 * UNIT_BYTES)
+    acc = k.scratch(f32, R * SPAN * TILE)
     tile_op(k, "ldtilecfg", config(k))
-    with rows as (start, end), k.loop(start, end, step=TILE, name="atile") as n0:
-        r0 = _tile_rows(k, N, n0, 1)
-        with k.loop(0, nblocks, step=per_panel, name="apanel") as p0:
-            count = _panel_count(k, p0, per_panel, nblocks)
-            mins = _decode(k, isa, fmt, lay, tp, r0, p0, count, buf)
-            _tokens(k, isa, lay, tp, N, n0, r0, end, p0, count, buf, cbuf, mins)
+    with rows as (start, end), k.loop(0, nblocks, step=per_panel, name="apanel") as p0:
+        count = _panel_count(k, p0, per_panel, nblocks)
+        with k.loop(start, end, step=R * TILE, name="agroup") as n0:
+            r0 = _tile_rows(k, N, n0, R)
+            for r in range(R):
+                mins = _decode(k, isa, fmt, lay, tp, k.add(r0, r * TILE), p0, count,
+                               k.addr(buf, r * tp.room * per_panel))
+            with k.loop(0, T, step=SPAN, name="aspan") as s0:
+                run = _Run(k, isa, lay, tp, N, R, r0, [_row_mask(k, r0, r * TILE, n0, end) for r in range(R)],
+                           s0, buf, tp.room * per_panel, cbuf, acc, mins)
+                with b.if_else(b.icmp_signed("==", p0, k.i64(0))) as (first, later):
+                    with first:
+                        run.zero()
+                    with later:
+                        run.load()
+                with k.loop(0, run.pairs, step=CHUNK_PAIRS, name="achunk") as j0:
+                    left = b.sub(run.pairs, j0)
+                    run.units(p0, count, j0, b.select(b.icmp_signed("<", left, k.i64(CHUNK_PAIRS)), left,
+                                                      k.i64(CHUNK_PAIRS)))
+                run.store()
     tile_op(k, "tilerelease")
 
 
@@ -140,7 +200,7 @@ def _decode(k: Kernel, isa: Isa, fmt: BlockFormat, lay: ActLayout, tp: TilePanel
         dec = decs[0]
         if dec.ints is None:
             raise ValueError(f"qmatmul {fmt.dtype.name}: AMX tiles need integer sub-block scales")
-        _store_int_factors(k, fmt, lay, decs, buf, at, tp)
+        _store_int_factors(k, fmt, lay, decs, buf, at, tp, tp.unit)
 
         def chunk(c):
             planes = [_planes(k, fmt, d, c) for d in decs]                     # per row: (lo, hi)
@@ -171,60 +231,175 @@ def _planes(k: Kernel, fmt: BlockFormat, dec, c) -> tuple:
     return lo, hi
 
 
-def _tokens(k: Kernel, isa: Isa, lay: ActLayout, tp: TilePanel, N: int, n0, r0, end, p0, count, buf, cbuf,
-            mins: bool) -> None:
-    """Every token over the panel, 32 at a time: y[t, rows] of the pass is read once into a private
-    accumulator; per block, the tile multiplies go into four result tiles, which are stored and then
-    scaled into the accumulator token by token; at the end of the pass it goes back to y."""
-    b = k.b
-    T = k.arg["T"]
-    stride = lay.group_bytes(1)
-    bs = tp.fmt.dtype.block_size
-    v16, vi = vec(f32, TILE), vec(i32, TILE)
-    mask = _row_mask(k, r0, 0, n0, end)
-    acc = k.scratch(f32, MIN_T * TILE)                 # y[ts:ts+32, rows] while the pass runs over the panel
-    with k.loop(0, T, step=MIN_T, name="atok") as t0:
-        ts = b.select(b.icmp_signed("<", t0, b.sub(T, k.i64(MIN_T))), t0, b.sub(T, k.i64(MIN_T)))
+class _Run:
+    """The tokens s0 .. s0+SPAN-1 (or to T) over a group of R tiles of rows (rows r0 .. r0+16R-1), in
+    pairs of token tiles: pair j starts at token s0 + 32j, or at T - 32 if that is later (the last pair
+    of the matrix is shifted back over an earlier one's tokens, whose results it computes again but
+    does not store). The accumulator of tile r and pair j, y of its 32 tokens x 16 rows, lives in
+    ``acc`` at (r * SPAN/32 + j) * 2 KB from the first K panel to the last."""
+
+    def __init__(self, k: Kernel, isa: Isa, lay: ActLayout, tp: "TilePanel", N: int, R: int, r0, masks, s0, buf,
+                 panel_bytes: int, cbuf, acc, mins: bool):
+        b = k.b
+        self.k, self.isa, self.lay, self.tp, self.N, self.R, self.r0, self.masks = k, isa, lay, tp, N, R, r0, masks
+        self.s0, self.buf, self.panel_bytes, self.cbuf, self.acc, self.mins = s0, buf, panel_bytes, cbuf, acc, mins
+        self.stride = lay.group_bytes(1)
+        left = b.sdiv(k.add(b.sub(k.arg["T"], s0), MIN_T - 1), k.i64(MIN_T))
+        self.pairs = b.select(b.icmp_signed("<", left, k.i64(SPAN // MIN_T)), left, k.i64(SPAN // MIN_T))
+
+    def first(self, j):
+        """(the first token of pair j, how many of its tokens an earlier pair owns)."""
+        b, T = self.k.b, self.k.arg["T"]
+        want = self.k.add(self.s0, self.k.mul(j, MIN_T))
+        last = b.sub(T, self.k.i64(MIN_T))
+        ts = b.select(b.icmp_signed("<", want, last), want, last)
+        return ts, b.sub(want, ts)
+
+    def _slot(self, r, j, t=0):
+        """Offset in ``acc`` of token t of pair j in tile r's accumulator."""
+        return self.k.mul(self.k.add(self.k.mul(self.k.add(self.k.mul(r, SPAN // MIN_T), j), MIN_T), t), 64)
+
+    def _y(self, ts, t, r: int):
+        return self.k.mul(self.k.add(self.k.mul(self.k.add(ts, t), self.N), self.r0, r * TILE), 4)
+
+    def zero(self) -> None:
+        """Every accumulator to zero, before the first K panel."""
+        k = self.k
+        for r in range(self.R):
+            with k.loop(0, k.mul(self.pairs, MIN_T), name="azero") as t:
+                k.store(ir.Constant(vec(f32, TILE), [0.0] * TILE), self.acc, k.add(self._slot(r, 0), k.mul(t, 64)))
+
+    def load(self) -> None:
+        """Each accumulator from y, where the earlier K panels left it (a pair shifted back over an
+        earlier one's tokens reads theirs too: y holds their sums so far, the same ones)."""
+        k = self.k
+        with k.loop(0, self.pairs, name="apair") as j:
+            ts, _ = self.first(j)
+            with k.loop(0, MIN_T, name="aload") as t:
+                for r in range(self.R):
+                    k.store(k.masked_load(vec(f32, TILE), k.arg["y"], self._y(ts, t, r), self.masks[r]),
+                            self.acc, self._slot(r, j, t))
+
+    def store(self) -> None:
+        """Each accumulator to y, a token's R lines together, but for the tokens an earlier pair owns."""
+        k = self.k
+        with k.loop(0, self.pairs, name="apair") as j:
+            ts, skip = self.first(j)
+            with k.loop(skip, MIN_T, name="astore") as t:
+                for r in range(self.R):
+                    k.masked_store(k.load(vec(f32, TILE), self.acc, self._slot(r, j, t)), k.arg["y"],
+                                   self._y(ts, t, r), self.masks[r])
+
+    def units(self, p0, count, j0, pairs) -> None:
+        """Every (block, pair, tile) unit of the K panel at block p0 (``count`` blocks), pairs j0 ..
+        j0+pairs-1 and the group's R tiles, in that order: a unit's tile multiplies go into four result
+        tiles, stored to one half of ``cbuf``; the float steps that scale them into the accumulator run
+        during the next unit's tile multiplies (software pipelining: the tile unit and the vector units
+        work at once), and the last unit's after the loop."""
+        k, b = self.k, self.k.b
+        self.p0, self.j0, self.pairs_now = p0, j0, pairs
+        total = k.mul(k.mul(count, pairs), self.R)
+        at = [k.var(i64, 0) for _ in range(3)]            # this unit's (block in panel, pair, tile)
+        prev = [k.var(i64, 0) for _ in range(4)]          # the last unit's, and its half of cbuf
+        self._unit(0, 0, 0, 0, None)
+        for v in prev:
+            v.set(k.i64(0))
+        self._advance(at)
+        with k.loop(1, total, name="aunit") as u:
+            half = b.and_(u, k.i64(1))
+            now = [v.get() for v in at]
+            self._unit(*now, half, [v.get() for v in prev])
+            for v, value in zip(prev, now + [half]):
+                v.set(value)
+            self._advance(at)
+        for step in self._steps(*[v.get() for v in prev]):
+            step()
+
+    def _advance(self, at) -> None:
+        """The next unit: the next tile of the group, else the first tile and the next pair, else the
+        first pair of the next block."""
+        k, b = self.k, self.k.b
+        i, j, r = (v.get() for v in at)
+        r1 = k.add(r, 1)
+        wrap_r = b.icmp_signed("==", r1, k.i64(self.R))
+        j1 = b.select(wrap_r, k.add(j, 1), j)
+        wrap_j = b.icmp_signed("==", j1, self.pairs_now)
+        at[0].set(b.select(wrap_j, k.add(i, 1), i))
+        at[1].set(b.select(wrap_j, k.i64(0), j1))
+        at[2].set(b.select(wrap_r, k.i64(0), r1))
+
+    def _unit(self, i, j, r, half, prev) -> None:
+        """The tile multiplies of block i of the panel, pair j and tile r into cbuf half ``half``; between
+        them, the float steps of the unit ``prev`` (block, pair, tile, half), if given."""
+        k = self.k
+        tp, stride = self.tp, self.stride
+        bs = tp.fmt.dtype.block_size
+        steps = self._steps(*prev) if prev is not None else []
+        per = -(-len(steps) // (4 * bs // KSTEP)) if steps else 0
+        ts, _ = self.first(k.add(self.j0, j))
+        blk = k.add(self.p0, i)
+        at = k.add(k.mul(i, tp.room), k.mul(r, self.panel_bytes))
         xa = k.addr(k.arg["xq"], k.mul(ts, stride))
-        skip = b.sub(t0, ts)                             # tokens before t0 were an earlier pass's
-        with k.loop(skip, MIN_T, name="aload") as t:
-            ys = k.mul(k.add(k.mul(k.add(ts, t), N), r0), 4)
-            start = b.select(b.icmp_signed("==", p0, k.i64(0)), ir.Constant(v16, [0.0] * TILE),
-                             k.masked_load(v16, k.arg["y"], ys, mask))
-            k.store(start, acc, k.mul(t, 64))
-        with k.loop(0, count, name="atblk") as i:
-            blk, at = k.add(p0, i), k.mul(i, tp.room)
-            for c in range(4):
-                tile_op(k, "tilezero", c)
-            for j in range(bs // KSTEP):
-                feat = k.add(k.mul(blk, bs), j * KSTEP)
-                tile_op(k, "tileloadd64", 4, k.addr(xa, feat), k.i64(stride))
-                tile_op(k, "tileloadd64", 5, k.addr(xa, k.add(feat, TILE * stride)), k.i64(stride))
+        for c in range(4):
+            tile_op(k, "tilezero", c)
+        n = 0
+        for s in range(bs // KSTEP):
+            feat = k.add(k.mul(blk, bs), s * KSTEP)
+            tile_op(k, "tileloadd64", 4, k.addr(xa, feat), k.i64(stride))
+            for p in range(2):
+                tile_op(k, "tileloadd64", 6 + p, k.addr(self.buf, k.add(at, tp.plane(p) + s * KSTEP * 16)), k.i64(64))
+            tile_op(k, "tileloadd64", 5, k.addr(xa, k.add(feat, TILE * stride)), k.i64(stride))
+            for g in range(2):
                 for p in range(2):
-                    tile_op(k, "tileloadd64", 6 + p, k.addr(buf, k.add(at, tp.plane(p) + j * KSTEP * 16)), k.i64(64))
-                for g in range(2):
-                    for p in range(2):
-                        tile_op(k, "tdpbssd", 2 * g + p, 4 + g, 6 + p)
-            for c in range(4):
-                tile_op(k, "tilestored64", c, k.addr(cbuf, c * C_BYTES), k.i64(64))
-            d = k.load(v16, buf, k.add(at, tp.d))
-            ndmin = k.load(v16, buf, k.add(at, tp.ndmin)) if mins else None
-            imins = [k.cast_vec(k.load(vi, buf, k.add(at, tp.imin(p))), i16) for p in range(tp.pairs)] if mins else []
-            with k.loop(skip, MIN_T, name="at") as t:
-                xt = k.addr(xa, k.mul(t, stride))
-                row_at = k.add(k.mul(b.lshr(t, k.i64(4)), 2 * C_BYTES), k.mul(b.and_(t, k.i64(TILE - 1)), 64))
-                dx = k.splat(k.load(f32, xt, lay.d(k, 1, blk)), TILE)
-                lo = k.load(vi, cbuf, row_at)
-                hi = k.load(vi, cbuf, k.add(row_at, C_BYTES))
-                a = isa.fma(b.sitofp(b.add(lo, b.shl(hi, ir.Constant(vi, [7] * TILE))), v16), b.fmul(d, dx),
-                            k.load(v16, acc, k.mul(t, 64)))
-                if mins:                                # sum_s min_s * xsum_s, two sums per step, four chains
-                    chains = [ir.Constant(vi, [0] * TILE)] * 4
-                    xw = _launder(k, xt)
-                    for p, im in enumerate(imins):
-                        word = k.load(i32, xw, lay.sums(k, 1, k.add(k.mul(blk, 2 * tp.pairs), 2 * p)))
-                        chains[p % 4] = isa.dot_pairs(chains[p % 4], im, k.cast_vec(k.splat(word, TILE), i16))
-                    a = isa.fma(b.sitofp(_sum_of(k, chains), v16), b.fmul(ndmin, dx), a)
-                k.store(a, acc, k.mul(t, 64))
-        with k.loop(skip, MIN_T, name="astore") as t:
-            k.masked_store(k.load(v16, acc, k.mul(t, 64)), k.arg["y"], k.mul(k.add(k.mul(k.add(ts, t), N), r0), 4), mask)
+                    tile_op(k, "tdpbssd", 2 * g + p, 4 + g, 6 + p)
+                    for step in steps[n:n + per]:
+                        step()
+                    n += per
+        for step in steps[n:]:
+            step()
+        out = k.addr(self.cbuf, k.mul(half, UNIT_BYTES))
+        for c in range(4):
+            tile_op(k, "tilestored64", c, k.addr(out, c * C_BYTES), k.i64(64))
+
+    def _steps(self, i, j, r, half) -> list:
+        """The float steps of unit (block i of the panel, pair j, tile r, cbuf half), one callable per
+        token: acc += (lo + 128 hi) * d*dx, and for types with mins + (sum_s min_s * xsum_s) * (-dmin)*dx."""
+        k, b, tp, lay, isa = self.k, self.k.b, self.tp, self.lay, self.isa
+        v16, vi = vec(f32, TILE), vec(i32, TILE)
+        blk = k.add(self.p0, i)
+        at = k.add(k.mul(i, tp.room), k.mul(r, self.panel_bytes))
+        j = k.add(self.j0, j)
+        ts, _ = self.first(j)
+        xa = k.addr(k.arg["xq"], k.mul(ts, self.stride))
+        cb = k.addr(self.cbuf, k.mul(half, UNIT_BYTES))
+        slot = k.addr(self.acc, self._slot(r, j))
+        loaded = {}
+
+        def factors():
+            if not loaded:
+                loaded["d"] = k.load(v16, self.buf, k.add(at, tp.d))
+                if self.mins:
+                    loaded["ndmin"] = k.load(v16, self.buf, k.add(at, tp.ndmin))
+                    loaded["imins"] = [k.cast_vec(k.load(vi, self.buf, k.add(at, tp.imin(p))), i16)
+                                       for p in range(tp.pairs)]
+            return loaded
+
+        def step(t: int):
+            f = factors()
+            xt = k.addr(xa, t * self.stride)
+            row_at = (t >> 4) * 2 * C_BYTES + (t & (TILE - 1)) * 64
+            dx = k.splat(k.load(f32, xt, lay.d(k, 1, blk)), TILE)
+            lo = k.load(vi, cb, row_at)
+            hi = k.load(vi, cb, row_at + C_BYTES)
+            a = isa.fma(b.sitofp(b.add(lo, b.shl(hi, ir.Constant(vi, [7] * TILE))), v16), b.fmul(f["d"], dx),
+                        k.load(v16, slot, t * 64))
+            if self.mins:                                  # sum_s min_s * xsum_s, two sums per step
+                m = ir.Constant(vi, [0] * TILE)
+                xw = _launder(k, xt)
+                for p, im in enumerate(f["imins"]):
+                    word = k.load(i32, xw, tp.sums(k, blk, p))
+                    m = isa.dot_pairs(m, im, k.cast_vec(k.splat(word, TILE), i16))
+                a = isa.fma(b.sitofp(m, v16), b.fmul(f["ndmin"], dx), a)
+            k.store(a, slot, t * 64)
+
+        return [lambda t=t: step(t) for t in range(MIN_T)]

@@ -175,9 +175,10 @@ def qmatmul(module: ir.Module, dtype, K: int, N: int, target: Target, rows_only:
         with many:
             from ggraph.backends.llvm.kernels import amx       # the tiled driver builds on this module's pieces
             if amx.takes(fmt, target) and N >= amx.TILE:
+                R = amx.tiles_per_group(N)
                 with k.b.if_else(k.b.icmp_signed(">=", T, k.i64(amx.MIN_T))) as (tiles, fewer):
                     with tiles:
-                        amx.amx_gemm(k, isa, fmt, lay, N, k.row_chunks(N, k.arg["counter"], quantum=amx.TILE))
+                        amx.amx_gemm(k, isa, fmt, lay, N, k.row_chunks(N, k.arg["counter"], quantum=R * amx.TILE), R)
                     with fewer:
                         _many(k, isa, fmt, lay, N, target)
             else:
