@@ -58,7 +58,7 @@ KSTEP = 64                 # features per tile multiply
 PANEL_BLOCKS = 8           # blocks of 16 rows decoded at once: a K panel (8 x 8.6 KB of q4_k planes, in L2)
 CHUNK_PAIRS = 4            # token pairs that go over a K panel together, block by block (a block's planes in L1)
 GROUP_TILES = 4            # tiles of rows that take each pair's activations in turn (from L1)
-SPAN = 512                 # tokens whose accumulators a tile of rows keeps while it runs over K (32 KB)
+SPAN = 256                 # tokens whose accumulators a group of tiles of rows keeps while it runs over K (4 x 16 KB)
 C_BYTES = TILE * 64        # one i32 result tile
 UNIT_BYTES = 4 * C_BYTES   # the four result tiles of a unit (a block of 16 rows x a pair of token tiles)
 

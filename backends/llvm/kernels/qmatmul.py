@@ -108,8 +108,8 @@ def variant(dtype, target: Target) -> str:
             if rows_gemm(target) else f"gemm {R} rows x {G * GROUP} tokens")
     from ggraph.backends.llvm.kernels import amx           # the tiled driver builds on this module's pieces
     if amx.takes(fmt, target):
-        gemm = (f"AMX tiles for T >= {amx.MIN_T} (tdpbssd, {amx.TILE} rows x {amx.MIN_T} tokens, weights times "
-                f"their sub-block scales as lo/hi s8 planes), {gemm} below")
+        gemm = (f"AMX tiles for T >= {amx.MIN_T} (tdpbssd, {amx.TILE} rows x {amx.MIN_T} tokens a unit, groups of "
+                f"{amx.GROUP_TILES} tiles of rows, weights times their sub-block scales as lo/hi s8 planes), {gemm} below")
     if fmt.dtype.block_size == 32 and target.vector_bits >= 512:
         gathered = ", gathered by word shuffles" if _gathers(fmt, target) else ""
         gemv = f"gemv 64 weights/step ({SMALL_GROUP} blocks a group{gathered})"
