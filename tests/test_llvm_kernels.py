@@ -382,7 +382,8 @@ def test_rows16_kernels_are_refused_where_they_do_not_apply():
         kernels.qmatmul(ir.Module(), dtypes.q4_k, 512, 64, named_target("avx512_vnni"), layout="tiles")
 
 
-AMX_K, AMX_NS = 4096, (40, 100)  # 16 blocks of 256: two K panels; groups of 2 and of 4 tiles of rows, the last shifted back
+AMX_K, AMX_NS = 4096, (24, 40, 56, 100)  # 16 blocks of 256: two K panels; groups of 1, 2, 3 (2 for one-plane
+                                         # types) and 4 tiles of rows, the last shifted back
 
 
 def _build_amx_bits(target_name: str) -> jit.Library:
@@ -411,7 +412,8 @@ def test_amx_tiles_give_the_bits_of_the_rows_gemm(dt):
         runnable_target(name, _AMX_LIBS, _build_amx_bits)
     assert AMX_K // 256 > tiles.PANEL_BLOCKS, "one panel only"
     assert 600 > tiles.SPAN and 200 > tiles.CHUNK_PAIRS * tiles.MIN_T
-    assert [tiles.tiles_per_group(n) for n in AMX_NS] == [2, tiles.GROUP_TILES] and tiles.GROUP_TILES >= 4
+    assert [tiles.tiles_per_group(n) for n in AMX_NS] == [1, 2, 3, tiles.GROUP_TILES] and tiles.GROUP_TILES >= 4
+    assert [tiles.tiles_per_group(n, dtypes.q3_k) for n in AMX_NS] == [1, 2, 2, tiles.GROUP_TILES]
     rng = np.random.default_rng(6)
     for K, n, lib_of, Ts in ((k_of(dt), N, lambda name: None, (32, 33, 64, 75)),
                              (LONG_K, LONG_N, lambda name: None, (32, 33, 64, 75)),

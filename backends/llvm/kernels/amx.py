@@ -12,11 +12,14 @@ Super-block types have integer sub-block scales, so the panel holds v = (q - off
 per weight (|v| < 8192) as two s8 planes, lo = v & 127 and hi = v >> 7, each with its own
 result tile: lo + 128 * hi is sum_s scale_s * dot_s over the 256-weight block, exact, which
 then takes one float step (times d and the activation scale), and the mins one vpdpwssd
-chain, as the rows gemm does.
+chain, as the rows gemm does. Where v fits one s8 plane (q2_k: 0..45; q3_k: -124..128, kept
+negated with its d) a unit's two weight tiles are the planes of two tiles of rows instead, so
+the same tile multiplies give twice the outputs (q3_k 1.56x, q2_k 1.23x over two planes;
+4.0x and 2.7x the AVX-512 VNNI rows gemm on 2048 x 2048 at one thread, T = 512).
 
-Four result tiles (2 token tiles x lo, hi), 2 activation tiles and 2 weight tiles use all
-eight tile registers: a unit is one block of 16 rows times a pair of token tiles, 16 tile
-multiplies. Its float steps (32 tokens' vectors of 16 rows) run between the next unit's tile
+Four result tiles (2 token tiles x 2 weight tiles), 2 activation tiles and 2 weight tiles use
+all eight tile registers: a unit is one block of 16 (or 32) rows times a pair of token tiles,
+16 tile multiplies. Its float steps (32 tokens' vectors of 16 rows) run between the next unit's tile
 multiplies, which the tile unit does while the vector units do them. Around the units, the
 loops keep each operand in the cache that feeds it: a K panel of activations (8 blocks of 512
 tokens, 1.3 MB) in L2 while a chunk of rows goes over it; a block's planes in L1 while 4 pairs
@@ -68,9 +71,17 @@ def on_tiles(dtype) -> bool:
     return dtypes.from_name(dtype).block_size > 32
 
 
-def tiles_per_group(N: int) -> int:
-    """Tiles of rows that go over the activations together: GROUP_TILES, or what N has room for."""
-    return max(1, min(GROUP_TILES, N // TILE))
+# Types whose v = (q - offset) * scale fits one s8 plane: q2_k's 0..45, and q3_k's -124..128 negated
+# (-128..124; its d is negated with it). Their units take two tiles of rows (the plane of each as a
+# weight tile) instead of one tile's two planes: the same tile multiplies for twice the outputs.
+ONE_PLANE = {dtypes.q2_k: 1, dtypes.q3_k: -1}
+
+
+def tiles_per_group(N: int, dtype=None) -> int:
+    """Tiles of rows that go over the activations together: GROUP_TILES, or what N has room for (an
+    even number for one-plane types, whose units take tiles in pairs, where N has room for two)."""
+    R = max(1, min(GROUP_TILES, N // TILE))
+    return R - R % 2 if dtype is not None and dtypes.from_name(dtype) in ONE_PLANE and R > 1 else R
 
 
 def takes(fmt: BlockFormat, target: Target) -> bool:
@@ -93,6 +104,15 @@ class TilePanel:
         return 32 if self.fmt.sub == 32 and self.lay.has_sums32 else self.lay.sum_block
 
     @property
+    def planes(self) -> int:
+        return 1 if self.fmt.dtype in ONE_PLANE else 2
+
+    @property
+    def sign(self) -> int:
+        """How a one-plane type's plane holds v: v (1) or -v (-1)."""
+        return ONE_PLANE.get(self.fmt.dtype, 1)
+
+    @property
     def pairs(self) -> int:
         return self.fmt.dtype.block_size // self.unit // 2
 
@@ -110,7 +130,7 @@ class TilePanel:
 
     @property
     def d(self) -> int:
-        return self.plane(2)
+        return self.plane(self.planes)
 
     @property
     def ndmin(self) -> int:
@@ -203,8 +223,8 @@ def _decode(k: Kernel, isa: Isa, fmt: BlockFormat, lay: ActLayout, tp: TilePanel
         _store_int_factors(k, fmt, lay, decs, buf, at, tp, tp.unit)
 
         def chunk(c):
-            planes = [_planes(k, fmt, d, c) for d in decs]                     # per row: (lo, hi)
-            for p in range(2):
+            planes = [_planes(k, fmt, d, c, tp.planes, tp.sign) for d in decs]   # per row: (lo, hi) or (v,)
+            for p in range(tp.planes):
                 for j, col in enumerate(k.transpose([k.cast_vec(row[p], i32) for row in planes])):
                     k.store(col, buf, k.add(at, tp.plane(p), k.mul(k.add(k.mul(c, 8), j), 64)))
         U = fmt.unroll
@@ -214,8 +234,9 @@ def _decode(k: Kernel, isa: Isa, fmt: BlockFormat, lay: ActLayout, tp: TilePanel
     return dec.mins is not None
 
 
-def _planes(k: Kernel, fmt: BlockFormat, dec, c) -> tuple:
-    """Chunk c (an i64 value) of a decoded row as the s8 planes (lo, hi) of (q - offset) * scale."""
+def _planes(k: Kernel, fmt: BlockFormat, dec, c, planes: int = 2, sign: int = 1) -> tuple:
+    """Chunk c (an i64 value) of a decoded row as the s8 planes (lo, hi) of v = (q - offset) * scale,
+    or for one-plane types (v * sign,)."""
     b = k.b
     v16 = vec(i16, 32)
     raw = dec.chunk(c)                                                   # <32 x i8>
@@ -226,6 +247,8 @@ def _planes(k: Kernel, fmt: BlockFormat, dec, c) -> tuple:
     scales = [b.trunc(b.extract_element(dec.ints.scales, b.trunc(k.add(k.mul(c, per), s), i32)), i16)
               for s in range(per)]
     v = b.mul(w, k.concat(*[k.splat(s, fmt.sub) for s in scales]))
+    if planes == 1:
+        return (b.trunc(b.neg(v) if sign < 0 else v, vec(i8, 32)),)
     lo = b.trunc(b.and_(v, ir.Constant(v16, [127] * 32)), vec(i8, 32))
     hi = b.trunc(b.ashr(v, ir.Constant(v16, [7] * 32)), vec(i8, 32))
     return lo, hi
@@ -244,6 +267,10 @@ class _Run:
         self.k, self.isa, self.lay, self.tp, self.N, self.R, self.r0, self.masks = k, isa, lay, tp, N, R, r0, masks
         self.s0, self.buf, self.panel_bytes, self.cbuf, self.acc, self.mins = s0, buf, panel_bytes, cbuf, acc, mins
         self.stride = lay.group_bytes(1)
+        # the two weight tiles of a unit, as (tile of the group after the unit's first, plane): one
+        # tile's lo and hi planes, or the one plane of two tiles (of one, in a group of one)
+        self.per_unit = 2 if tp.planes == 1 and R > 1 else 1
+        self.cols = [(0, 0), (0, 1)] if tp.planes == 2 else [(u, 0) for u in range(self.per_unit)]
         left = b.sdiv(k.add(b.sub(k.arg["T"], s0), MIN_T - 1), k.i64(MIN_T))
         self.pairs = b.select(b.icmp_signed("<", left, k.i64(SPAN // MIN_T)), left, k.i64(SPAN // MIN_T))
 
@@ -298,7 +325,7 @@ class _Run:
         work at once), and the last unit's after the loop."""
         k, b = self.k, self.k.b
         self.p0, self.j0, self.pairs_now = p0, j0, pairs
-        total = k.mul(k.mul(count, pairs), self.R)
+        total = k.mul(k.mul(count, pairs), self.R // self.per_unit)
         at = [k.var(i64, 0) for _ in range(3)]            # this unit's (block in panel, pair, tile)
         prev = [k.var(i64, 0) for _ in range(4)]          # the last unit's, and its half of cbuf
         self._unit(0, 0, 0, 0, None)
@@ -320,7 +347,7 @@ class _Run:
         first pair of the next block."""
         k, b = self.k, self.k.b
         i, j, r = (v.get() for v in at)
-        r1 = k.add(r, 1)
+        r1 = k.add(r, self.per_unit)
         wrap_r = b.icmp_signed("==", r1, k.i64(self.R))
         j1 = b.select(wrap_r, k.add(j, 1), j)
         wrap_j = b.icmp_signed("==", j1, self.pairs_now)
@@ -329,70 +356,77 @@ class _Run:
         at[2].set(b.select(wrap_r, k.i64(0), r1))
 
     def _unit(self, i, j, r, half, prev) -> None:
-        """The tile multiplies of block i of the panel, pair j and tile r into cbuf half ``half``; between
-        them, the float steps of the unit ``prev`` (block, pair, tile, half), if given."""
+        """The tile multiplies of block i of the panel, pair j and the unit's tiles from r into cbuf half
+        ``half`` (result tile 2g + c: token tile g, weight tile c of ``cols``); between them, the float
+        steps of the unit ``prev`` (block, pair, tile, half), if given."""
         k = self.k
         tp, stride = self.tp, self.stride
         bs = tp.fmt.dtype.block_size
         steps = self._steps(*prev) if prev is not None else []
-        per = -(-len(steps) // (4 * bs // KSTEP)) if steps else 0
+        tdps = bs // KSTEP * 2 * len(self.cols)
+        per = -(-len(steps) // tdps) if steps else 0
         ts, _ = self.first(k.add(self.j0, j))
         blk = k.add(self.p0, i)
         at = k.add(k.mul(i, tp.room), k.mul(r, self.panel_bytes))
         xa = k.addr(k.arg["xq"], k.mul(ts, stride))
-        for c in range(4):
-            tile_op(k, "tilezero", c)
+        for g in range(2):
+            for c in range(len(self.cols)):
+                tile_op(k, "tilezero", 2 * g + c)
         n = 0
         for s in range(bs // KSTEP):
             feat = k.add(k.mul(blk, bs), s * KSTEP)
             tile_op(k, "tileloadd64", 4, k.addr(xa, feat), k.i64(stride))
-            for p in range(2):
-                tile_op(k, "tileloadd64", 6 + p, k.addr(self.buf, k.add(at, tp.plane(p) + s * KSTEP * 16)), k.i64(64))
+            for c, (u, p) in enumerate(self.cols):
+                tile_op(k, "tileloadd64", 6 + c,
+                        k.addr(self.buf, k.add(at, u * self.panel_bytes + tp.plane(p) + s * KSTEP * 16)), k.i64(64))
             tile_op(k, "tileloadd64", 5, k.addr(xa, k.add(feat, TILE * stride)), k.i64(stride))
             for g in range(2):
-                for p in range(2):
-                    tile_op(k, "tdpbssd", 2 * g + p, 4 + g, 6 + p)
+                for c in range(len(self.cols)):
+                    tile_op(k, "tdpbssd", 2 * g + c, 4 + g, 6 + c)
                     for step in steps[n:n + per]:
                         step()
                     n += per
         for step in steps[n:]:
             step()
         out = k.addr(self.cbuf, k.mul(half, UNIT_BYTES))
-        for c in range(4):
-            tile_op(k, "tilestored64", c, k.addr(out, c * C_BYTES), k.i64(64))
+        for g in range(2):
+            for c in range(len(self.cols)):
+                tile_op(k, "tilestored64", 2 * g + c, k.addr(out, (2 * g + c) * C_BYTES), k.i64(64))
 
     def _steps(self, i, j, r, half) -> list:
-        """The float steps of unit (block i of the panel, pair j, tile r, cbuf half), one callable per
-        token: acc += (lo + 128 hi) * d*dx, and for types with mins + (sum_s min_s * xsum_s) * (-dmin)*dx."""
+        """The float steps of unit (block i of the panel, pair j, tiles from r, cbuf half), one callable
+        per token and tile: acc += v * d*dx, and for types with mins + (sum_s min_s * xsum_s) * (-dmin)*dx,
+        v = lo + 128 hi of the tile's two planes, or its one plane (times the type's sign, as d)."""
         k, b, tp, lay, isa = self.k, self.k.b, self.tp, self.lay, self.isa
         v16, vi = vec(f32, TILE), vec(i32, TILE)
         blk = k.add(self.p0, i)
-        at = k.add(k.mul(i, tp.room), k.mul(r, self.panel_bytes))
         j = k.add(self.j0, j)
         ts, _ = self.first(j)
         xa = k.addr(k.arg["xq"], k.mul(ts, self.stride))
         cb = k.addr(self.cbuf, k.mul(half, UNIT_BYTES))
-        slot = k.addr(self.acc, self._slot(r, j))
-        loaded = {}
+        loaded: dict = {}
 
-        def factors():
-            if not loaded:
-                loaded["d"] = k.load(v16, self.buf, k.add(at, tp.d))
+        def factors(u: int):
+            if u not in loaded:
+                at = k.add(k.mul(i, tp.room), k.mul(k.add(r, u), self.panel_bytes))
+                d = k.load(v16, self.buf, k.add(at, tp.d))
+                f = {"d": b.fneg(d) if tp.sign < 0 else d, "slot": k.addr(self.acc, self._slot(k.add(r, u), j))}
                 if self.mins:
-                    loaded["ndmin"] = k.load(v16, self.buf, k.add(at, tp.ndmin))
-                    loaded["imins"] = [k.cast_vec(k.load(vi, self.buf, k.add(at, tp.imin(p))), i16)
-                                       for p in range(tp.pairs)]
-            return loaded
+                    f["ndmin"] = k.load(v16, self.buf, k.add(at, tp.ndmin))
+                    f["imins"] = [k.cast_vec(k.load(vi, self.buf, k.add(at, tp.imin(p))), i16) for p in range(tp.pairs)]
+                loaded[u] = f
+            return loaded[u]
 
-        def step(t: int):
-            f = factors()
+        def step(t: int, u: int):
+            f = factors(u)
             xt = k.addr(xa, t * self.stride)
-            row_at = (t >> 4) * 2 * C_BYTES + (t & (TILE - 1)) * 64
+            row = lambda c: (2 * (t >> 4) + c) * C_BYTES + (t & (TILE - 1)) * 64          # noqa: E731
             dx = k.splat(k.load(f32, xt, lay.d(k, 1, blk)), TILE)
-            lo = k.load(vi, cb, row_at)
-            hi = k.load(vi, cb, row_at + C_BYTES)
-            a = isa.fma(b.sitofp(b.add(lo, b.shl(hi, ir.Constant(vi, [7] * TILE))), v16), b.fmul(f["d"], dx),
-                        k.load(v16, slot, t * 64))
+            if tp.planes == 2:
+                v = b.add(k.load(vi, cb, row(0)), b.shl(k.load(vi, cb, row(1)), ir.Constant(vi, [7] * TILE)))
+            else:
+                v = k.load(vi, cb, row(u))
+            a = isa.fma(b.sitofp(v, v16), b.fmul(f["d"], dx), k.load(v16, f["slot"], t * 64))
             if self.mins:                                  # sum_s min_s * xsum_s, two sums per step
                 m = ir.Constant(vi, [0] * TILE)
                 xw = _launder(k, xt)
@@ -400,6 +434,6 @@ class _Run:
                     word = k.load(i32, xw, tp.sums(k, blk, p))
                     m = isa.dot_pairs(m, im, k.cast_vec(k.splat(word, TILE), i16))
                 a = isa.fma(b.sitofp(m, v16), b.fmul(f["ndmin"], dx), a)
-            k.store(a, slot, t * 64)
+            k.store(a, f["slot"], t * 64)
 
-        return [lambda t=t: step(t) for t in range(MIN_T)]
+        return [lambda t=t, u=u: step(t, u) for t in range(MIN_T) for u in range(self.per_unit)]

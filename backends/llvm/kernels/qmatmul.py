@@ -108,8 +108,10 @@ def variant(dtype, target: Target) -> str:
             if rows_gemm(target) else f"gemm {R} rows x {G * GROUP} tokens")
     from ggraph.backends.llvm.kernels import amx           # the tiled driver builds on this module's pieces
     if amx.takes(fmt, target):
-        gemm = (f"AMX tiles for T >= {amx.MIN_T} (tdpbssd, {amx.TILE} rows x {amx.MIN_T} tokens a unit, groups of "
-                f"{amx.GROUP_TILES} tiles of rows, weights times their sub-block scales as lo/hi s8 planes), {gemm} below")
+        planes = ("as one s8 plane, 2 tiles of rows a unit" if fmt.dtype in amx.ONE_PLANE
+                  else f"as lo/hi s8 planes, {amx.TILE} rows a unit")
+        gemm = (f"AMX tiles for T >= {amx.MIN_T} (tdpbssd x {amx.MIN_T} tokens, groups of {amx.GROUP_TILES} tiles of "
+                f"rows, weights times their sub-block scales {planes}), {gemm} below")
     if fmt.dtype.block_size == 32 and target.vector_bits >= 512:
         gathered = ", gathered by word shuffles" if _gathers(fmt, target) else ""
         gemv = f"gemv 64 weights/step ({SMALL_GROUP} blocks a group{gathered})"
@@ -175,7 +177,7 @@ def qmatmul(module: ir.Module, dtype, K: int, N: int, target: Target, rows_only:
         with many:
             from ggraph.backends.llvm.kernels import amx       # the tiled driver builds on this module's pieces
             if amx.takes(fmt, target) and N >= amx.TILE:
-                R = amx.tiles_per_group(N)
+                R = amx.tiles_per_group(N, fmt.dtype)
                 with k.b.if_else(k.b.icmp_signed(">=", T, k.i64(amx.MIN_T))) as (tiles, fewer):
                     with tiles:
                         amx.amx_gemm(k, isa, fmt, lay, N, k.row_chunks(N, k.arg["counter"], quantum=R * amx.TILE), R)
