@@ -52,7 +52,7 @@ from ggraph.backends.llvm.kernels.blocks import BlockFormat
 from ggraph.backends.llvm.kernels.builder import Kernel, f32, i8, i16, i32, i64, vec
 from ggraph.backends.llvm.kernels.isa import Isa
 from ggraph.backends.llvm.kernels.qmatmul import (_launder, _panel_count, _row, _row_mask, _store_int_factors,
-                                                   _sum_of, _tile_rows)
+                                                   _tile_rows)
 from ggraph.backends.llvm.target import Target
 
 TILE = 16                  # rows of a tile, and 4-byte columns; weight rows per tile of the matrix
@@ -63,7 +63,7 @@ CHUNK_PAIRS = 4            # token pairs that go over a K panel together, block 
 GROUP_TILES = 4            # tiles of rows that take each pair's activations in turn (from L1)
 SPAN = 256                 # tokens whose accumulators a group of tiles of rows keeps while it runs over K (4 x 16 KB)
 C_BYTES = TILE * 64        # one i32 result tile
-UNIT_BYTES = 4 * C_BYTES   # the four result tiles of a unit (a block of 16 rows x a pair of token tiles)
+UNIT_BYTES = 4 * C_BYTES   # the four result tiles of a unit (a block of its rows x a pair of token tiles)
 
 
 def on_tiles(dtype) -> bool:
@@ -91,10 +91,11 @@ def takes(fmt: BlockFormat, target: Target) -> bool:
 
 @dataclass(frozen=True)
 class TilePanel:
-    """Where one block of 16 rows lies in a tile panel: the lo and hi planes, ``block_size / 4``
-    64-byte lines each; then the rows' d (16 f32), their negated dmin, and the integer mins as
-    i16 pairs, one line per pair of activation sums (of ``unit`` features: 32 for types with
-    sub-blocks of 32, whose mins then take half as many pairs, else act_quant's sum blocks)."""
+    """Where one block of 16 rows lies in a tile panel: its planes (lo and hi, or the one plane of a
+    ONE_PLANE type), ``block_size / 4`` 64-byte lines each; then the rows' d (16 f32), their
+    negated dmin, and the integer mins as i16 pairs, one line per pair of activation sums (of
+    ``unit`` features: 32 for types with sub-blocks of 32, whose mins then take half as many
+    pairs, else act_quant's sum blocks)."""
 
     fmt: BlockFormat
     lay: ActLayout
@@ -319,10 +320,11 @@ class _Run:
 
     def units(self, p0, count, j0, pairs) -> None:
         """Every (block, pair, tile) unit of the K panel at block p0 (``count`` blocks), pairs j0 ..
-        j0+pairs-1 and the group's R tiles, in that order: a unit's tile multiplies go into four result
-        tiles, stored to one half of ``cbuf``; the float steps that scale them into the accumulator run
-        during the next unit's tile multiplies (software pipelining: the tile unit and the vector units
-        work at once), and the last unit's after the loop."""
+        j0+pairs-1 and the group's R tiles (one or two a unit), in that order: a unit's tile
+        multiplies go into four result tiles, stored to one half of ``cbuf``; the float steps that
+        scale them into the accumulators run during the next unit's tile multiplies (software
+        pipelining: the tile unit and the vector units work at once), and the last unit's after the
+        loop."""
         k, b = self.k, self.k.b
         self.p0, self.j0, self.pairs_now = p0, j0, pairs
         total = k.mul(k.mul(count, pairs), self.R // self.per_unit)
