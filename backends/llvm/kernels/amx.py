@@ -270,6 +270,9 @@ class _Run:
         self.stride = lay.group_bytes(1)
         # the two weight tiles of a unit, as (tile of the group after the unit's first, plane): one
         # tile's lo and hi planes, or the one plane of two tiles (of one, in a group of one)
+        if tp.planes == 1 and R > 1 and R % 2:
+            raise ValueError(f"qmatmul {tp.fmt.dtype.name}: one-plane units take tiles of rows in pairs, "
+                             f"not a group of {R} (tiles_per_group gives an even number)")
         self.per_unit = 2 if tp.planes == 1 and R > 1 else 1
         self.cols = [(0, 0), (0, 1)] if tp.planes == 2 else [(u, 0) for u in range(self.per_unit)]
         left = b.sdiv(k.add(b.sub(k.arg["T"], s0), MIN_T - 1), k.i64(MIN_T))
@@ -419,11 +422,19 @@ class _Run:
                 loaded[u] = f
             return loaded[u]
 
+        tokens: dict = {}
+
+        def token(t: int):
+            """Token t's row of activations, its scale, and the row for the sums (shared by the unit's tiles)."""
+            if t not in tokens:
+                xt = k.addr(xa, t * self.stride)
+                tokens[t] = (k.splat(k.load(f32, xt, lay.d(k, 1, blk)), TILE), _launder(k, xt) if self.mins else None)
+            return tokens[t]
+
         def step(t: int, u: int):
             f = factors(u)
-            xt = k.addr(xa, t * self.stride)
             row = lambda c: (2 * (t >> 4) + c) * C_BYTES + (t & (TILE - 1)) * 64          # noqa: E731
-            dx = k.splat(k.load(f32, xt, lay.d(k, 1, blk)), TILE)
+            dx, xw = token(t)
             if tp.planes == 2:
                 v = b.add(k.load(vi, cb, row(0)), b.shl(k.load(vi, cb, row(1)), ir.Constant(vi, [7] * TILE)))
             else:
@@ -431,7 +442,6 @@ class _Run:
             a = isa.fma(b.sitofp(v, v16), b.fmul(f["d"], dx), k.load(v16, f["slot"], t * 64))
             if self.mins:                                  # sum_s min_s * xsum_s, two sums per step
                 m = ir.Constant(vi, [0] * TILE)
-                xw = _launder(k, xt)
                 for p, im in enumerate(f["imins"]):
                     word = k.load(i32, xw, tp.sums(k, blk, p))
                     m = isa.dot_pairs(m, im, k.cast_vec(k.splat(word, TILE), i16))
