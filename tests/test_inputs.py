@@ -98,3 +98,18 @@ def test_gguf_weights_are_checked_against_the_graph(tmp_path):
         g2 = ggraph.trace(lambda t, w: ops.take(w["wf"], t), i32["T"], {"wf": param("wf", f32[12, 8])})
         with pytest.raises(ValueError, match="the file's tensor is \\[12,4\\]"):
             ggraph.compile(g2, backend="llvm", weights=f)
+
+
+def test_a_graph_of_static_shapes_runs_natively():
+    """A graph with no symbolic dim (no T) lays out its buffers on its first call like any other: it
+    once skipped the layout (its T, None, looked like the last one laid out) and wrote through null."""
+    def f(x, pos):
+        h = ops.rms_norm(x, x[0, 0], eps=1e-6)
+        return ops.rope(h, pos, base=10000.0) * 2.0
+    graph = ggraph.trace(f, f32[8, 2, 64], i32[8])
+    rng = np.random.default_rng(0)
+    x, pos = rng.standard_normal((8, 2, 64)).astype(np.float32), np.arange(8, dtype=np.int32)
+    fn = ggraph.compile(graph, backend="llvm")
+    want = ggraph.compile(graph, backend="numpy")(x, pos)
+    for _ in range(2):
+        np.testing.assert_allclose(fn(x, pos), want, rtol=1e-5, atol=1e-5)

@@ -195,6 +195,9 @@ def _slot(old: int, n: int) -> int:
     return old if n <= old else n if not old else _aligned(max(n, old * 5 // 4))
 
 
+_NOT_LAID_OUT = object()          # no layout yet; a graph with no T has T = None
+
+
 class LLVMProgram(Program):
     """A graph compiled to one native program for the host's (or a forced) feature set."""
 
@@ -222,7 +225,8 @@ class LLVMProgram(Program):
         self._grows = [i for i in self._spans if self.spec.buffers[i].size.symbols() - {"T"}]
         self._per_T: dict[int, dict[int, int]] = {}
         self._weights_bound = False                    # every weight checked bound (bind() may rebind)
-        self._fits_T = None                            # a T whose T-only sizes fit the slots as laid out
+        self._fits_T = _NOT_LAID_OUT                   # a T whose T-only sizes fit the slots as laid out
+                                                       # (None for a graph without T: not the same thing)
         self._outputs = [_output_plan(o, v, self.spec) for o, v in zip(self.spec.outputs, graph.outvars)]
         self._dim_values = {}                          # dim inputs (P) as i32 scalars in memory
         self._status = np.zeros(2 * len(self.spec.checks), dtype=np.int64)
