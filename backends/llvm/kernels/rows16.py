@@ -285,13 +285,23 @@ def group_at(k: Kernel, dtype, lay, row, blk) -> ir.Value:
     return k.addr(k.arg["w"], k.mul(k.add(k.mul(k.b.sdiv(row, k.i64(ROWS)), nb), blk), kind(dtype).BYTES))
 
 
+# How far ahead an Intel gemv asks for its weights: the L2 streamer stops at 4 KB pages, and without
+# prefetches rows16 streamed from memory at 72-77% of stream_bandwidth (one thread and two, q4_k
+# 2048x8192 and 8192x2048, q6_k 2048x8192; Xeon with AMX, 2 cores). Each block asking for every line
+# of the block 12 KB on: 85-91% at one thread, 90-101% at two; 8 and 16 KB about the same, 4 KB
+# 82-92%, a line in two 72-93%, into L1 80-95% (/tmp A/B in one process, 7 alternating rounds,
+# medians, each against the stream read between them).
+GEMV_AHEAD = 12288
+
+
 def gemv(k: Kernel, isa: Isa, dtype, lay, rows) -> None:
     """y[rows] for the one token: 16 rows at a time, every activation word broadcast to the 16 rows'
     dot products, each sub-block's dot times its scales in i32 lanes, one float step per block and
     term. ``rows``: [start, end), multiples of 16.
 
-    The weights stream in order, and the hardware prefetcher alone fetches them ahead (asking for
-    them 8-64 KB ahead cost 5-25% on a Zen 4). A group's pass over its row streams a block of 16
+    The weights stream in order. On AMD the hardware prefetcher alone fetches them ahead (asking for
+    them 8-64 KB ahead cost 5-25% on a Zen 4); on Intel (Target.gemv_prefetch "rows") each block asks
+    for the lines GEMV_AHEAD bytes on, into L2 (see there). A group's pass over its row streams a block of 16
     rows through L1 at a time, which evicts the activations before the next group reads them again
     once the row is longer than a few blocks, so each block asks for the next block's activations:
     on a Zen 4, one thread, from memory, q4_k 8192 x 2048 0.83-0.91x of the file's layout without,
@@ -307,7 +317,11 @@ def gemv(k: Kernel, isa: Isa, dtype, lay, rows) -> None:
             x = k.mul(blk, BLOCK)
             for line in range(0, BLOCK, 64):             # the next block's activations, into L1
                 k.prefetch(k.addr(xt, k.add(x, BLOCK + line)), level=1)
-            g = kind_(k, isa, group_at(k, dtype, lay, row, blk))
+            at = group_at(k, dtype, lay, row, blk)
+            if isa.t.gemv_prefetch == "rows":
+                for line in range(0, kind_.BYTES, 64):
+                    k.prefetch(k.addr(at, GEMV_AHEAD + line), level=2)
+            g = kind_(k, isa, at)
             dots = [_zero()] * (BLOCK // kind_.SUB)
             for s, j, w in g.words():
                 word = k.load(i32, xt, k.add(x, 4 * (words * s + j)))
