@@ -22,7 +22,7 @@ def test_attention_benchmark_runs(cache_type):
 
 
 def test_kernel_benchmark_compares_layouts():
-    """Each layout a row; rows16 (q4_k on AVX-512 VNNI) with its gemv ratio to the file's layout from
+    """Each layout a row; rows16 (q4_k on AVX-512 VNNI, with or without tiles) with its gemv ratio to the file's layout from
     alternating rounds, and a line saying so where a layout does not apply (48 rows, another type)."""
     target = host_target().name
     out = subprocess.run([sys.executable, str(BENCHMARKS / "kernels.py"), "--targets", target, "--threads", "1,2",
@@ -31,6 +31,6 @@ def test_kernel_benchmark_compares_layouts():
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     assert "(no rows16 layout for q4_k, 48 rows" in out.stdout and "(no rows16 layout for q8_0, 32 rows" in out.stdout
-    if target == "avx512_vnni":
+    if target in ("avx512_vnni", "amx"):
         rows16 = [line.split() for line in lines if "(rows16: gemv" in line]
         assert len(rows16) == 1 and rows16[0][:3] == ["q4_k", "256", "64"] and float(rows16[0][4]) > 0, out.stdout

@@ -332,11 +332,13 @@ _ROWS16_LIBS: dict = {}
 
 @pytest.mark.parametrize("wtype", rows16.TYPES)
 @pytest.mark.parametrize("K,n", ROWS16_SHAPES)
-def test_qmatmul_on_rows16_weights(K, n, wtype):
+@pytest.mark.parametrize("target_name", ("avx512_vnni", "amx"))
+def test_qmatmul_on_rows16_weights(K, n, wtype, target_name):
     """Weights interleaved 16 rows at a time: the gemv against the float64 reference at every nth
     (rows split between threads in whole groups), and every T > 1 the same bits as the file's layout
-    gives (the rows gemm decodes the same panels from either)."""
-    name = runnable_target("avx512_vnni", _ROWS16_LIBS, _build_rows16)
+    gives (the rows gemm decodes the same panels from either, and with amx, from 32 tokens on, the
+    tiles the same planes)."""
+    name = runnable_target(target_name, _ROWS16_LIBS, _build_rows16)
     lib = _ROWS16_LIBS[name]
     rng = np.random.default_rng(11)
     dt = dtypes.from_name(wtype)
@@ -351,7 +353,7 @@ def test_qmatmul_on_rows16_weights(K, n, wtype):
         run(fn(name, f"qmatmul_{wtype}_k{K}_n{n}{kernel}", MATMUL_ABI, lib),
             (weights.ctypes.data, buf.ctypes.data, y.ctypes.data, counter.ctypes.data), T, nth, threads=nth > 1)
         return y
-    for T in (2, 17, 40):
+    for T in (2, 17, 40, 75):
         buf = quantize_acts(name, rng.standard_normal((T, K)).astype(np.float32), "q8_k", lib)
         y = outputs("_rows16", grouped, buf, T)
         assert not np.isnan(y).any()
@@ -372,10 +374,10 @@ def test_qmatmul_on_rows16_weights(K, n, wtype):
 
 
 def test_rows16_kernels_are_refused_where_they_do_not_apply():
-    """A rows16 kernel only for q4_k, q5_k and q6_k, whole 32-row tiles and AVX-512 VNNI without tiles;
-    the error names why."""
-    for dt, n, target in ((dtypes.q4_k, 48, "avx512_vnni"), (dtypes.q3_k, 64, "avx512_vnni"),
-                          (dtypes.q4_k, 64, "avx2"), (dtypes.q4_k, 64, "amx")):
+    """A rows16 kernel only for q4_k, q5_k and q6_k, whole 32-row tiles and AVX-512 VNNI (with or without
+    tiles); the error names why."""
+    for dt, n, target in ((dtypes.q4_k, 48, "avx512_vnni"), (dtypes.q3_k, 64, "amx"),
+                          (dtypes.q4_k, 64, "avx2"), (dtypes.q4_k, 80, "amx")):
         with pytest.raises(ValueError, match=f"no 'rows16' weight layout for {n} rows on {target}"):
             kernels.qmatmul(ir.Module(), dt, 512, n, named_target(target), layout=rows16.LAYOUT)
     with pytest.raises(ValueError, match="no 'tiles' weight layout"):

@@ -4,9 +4,9 @@
     logits, *caches = prog.run_inputs([tokens, P, *k_caches, *v_caches])
 
 Weights are read in place from the GGUF mmap, except those the program lays out its own way
-(``Buffer.layout``: q4_k, q5_k and q6_k matrices interleaved 16 rows at a time on AVX-512 VNNI, see
-kernels/rows16.py), copied once per process into 2 MB pages as they are bound, the file's
-pages let go. Activations live in one arena that grows to the largest step seen and is
+(``Buffer.layout``: q4_k, q5_k and q6_k matrices interleaved 16 rows at a time on AVX-512 VNNI,
+with or without AMX, see kernels/rows16.py), copied once per process into 2 MB pages as they are
+bound, the file's pages let go. Activations live in one arena that grows to the largest step seen and is
 reused. One call runs the whole graph: every team thread enters the program once.
 
 Building is cached at two levels: each kernel unit's object code (``jit.unit``), and the

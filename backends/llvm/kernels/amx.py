@@ -4,7 +4,8 @@ A tile multiply (tdpbssd) adds a [16 x 64] s8 tile times a [64 x 16] s8 tile int
 [16 x 16] i32 tile. Here the first is 16 tokens' activations, read in place from
 act_quant's one-row-per-token layout; the second is 16 weight rows in VNNI order (each
 64-byte line holds the same 4 features of 16 rows), decoded once per tile of rows into a
-private panel and then used by every token; result row t holds token t's 16 outputs, so it
+private panel (from the file's layout, or from rows16, where q4_k, q5_k and q6_k lie in such
+lines already, so that decode's gemv streams them 16 rows as lanes) and then used by every token; result row t holds token t's 16 outputs, so it
 adds to y[t, rows] as one vector.
 
 A tile sums 64 features at once, but the weights have a scale per sub-block of 16 or 32.
@@ -47,6 +48,7 @@ from dataclasses import dataclass
 from llvmlite import ir
 
 from ggraph.ir import dtypes
+from ggraph.backends.llvm.kernels import rows16
 from ggraph.backends.llvm.kernels.act_quant import ActLayout
 from ggraph.backends.llvm.kernels.blocks import BlockFormat
 from ggraph.backends.llvm.kernels.builder import Kernel, f32, i8, i16, i32, i64, vec
@@ -170,7 +172,8 @@ def tile_op(k: Kernel, op: str, *args) -> None:
     k.intrinsic(f"llvm.x86.{op}", ir.VoidType(), [ir.Constant(i8, a) if isinstance(a, int) else a for a in args])
 
 
-def amx_gemm(k: Kernel, isa: Isa, fmt: BlockFormat, lay: ActLayout, N: int, rows, R: int) -> None:
+def amx_gemm(k: Kernel, isa: Isa, fmt: BlockFormat, lay: ActLayout, N: int, rows, R: int,
+             layout: str | None = None) -> None:
     """The kernel body for T >= MIN_T and N >= R * TILE: configure the tiles, run every group of R
     16-row tiles of the chunks ``rows`` yields ([start, end), multiples of R * 16), release the tiles.
     A chunk goes over K one panel (PANEL_BLOCKS blocks) at a time, all its groups over a panel before
@@ -178,7 +181,8 @@ def amx_gemm(k: Kernel, isa: Isa, fmt: BlockFormat, lay: ActLayout, N: int, rows
     groups use them. Per group, the panel is decoded once; then the tokens, SPAN at a time with
     their accumulators private (y holds them between panels), go over it CHUNK_PAIRS pairs at a time,
     block by block, and for each pair every tile of the group in turn: a block's planes stay in L1
-    while the chunk's pairs take them, and a pair's activations while the group's tiles do."""
+    while the chunk's pairs take them, and a pair's activations while the group's tiles do. The
+    weights are in the file's layout, or in ``layout`` (rows16, whose groups are tiles of rows)."""
     b = k.b
     T = k.arg["T"]
     tp = TilePanel(fmt, lay)
@@ -192,9 +196,9 @@ def amx_gemm(k: Kernel, isa: Isa, fmt: BlockFormat, lay: ActLayout, N: int, rows
         count = _panel_count(k, p0, per_panel, nblocks)
         with k.loop(start, end, step=R * TILE, name="agroup") as n0:
             r0 = _tile_rows(k, N, n0, R)
+            decode = _decode_rows16 if layout == rows16.LAYOUT else _decode
             for r in range(R):
-                mins = _decode(k, isa, fmt, lay, tp, k.add(r0, r * TILE), p0, count,
-                               k.addr(buf, r * tp.room * per_panel))
+                mins = decode(k, isa, fmt, lay, tp, k.add(r0, r * TILE), p0, count, k.addr(buf, r * tp.room * per_panel))
             with k.loop(0, T, step=SPAN, name="aspan") as s0:
                 run = _Run(k, isa, lay, tp, N, R, r0, [_row_mask(k, r0, r * TILE, n0, end) for r in range(R)],
                            s0, buf, tp.room * per_panel, cbuf, acc, mins)
@@ -233,6 +237,40 @@ def _decode(k: Kernel, isa: Isa, fmt: BlockFormat, lay: ActLayout, tp: TilePanel
             for u in range(U):
                 chunk(k.add(k.mul(cg, U), u))
     return dec.mins is not None
+
+
+def _decode_rows16(k: Kernel, isa: Isa, fmt: BlockFormat, lay: ActLayout, tp: TilePanel, r0, p0, count,
+                   buf) -> bool:
+    """Blocks p0..p0+count of rows r0..r0+15 from rows16 weights into the panel; returns whether the
+    type has mins. A rows16 word vector is already a tile line (a 4-byte word of 16 rows): it only
+    takes its sub-block's scales, a row's in each of its words, and splits into the two planes."""
+    b = k.b
+    kind = rows16.kind(fmt.dtype)
+    if tp.planes != 2 or (kind.MINS and tp.unit != kind.SUB):
+        raise ValueError(f"qmatmul {fmt.dtype.name}: no rows16 tile panel for {tp.planes} planes, "
+                         f"mins per {tp.unit} features")
+    words = vec(i16, 4 * TILE)
+    each_row = [lane // 4 for lane in range(4 * TILE)]             # a row's scale for each byte of its word
+    with k.loop(0, count, name="ablk") as i:
+        at = k.mul(i, tp.room)
+        g = kind(k, isa, rows16.group_at(k, fmt.dtype, lay, r0, k.add(p0, i)))
+        k.store(g.d, buf, k.add(at, tp.d))
+        if kind.MINS:
+            k.store(b.fneg(g.dmin), buf, k.add(at, tp.ndmin))
+            for p in range(tp.pairs):
+                k.store(g.min_pairs(p), buf, k.add(at, tp.imin(p)))
+        scales = [k.shuffle(b.trunc(s, vec(i16, TILE)), each_row) for s in g.scales]
+        for s, j, w in g.words():
+            v = b.zext(w, words)
+            if kind.LEVELS.offset:
+                v = b.sub(v, ir.Constant(words, [kind.LEVELS.offset] * 4 * TILE))
+            v = b.mul(v, scales[s])
+            line = k.add(at, 64 * (s * kind.SUB // 4 + j))
+            k.store(b.trunc(b.and_(v, ir.Constant(words, [127] * 4 * TILE)), vec(i8, 4 * TILE)), buf,
+                    k.add(line, tp.plane(0)))
+            k.store(b.trunc(b.ashr(v, ir.Constant(words, [7] * 4 * TILE)), vec(i8, 4 * TILE)), buf,
+                    k.add(line, tp.plane(1)))
+    return kind.MINS
 
 
 def _planes(k: Kernel, fmt: BlockFormat, dec, c, planes: int = 2, sign: int = 1) -> tuple:

@@ -142,14 +142,13 @@ def qmatmul(module: ir.Module, dtype, K: int, N: int, target: Target, rows_only:
     isa = Isa(k, target)
     lay = ActLayout(fmt.act, K)
     T = k.arg["T"]
-    if layout and not rows_only:      # rows16: gemv 16 rows at a time, the rows gemm's panels from groups
+    if layout and not rows_only:      # rows16: gemv 16 rows at a time, the gemms' panels from groups
         with k.b.if_else(k.b.icmp_signed("==", T, k.i64(1))) as (single, many):
             with single:
                 with k.row_chunks(N, k.arg["counter"], quantum=rows16.ROWS) as rows:
                     rows16.gemv(k, isa, fmt.dtype, lay, rows)
             with many:
-                with k.row_chunks(N, k.arg["counter"], quantum=2 * ROWS) as rows:
-                    _rows_gemm(k, isa, fmt, lay, N, rows, layout)
+                _many(k, isa, fmt, lay, N, target, layout)
         return k.finish()
     if rows_only and rows_gemm(target):                  # its arithmetic per token does not depend on T
         with k.row_chunks(N, k.arg["counter"], quantum=2 * ROWS) as rows:
@@ -175,24 +174,34 @@ def qmatmul(module: ir.Module, dtype, K: int, N: int, target: Target, rows_only:
                 else:
                     _scalar(k, isa, fmt, lay, N, rows, 1)
         with many:
-            from ggraph.backends.llvm.kernels import amx       # the tiled driver builds on this module's pieces
-            if amx.takes(fmt, target) and N >= amx.TILE:
-                R = amx.tiles_per_group(N, fmt.dtype)
-                with k.b.if_else(k.b.icmp_signed(">=", T, k.i64(amx.MIN_T))) as (tiles, fewer):
-                    with tiles:
-                        amx.amx_gemm(k, isa, fmt, lay, N, k.row_chunks(N, k.arg["counter"], quantum=R * amx.TILE), R)
-                    with fewer:
-                        _many(k, isa, fmt, lay, N, target)
-            else:
-                _many(k, isa, fmt, lay, N, target)
+            _many(k, isa, fmt, lay, N, target)
     return k.finish()
 
 
-def _many(k: Kernel, isa: Isa, fmt: BlockFormat, lay: ActLayout, N: int, target: Target) -> None:
+def _many(k: Kernel, isa: Isa, fmt: BlockFormat, lay: ActLayout, N: int, target: Target,
+          layout: str | None = None) -> None:
+    """T > 1: AMX tiles from MIN_T tokens where the target has them, else (and below) the rows gemm
+    with AVX-512 VNNI, the 4-rows gemm on other vector targets; weights in the file's layout or in
+    ``layout`` (which the tiles and the rows gemm read)."""
+    from ggraph.backends.llvm.kernels import amx           # the tiled driver builds on this module's pieces
+    if amx.takes(fmt, target) and N >= amx.TILE:
+        R = amx.tiles_per_group(N, fmt.dtype)
+        with k.b.if_else(k.b.icmp_signed(">=", k.arg["T"], k.i64(amx.MIN_T))) as (tiles, fewer):
+            with tiles:
+                amx.amx_gemm(k, isa, fmt, lay, N, k.row_chunks(N, k.arg["counter"], quantum=R * amx.TILE), R,
+                             layout)
+            with fewer:
+                _below_tiles(k, isa, fmt, lay, N, target, layout)
+    else:
+        _below_tiles(k, isa, fmt, lay, N, target, layout)
+
+
+def _below_tiles(k: Kernel, isa: Isa, fmt: BlockFormat, lay: ActLayout, N: int, target: Target,
+                 layout: str | None = None) -> None:
     """T > 1 without tiles: the rows gemm with AVX-512 VNNI, the 4-rows gemm on other vector targets."""
     with k.row_chunks(N, k.arg["counter"], quantum=2 * ROWS if rows_gemm(target) else ROW_CHUNK) as rows:
         if rows_gemm(target):
-            _rows_gemm(k, isa, fmt, lay, N, rows)
+            _rows_gemm(k, isa, fmt, lay, N, rows, layout)
         elif vector_path(target):
             _gemm(k, isa, fmt, lay, N, rows, *tile(target))
         else:

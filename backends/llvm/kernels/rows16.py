@@ -27,8 +27,9 @@ prefetcher stream them: from memory, q6_k's ql and qh as runs of their own ran a
 q5_k's qh as a run before the nibbles 2x, and q6_k's d at the front of its block instead of the
 end 0.88-0.98x.
 
-The prefill kernel (qmatmul's rows gemm) decodes its panels from this layout too (the same bits
-as from the file's), so a program keeps one copy of each weight. On a Zen 4, one thread, against
+The prefill kernels (qmatmul's rows gemm, and its AMX tiles) decode their panels from this layout
+too (the same bits as from the file's), so a program keeps one copy of each weight; a word vector
+here is already a line of an AMX weight tile. On a Zen 4, one thread, against
 the file's layout (``python benchmarks/kernels.py --shapes q4_k:2048:8192,q6_k:8192:2048 --layouts
 file,rows16``, alternating rounds, with and without ``--hot``): from L3, q4_k 2.0-2.2x (40-55
 GB/s against 20-25), q5_k 2.0x, q6_k 1.35-1.7x; from memory, q4_k 1.0-1.3x (once, for a few
@@ -211,11 +212,9 @@ TYPES = tuple(_KINDS)
 
 def takes(dtype, N: int, target: Target) -> bool:
     """True if a matmul of N rows of ``dtype`` runs on rows16 weights on ``target``: q4_k, q5_k or q6_k,
-    AVX-512 VNNI (whose rows gemm takes rows as lanes too), no AMX tiles (whose kernels read the
-    file's layout), and whole 32-row tiles."""
+    AVX-512 VNNI (whose rows gemm takes rows as lanes too, as do AMX tiles), and whole 32-row tiles."""
     from ggraph.backends.llvm.kernels.act_quant import rows_gemm
-    return (dtype.name in _KINDS and rows_gemm(target) and not target.has("amx-int8")
-            and N > 0 and N % (2 * ROWS) == 0)
+    return dtype.name in _KINDS and rows_gemm(target) and N > 0 and N % (2 * ROWS) == 0
 
 
 def kind(dtype):
