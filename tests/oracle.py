@@ -11,6 +11,7 @@ implementation. Quantised V caches need ``flash_attn=True`` in llama.cpp.
 from __future__ import annotations
 
 import atexit
+import ctypes
 from functools import lru_cache
 from pathlib import Path
 
@@ -140,6 +141,57 @@ def llama_logits_at(path, tokens, at, n_ctx: int, n_ubatch: int = 512, cache: tu
         llama_cpp.llama_batch_free(batch)
         llm.close()
     return np.stack([rows[p] for p in at]).astype(np.float32)
+
+
+class _Tensor(ctypes.Structure):
+    """The head of ggml's ``struct ggml_tensor`` (ggml.h; GGML_MAX_DIMS 4, GGML_MAX_OP_PARAMS 64,
+    GGML_MAX_SRC 10, GGML_MAX_NAME 64), up to its name."""
+    _fields_ = [("type", ctypes.c_int), ("buffer", ctypes.c_void_p), ("ne", ctypes.c_int64 * 4),
+                ("nb", ctypes.c_size_t * 4), ("op", ctypes.c_int), ("op_params", ctypes.c_int32 * 16),
+                ("flags", ctypes.c_int32), ("src", ctypes.c_void_p * 10), ("view_src", ctypes.c_void_p),
+                ("view_offs", ctypes.c_size_t), ("data", ctypes.c_void_p), ("name", ctypes.c_char * 64)]
+
+
+def llama_tensors(path, tokens, names: set[str], n_ctx: int = 512) -> dict[str, list[np.ndarray]]:
+    """llama.cpp's intermediate f32 tensors named ``names`` (as its graph names them: "attn_norm-0",
+    "Qcur-0", ...) from one prefill of ``tokens`` with an f32 KV cache and flash attention off, read
+    through its eval callback: per name, every tensor of that name in graph order (a name may be
+    reused, e.g. Qcur-0 before and after rope), in ggml's axis order reversed (numpy's)."""
+    llama_cpp = _llama_cpp()
+    tokens = [int(t) for t in tokens]
+    got: dict[str, list[np.ndarray]] = {}
+
+    @llama_cpp.ggml_backend_sched_eval_callback
+    def record(tensor, ask, _user):
+        t = _Tensor.from_address(tensor)
+        name = t.name.decode()
+        if not ask and name in names and t.type == 0:                       # GGML_TYPE_F32
+            ne, nb = list(t.ne), list(t.nb)
+            span = sum((n - 1) * b for n, b in zip(ne, nb)) + 4
+            flat = np.frombuffer((ctypes.c_char * span).from_address(t.data), np.float32)
+            got.setdefault(name, []).append(
+                np.lib.stride_tricks.as_strided(flat, shape=ne[::-1], strides=nb[::-1]).copy())
+        return True
+
+    mparams = llama_cpp.llama_model_default_params()
+    mdl = llama_cpp.llama_model_load_from_file(str(Path(path).resolve()).encode(), mparams)
+    if not mdl:
+        raise RuntimeError(f"oracle: llama.cpp could not load {path}")
+    cparams = llama_cpp.llama_context_default_params()
+    cparams.n_ctx = cparams.n_batch = cparams.n_ubatch = n_ctx
+    cparams.n_threads = cparams.n_threads_batch = 2
+    cparams.type_k = cparams.type_v = GGML_TYPES["f32"]
+    cparams.flash_attn_type = 0                                               # off
+    cparams.cb_eval = record
+    ctx = llama_cpp.llama_init_from_model(mdl, cparams)
+    try:
+        ids = (llama_cpp.llama_token * len(tokens))(*tokens)
+        if (rc := llama_cpp.llama_decode(ctx, llama_cpp.llama_batch_get_one(ids, len(tokens)))) != 0:
+            raise RuntimeError(f"oracle: llama_decode returned {rc}")
+    finally:
+        llama_cpp.llama_free(ctx)
+        llama_cpp.llama_model_free(mdl)
+    return got
 
 
 def llama_tokenize(path, text: str, add_bos: bool = True, special: bool = True) -> list[int]:

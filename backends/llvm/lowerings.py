@@ -12,6 +12,7 @@ from __future__ import annotations
 from ggraph.ir import prims as P
 from ggraph.ir.dims import Sym, product
 from ggraph.ir.dtypes import DimAval
+from ggraph.ir.composites import rope_angles_p
 from ggraph.ir.fused import qmatmul_p, rope_attention_p
 from ggraph.ir.graph import Eqn, Graph, Literal, Var
 from ggraph.ir.primitive import fusable
@@ -189,6 +190,14 @@ def _cache_update(lw, e):
 def _iota(lw, e):
     out = lw.output(e.outputs[0])
     lw.call(lw.kernel(G.iota, e.params.get("dtype", "i32")), out, e.params["n"], writes=(out,))
+
+
+@lowering(rope_angles_p)
+def _rope_angles(lw, e):
+    out = lw.output(e.outputs[0])
+    p = e.params
+    name = lw.kernel(G.rope_angles, p["dims"], p["base"], p["scale"], len(e.inputs) > 1)
+    lw.call(name, *[lw.ref(a) for a in e.inputs], out, rows(e.outputs[0].aval), writes=(out,))
 
 
 @lowering(P.dequant_p)

@@ -22,12 +22,13 @@ from ggraph.ir import methods  # noqa: F401  (Tracer operators, used by the deco
 from ggraph.ir.dims import Sym, simplify
 from ggraph.ir.dtypes import Aval, DimAval, f32
 from ggraph.ir.primitive import ShapeError, register
-from ggraph.ir.prims import (cache_rows, cache_update, cache_write, cast, concat, cos, dequant, exp, iota, less,
-                             matmul, neg, reduce_max, reduce_sum, reshape, rsqrt, sin, slice, tanh, transpose, where)
-from ggraph.ir.trace import Tracer, bind_composite, to_atom
+from ggraph.ir.prims import (cache_rows, cache_update, cache_write, cast, concat, cos, dequant, exp, io_bytes, iota,
+                             less, matmul, neg, reduce_max, reduce_mean, reduce_sum, reshape, rsqrt, sin, slice, tanh,
+                             transpose, where)
+from ggraph.ir.trace import Tracer, bind, bind_composite, to_atom
 
 __all__ = ["composite", "rms_norm", "softmax", "silu", "gelu_tanh", "swiglu", "rope", "attention",
-           "rope_inv_freq", "to_tracer", "ROPE_STYLES"]
+           "rope_theta_scale", "rope_angles_table", "to_tracer", "ROPE_STYLES"]
 
 
 # ---------------------------------------------------------------------------------------
@@ -63,8 +64,9 @@ def composite(name: str, numpy_rule, **rules):
 # -- numpy rules (the independent statement of each composite) --------------------------
 
 def _np_rms_norm(x, w=None, *, eps):
-    y = x / np.sqrt(np.mean(x.astype(np.float64) ** 2, axis=-1, keepdims=True) + eps)
-    return (y if w is None else y * w).astype(np.float32)
+    mean = (np.sum(x * x, axis=-1, keepdims=True, dtype=np.float64) / x.shape[-1]).astype(np.float32)
+    y = x * (np.float32(1) / np.sqrt(mean + np.float32(eps)))
+    return y if w is None else y * w
 
 
 def _np_softmax(x):
@@ -88,18 +90,34 @@ def _np_swiglu(g, u):
     return (_np_silu(g) * u).astype(np.float32)
 
 
-def rope_inv_freq(dims: int, base: float) -> np.ndarray:
-    """base^(-2i/dims) for i < dims/2, the per-pair rotation speed."""
-    return (base ** (-np.arange(0, dims, 2, dtype=np.float64) / dims)).astype(np.float32)
+def rope_theta_scale(dims: int, base: float) -> np.float32:
+    """base^(-2/dims) in f32, as ggml's powf gives it: from one rotation pair's angle to the next's."""
+    return np.power(np.float32(base), np.float32(-2.0) / np.float32(dims))
+
+
+def rope_angles_table(positions: np.ndarray, *, dims: int, base: float, scale: float = 1.0,
+                      freq_factors: np.ndarray | None = None) -> np.ndarray:
+    """The rotation angles f32[T, dims/2] of each position, computed as ggml computes them: theta_0 = p,
+    theta_(i+1) = theta_i · base^(-2/dims) rounded to f32 at every step, then / freq_factors[i] and
+    · scale in f32. Pair i's angle drifts from p·base^(-2i/dims) by up to ~i ulps (~1e-3 rad at
+    position 30000), but these are the angles llama.cpp rotates by: the rest of the model, and the
+    next matmul's 8-bit rounding of its input above all, then sees the same numbers."""
+    ts = rope_theta_scale(dims, base)
+    theta = np.asarray(positions).astype(np.float32)
+    out = np.empty((theta.size, dims // 2), np.float32)
+    for i in range(dims // 2):
+        out[:, i] = theta
+        theta = theta * ts
+    if freq_factors is not None:
+        out = out / np.asarray(freq_factors, np.float32)
+    return out if scale == 1.0 else out * np.float32(scale)
 
 
 def _np_rope(x, positions, freq_factors=None, *, dims, base, scale, style, mscale=1.0):
     # x: (T, H, D); rotate the first `dims` dims of each head
-    inv = rope_inv_freq(dims, base).astype(np.float64)
-    if freq_factors is not None:
-        inv = inv / freq_factors
-    theta = positions.astype(np.float64)[:, None] * scale * inv[None, :]        # (T, dims/2)
-    c, s = mscale * np.cos(theta)[:, None, :], mscale * np.sin(theta)[:, None, :]   # (T, 1, dims/2)
+    theta = rope_angles_table(positions, dims=dims, base=base, scale=scale, freq_factors=freq_factors)
+    c = (np.cos(theta.astype(np.float64)).astype(np.float32) * np.float32(mscale))[:, None, :].astype(np.float64)
+    s = (np.sin(theta.astype(np.float64)).astype(np.float32) * np.float32(mscale))[:, None, :].astype(np.float64)
     xr = x[..., :dims].astype(np.float64)
     if style == "neox":
         a, b = xr[..., :dims // 2], xr[..., dims // 2:]
@@ -143,9 +161,10 @@ def _np_attention(q, k, v, k_cache=None, v_cache=None, pos=None, *, scale, windo
 
 @composite("rms_norm", _np_rms_norm)
 def _rms_norm(x, w=None, *, eps):
-    """x / sqrt(mean(x²) + eps) · w over the last axis."""
-    n = x.shape[-1]
-    y = x * rsqrt(reduce_sum(x * x) * (1.0 / n) + eps)
+    """x / sqrt(mean(x²) + eps) · w over the last axis; the mean of the f32 squares summed in f64, as
+    ggml's rms_norm sums it (so that both give the same bits, which the next matmul's 8-bit rounding of
+    its input would otherwise magnify)."""
+    y = x * rsqrt(reduce_mean(x * x) + eps)
     return y if w is None else y * w
 
 
@@ -196,14 +215,35 @@ def swiglu(g, u):
     return silu(g) * u
 
 
+def _rope_angles_shape(positions, freq_factors=None, *, dims, base, scale):
+    if positions.ndim != 1 or positions.dtype.name != "i32":
+        raise ShapeError(f"rope_angles: positions must be i32[T], got {positions}")
+    if dims <= 0 or dims % 2:
+        raise ShapeError(f"rope_angles: rotary dims {dims} must be even and positive")
+    if freq_factors is not None and (freq_factors.dtype is not f32 or freq_factors.shape != (dims // 2,)):
+        raise ShapeError(f"rope_angles: freq_factors must be f32[{dims // 2}], got {freq_factors}")
+    return Aval((positions.shape[0], dims // 2), f32)
+
+
+rope_angles_p = register(
+    "rope_angles", shape=_rope_angles_shape, kind="other",
+    cost=lambda eqn, dims: (2 * eqn.outputs[0].aval.numel(dims), io_bytes(eqn, dims)),
+    impl=lambda positions, freq_factors=None, **p: rope_angles_table(positions, freq_factors=freq_factors, **p),
+    doc="f32[T, dims/2]: each position's rope angles, chained in f32 as ggml computes them")
+
+
+def rope_angles(positions, *freq_factors, dims: int, base: float, scale: float = 1.0):
+    """The angles ``rope_angles_table`` gives, as a graph op: (T, dims/2)."""
+    return bind(rope_angles_p, positions, *freq_factors, dims=int(dims), base=float(base), scale=float(scale))
+
+
 @composite("rope", _np_rope)
 def _rope(x, positions, freq_factors=None, *, dims, base, scale, style, mscale=1.0):
     """Rotate pairs of the first ``dims`` dims of each head by position·base^(-2i/dims), times mscale."""
     T, H, D = x.shape
     half = dims // 2
-    inv = rope_inv_freq(dims, base)
-    freqs = to_tracer(inv) if freq_factors is None else to_tracer(inv) / freq_factors
-    theta = reshape(cast(positions, f32) * scale, (T, 1)) * freqs                 # (T, dims/2)
+    ff = () if freq_factors is None else (freq_factors,)
+    theta = rope_angles(positions, *ff, dims=dims, base=base, scale=scale)         # (T, dims/2)
     c = reshape(cos(theta) * mscale, (T, 1, half))
     s = reshape(sin(theta) * mscale, (T, 1, half))
     if style == "neox":

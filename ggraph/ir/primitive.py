@@ -18,16 +18,28 @@ primitives, ``composites.py`` for composites, ``fused.py`` for the fused ops), a
 - ``emit(ev, *values)``: the llvm scalar emitter of an elementwise op or reduction's combine
   (``ev`` is the backend's evaluator, values are LLVM registers of any width);
   ``emit_vector`` is a faster emitter for vector widths, where one exists
-- ``reduce = (identity, combining primitive)`` for reductions over the last axis
+- ``reduce = (identity, combining primitive[, f64[, mean]])`` for reductions over the last axis
+  (a ``Reduction``): with ``f64`` the partial results are f64 and the result is rounded to f32
+  once; with ``mean`` it is divided by the row length first (ggml's norms sum this way)
 - ``decomposition``: a composite's body, as the function it is traced from
 
 Passes and backends ask these entries; none keeps a list of op names.
 """
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 KINDS = ("elementwise", "reduce", "shape", "matmul", "memory", "composite", "fused", "other")
+
+
+class Reduction(NamedTuple):
+    """How a last-axis reduction combines a row: from ``identity`` by the binary primitive ``combine``;
+    ``f64``: in f64 partials, rounded to f32 once at the end; ``mean``: divided by the row length (in
+    the partials' precision) before that rounding."""
+    identity: float
+    combine: "Primitive"
+    f64: bool = False
+    mean: bool = False
 
 
 class ShapeError(ValueError):
@@ -55,7 +67,8 @@ class Primitive:
         self.fold = fold and not effects
         self.in_place = kind in ("elementwise", "fused") if in_place is None else in_place
         self.simplify = tuple(simplify)
-        self.emit, self.emit_vector, self.reduce = emit, emit_vector, reduce
+        self.emit, self.emit_vector = emit, emit_vector
+        self.reduce = Reduction(*reduce) if reduce is not None else None
         self.decomposition = decomposition
         self.doc = doc
 

@@ -31,8 +31,8 @@ from ggraph.ir.primitive import Primitive, ShapeError, register
 from ggraph.ir.trace import Tracer, bind, to_atom
 
 __all__ = ["add", "sub", "mul", "div", "maximum", "less", "neg", "exp", "log", "sqrt", "rsqrt", "tanh", "sin",
-           "cos", "where", "cast", "reduce_sum", "reduce_max", "reshape", "transpose", "broadcast_to", "slice",
-           "concat", "take", "matmul", "dequant", "iota", "cache_update", "elementwise"]
+           "cos", "where", "cast", "reduce_sum", "reduce_mean", "reduce_max", "reshape", "transpose", "broadcast_to",
+           "slice", "concat", "take", "matmul", "dequant", "iota", "cache_update", "elementwise"]
 
 
 class Blocks:
@@ -258,6 +258,9 @@ def _reduce_cost(eqn, dims):
 
 reduce_sum_p = register("reduce_sum", shape=_reduce_shape("reduce_sum"), cost=_reduce_cost, kind="reduce",
                         impl=lambda x: np.sum(x, axis=-1, keepdims=True, dtype=x.dtype), reduce=(0.0, add_p))
+reduce_mean_p = register("reduce_mean", shape=_reduce_shape("reduce_mean"), cost=_reduce_cost, kind="reduce",
+                         impl=lambda x: (np.sum(x, axis=-1, keepdims=True, dtype=np.float64) / x.shape[-1])
+                         .astype(x.dtype), reduce=(0.0, add_p, True, True))   # f64 sum and division, as ggml
 reduce_max_p = register("reduce_max", shape=_reduce_shape("reduce_max"), cost=_reduce_cost, kind="reduce",
                         impl=lambda x: np.max(x, axis=-1, keepdims=True), reduce=(-math.inf, max_p))
 
@@ -522,6 +525,7 @@ def tanh(x): return bind(tanh_p, x)
 def sin(x): return bind(sin_p, x)
 def cos(x): return bind(cos_p, x)
 def reduce_sum(x): return bind(reduce_sum_p, x)
+def reduce_mean(x): return bind(reduce_mean_p, x)
 def reduce_max(x): return bind(reduce_max_p, x)
 def dequant(w): return bind(dequant_p, w)
 def cache_update(cache, x, pos): return bind(cache_update_p, cache, x, pos)

@@ -30,11 +30,12 @@ same keys), B cuts every row's visible keys into one range per thread (flash-dec
 each thread stores, per row, the running max, the sum of exponentials and the unnormalised
 sum of values over its range, and C rescales and adds them.
 
-Rope angles are computed in the kernel, a vector of pairs at a time, and shared by the
-rows at one position: theta_i = pos * scale * base^(-2i/dims) (/ freq_factors[i]) in f64
-and reduced by pi/2 in f64 (as the numpy rule; an f32 angle would be off by ~1e-3 rad at
-position 30000), then cos and sin in f32, times mscale. The attention scale is folded
-into the roped query.
+Rope angles are computed in the kernel once per position and shared by its rows, as ggml
+computes them (and the numpy rule, ``ops.rope_angles_table``): theta_0 = pos, theta_(i+1) =
+theta_i * base^(-2/dims) rounded to f32 at each pair, / freq_factors[i], * scale; then sin
+and cos of that f32 angle, reduced by pi/2 in f64, times mscale, and the rotation
+x0*c - x1*s, x0*s + x1*c contracted into FMAs where the target has them, as ggml's C is.
+The attention scale is folded into the roped query.
 
 Kernel B takes the query heads that share a kv head (GQA) together, so each K and V row
 is read once for all of them, and walks the visible keys once in blocks of 16 with an
@@ -57,7 +58,6 @@ import hashlib
 import math
 from dataclasses import dataclass
 
-import numpy as np
 from llvmlite import ir
 
 from ggraph.backends.llvm.kernels import vmath
@@ -66,7 +66,7 @@ from ggraph.backends.llvm.kernels.builder import Kernel, f32, f64, i32, i64, spl
 from ggraph.backends.llvm.kernels.isa import Isa, vector_path
 from ggraph.backends.llvm.kernels.kv_rows import KVRow, check_cache_type
 from ggraph.backends.llvm.target import Target
-from ggraph.ops import ROPE_STYLES, rope_inv_freq
+from ggraph.ops import ROPE_STYLES, rope_theta_scale
 
 BLOCK = 16                       # keys per online-softmax step in the vector kernel
 ROW_COST = BLOCK                 # fixed cost of a query row (rope, a softmax block), in key units
@@ -91,10 +91,6 @@ class Rope:
             raise ValueError(f"rope: style must be one of {ROPE_STYLES}, got {self.style!r}")
         if self.dims <= 0 or self.dims % 2:
             raise ValueError(f"rope: rotary dims {self.dims} must be even and positive")
-
-    def freqs(self) -> list[float]:
-        """scale * base^(-2i/dims) per pair in f64, from ops' f32 inverse frequencies as the numpy rule."""
-        return [float(f) for f in rope_inv_freq(self.dims, self.base).astype(np.float64) * self.scale]
 
 
 @dataclass(frozen=True)
@@ -203,15 +199,6 @@ def _buffer(k: Kernel, n: int):
     return k.scratch(f32, n)
 
 
-def _freq_table(module: ir.Module, name: str, rope: Rope) -> ir.GlobalVariable:
-    values = rope.freqs()
-    g = ir.GlobalVariable(module, ir.ArrayType(f64, len(values)), name=f"{name}.freqs")
-    g.linkage = "internal"
-    g.global_constant = True
-    g.initializer = ir.Constant(ir.ArrayType(f64, len(values)), values)
-    return g
-
-
 def _chunks(n: int, lanes: int) -> list[tuple[int, int]]:
     """(offset, width) pieces covering n: full vectors, then one narrower tail."""
     out = [(o, lanes) for o in range(0, n - n % lanes, lanes)]
@@ -259,7 +246,7 @@ class _Rows:
         self.isa = Isa(k, target)
         self.vector = vector_path(target)
         self.lanes = self.isa.vector_bytes // 4 if self.vector else 1
-        self.freqs = _freq_table(k.module, name, rope) if rope is not None else None
+        self._angles = None                                              # scratch: one position's angles
         self.ff = k.arg.get("freq_factors")
         self.keys = KVRow(k, self.isa, attn.k_type, attn.D)             # rows of the caches
         self.values = KVRow(k, self.isa, attn.v_type, attn.Dv)
@@ -267,6 +254,19 @@ class _Rows:
     def row(self, base, index, width: int):
         """Address of row `index` of `width` floats."""
         return self.k.addr(base, self.k.mul(index, 4 * width))
+
+    def angles(self, pos: ir.Value) -> ir.Value:
+        """The rope angles of position ``pos`` (f64) in a private f32[dims/2]: ggml's chain, theta_0 = pos
+        and theta_(i+1) = theta_i · base^(-2/dims) rounded to f32 (``ops.rope_angles_table``)."""
+        k, b = self.k, self.b
+        if self._angles is None:
+            self._angles = k.scratch(f32, self.rope.dims // 2)
+        step = ir.Constant(f32, float(rope_theta_scale(self.rope.dims, self.rope.base)))
+        theta = k.var(f32, b.fptrunc(pos, f32))                              # positions are i32: exact
+        with k.loop(0, self.rope.dims // 2, name="angle") as i:
+            k.store(theta.get(), self._angles, k.mul(i, 4))
+            theta.set(b.fmul(theta.get(), step))
+        return self._angles
 
     def position(self, t) -> ir.Value:
         """positions[t] as f64: the rope angle's position for token t."""
@@ -293,25 +293,28 @@ class _Rows:
         start = 0
         if rope is not None:
             half, m = rope.dims // 2, rope.mscale * (1.0 if mult is None else mult)
+            angles = self.angles(pos)
 
             def rotate(off, widths):
                 o = 0
                 for w in widths:
                     i0 = k.add(off, o)
-                    d64 = f64 if w == 1 else vec(f64, w)
-                    theta = b.fmul(_splat(k, pos, w), k.load(d64, self.freqs, k.mul(i0, 8)))   # f64, as the rule
+                    theta = k.load(_typ(w), angles, k.mul(i0, 4))
                     if self.ff is not None:
-                        theta = b.fdiv(theta, b.fpext(k.load(_typ(w), self.ff, k.mul(i0, 4)), d64))
+                        theta = b.fdiv(theta, k.load(_typ(w), self.ff, k.mul(i0, 4)))
+                    if rope.scale != 1.0:
+                        theta = b.fmul(theta, vmath.const(theta, rope.scale))
+                    theta = b.fpext(theta, f64 if w == 1 else vec(f64, w))          # exact: sin, cos to f32
                     if self.vector:
                         s, c = vmath.sincos_f64(self.isa, theta)
                     else:
                         s, c = (b.fptrunc(self.k.intrinsic(f"llvm.{f}.f64", f64, [theta]), f32) for f in ("sin", "cos"))
                     if m != 1.0:
                         s, c = b.fmul(s, vmath.const(s, m)), b.fmul(c, vmath.const(c, m))
-                    for src, dst in pairs:
+                    for src, dst in pairs:                       # ggml's x0·c − x1·s, x0·s + x1·c, contracted
                         x0, x1 = self._pair(src, i0, w)
-                        self._store_pair(dst, i0, w, b.fsub(b.fmul(x0, c), b.fmul(x1, s)),
-                                         b.fadd(b.fmul(x1, c), b.fmul(x0, s)))
+                        self._store_pair(dst, i0, w, self.isa.fma(x0, c, b.fneg(b.fmul(x1, s))),
+                                         self.isa.fma(x0, s, b.fmul(x1, c)))
                     o += w
             _chunked(k, half, lanes, 1, rotate, "pair")
             start = rope.dims

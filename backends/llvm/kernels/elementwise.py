@@ -47,7 +47,7 @@ from ggraph.ir.dtypes import Aval
 from ggraph.ir.graph import Graph, Literal, Var
 from ggraph.ir.prims import broadcast_shapes
 from ggraph.backends.llvm.kernels import vmath
-from ggraph.backends.llvm.kernels.builder import Kernel, f32, i8, i16, i32, mangle, vec
+from ggraph.backends.llvm.kernels.builder import Kernel, f32, f64, i8, i16, i32, mangle, vec
 from ggraph.backends.llvm.kernels.isa import Isa, vector_path
 from ggraph.backends.llvm.target import Target
 
@@ -357,7 +357,7 @@ class Evaluator:
     @staticmethod
     def is_float(v: ir.Value) -> bool:
         elem = v.type.element if isinstance(v.type, ir.VectorType) else v.type
-        return isinstance(elem, ir.FloatType)
+        return isinstance(elem, (ir.FloatType, ir.DoubleType, ir.HalfType))
 
     @staticmethod
     def reg(dt) -> str:
@@ -502,12 +502,18 @@ class _Row(Evaluator):
     def _walk(self, reds: list, stores: list) -> None:
         """One pass along the row: vector chunks, then the tail; reductions become per-row values."""
         k, N, lanes = self.k, self.plan.space.N, self.lanes
-        ident = [e.prim.reduce[0] for e in reds]
+        specs = [e.prim.reduce for e in reds]
+        kinds = [f64 if r.f64 else f32 for r in specs]          # the partial results' type per reduction
+
+        def start(w):
+            return [_fill(t, r.identity, w) for t, r in zip(kinds, specs)]
 
         def chunk(c, w, accs):
             memo = {}
             for i, e in enumerate(reds):
-                accs[i] = self.combine(e, accs[i], self.along(e.inputs[0], c, w, memo))
+                x = self.along(e.inputs[0], c, w, memo)
+                x = k.b.fpext(x, _typ(f64, w)) if kinds[i] is f64 else x
+                accs[i] = self.combine(e, accs[i], x)
             vals = [(self.along(atom, c, w, memo), lay, base, off) for atom, lay, base, off in stores]
             for v, lay, base, off in vals:                              # every read before any write
                 _store(k, self.isa, lay.aval.dtype, v, base, k.add(off, c))
@@ -515,7 +521,7 @@ class _Row(Evaluator):
 
         def loop(lo, hi, w):
             """Chunks of w from lo to hi; the reductions' partial results, combined across lanes."""
-            accs = [k.var(_typ(f32, w), _const(v, dtypes.f32, w)) for v in ident]
+            accs = [k.var(v.type, v) for v in start(w)]
             with k.loop(lo, hi, step=w, name="chunk") as c:
                 for acc, v in zip(accs, chunk(c, w, [a.get() for a in accs])):
                     acc.set(v)
@@ -529,13 +535,21 @@ class _Row(Evaluator):
             main = N - N % lanes
             parts = [loop(0, main, lanes)] if main else []
             if N - main:
-                tails = chunk(main, N - main, [_const(v, dtypes.f32, N - main) for v in ident])
+                tails = chunk(main, N - main, start(N - main))
                 parts.append([horizontal(k, t, lambda x, y, e=e: self.combine(e, x, y)) for t, e in zip(tails, reds)])
         results = parts[0]
         for part in parts[1:]:
             results = [self.combine(e, r, p) for r, p, e in zip(results, part, reds)]
-        for e, v in zip(reds, results):
-            self.cols[e.outputs[0]] = v
+        for e, r, t, v in zip(reds, specs, kinds, results):
+            if r.mean:
+                n = ir_dim(k, N)
+                v = k.b.fdiv(v, ir.Constant(t, float(n)) if isinstance(n, int) else k.b.uitofp(n, t))
+            self.cols[e.outputs[0]] = k.b.fptrunc(v, f32) if t is f64 else v
+
+
+def _fill(t: ir.Type, value: float, width: int) -> ir.Constant:
+    """``value`` in ``width`` lanes of float type ``t`` (a scalar when width is 1)."""
+    return ir.Constant(t, value) if width == 1 else ir.Constant(vec(t, width), [value] * width)
 
 
 def horizontal(k: Kernel, v: ir.Value, combine) -> ir.Value:

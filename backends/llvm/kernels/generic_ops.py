@@ -6,12 +6,16 @@ needs them, the unfused baseline always does.
         y[z, m, n] = sum_k a[z*, m, k] b[z*, n, k]     (ggml's layout: both contract the last axis)
     iota_<dtype>(y, i64 n, ith, nth)                    y[i] = i
     copy_bytes(x, y, i64 nbytes, ith, nth)              y[0:nbytes] = x[0:nbytes]
+    rope_angles_*(positions, [freq_factors,] y, i64 T, ith, nth)   y[t, i]: ggml's f32 angle chain
 """
 from __future__ import annotations
+
+import hashlib
 
 from llvmlite import ir
 
 from ggraph.backends.llvm.kernels.builder import Kernel, f32, i8, i32, i64
+from ggraph.ir.composites import rope_theta_scale
 
 FAST = ("fast",)
 
@@ -75,4 +79,29 @@ def copy_bytes(module: ir.Module) -> str:
     start, end = _share(k, k.arg["nbytes"])
     with k.loop(start, end, name="i") as i:
         k.store(k.load(i8, k.arg["x"], i), k.arg["y"], i)
+    return k.finish()
+
+
+def rope_angles(module: ir.Module, dims: int, base: float, scale: float, freq_factors: bool) -> str:
+    """y[t, i] for i < dims/2: theta = positions[t], times base^(-2/dims) once per pair, every product
+    rounded to f32 (ggml's chain, ``ops.rope_angles_table``); / freq_factors[i], then * scale."""
+    tag = hashlib.sha256(repr((dims, base, scale, freq_factors)).encode()).hexdigest()[:10]
+    name = f"rope_angles_{dims}_{tag}"
+    if Kernel.exists(module, name):
+        return name
+    ff = ("freq_factors",) if freq_factors else ()
+    k = Kernel(module, name, ("positions",) + ff + ("y",), ("T",), noalias=True)
+    b, half = k.b, dims // 2
+    step = ir.Constant(f32, float(rope_theta_scale(dims, base)))
+    start, end = _share(k, k.arg["T"])
+    with k.loop(start, end, name="t") as t:
+        theta = k.var(f32, b.sitofp(k.load(i32, k.arg["positions"], b.mul(t, ir.Constant(i64, 4))), f32))
+        with k.loop(0, half, name="i") as i:
+            v = theta.get()
+            if freq_factors:
+                v = b.fdiv(v, k.load(f32, k.arg["freq_factors"], b.mul(i, ir.Constant(i64, 4))))
+            if scale != 1.0:
+                v = b.fmul(v, ir.Constant(f32, scale))
+            k.store(v, k.arg["y"], b.mul(b.add(b.mul(t, ir.Constant(i64, half)), i), ir.Constant(i64, 4)))
+            theta.set(b.fmul(theta.get(), step))
     return k.finish()
