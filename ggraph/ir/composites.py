@@ -114,18 +114,17 @@ def rope_angles_table(positions: np.ndarray, *, dims: int, base: float, scale: f
 
 
 def _np_rope(x, positions, freq_factors=None, *, dims, base, scale, style, mscale=1.0):
-    # x: (T, H, D); rotate the first `dims` dims of each head
+    # x: (T, H, D); rotate the first `dims` dims of each head, as ggml's C compiled with FMA does:
+    # x0·c − x1·s and x0·s + x1·c with the second product rounded to f32 and the first fused
     theta = rope_angles_table(positions, dims=dims, base=base, scale=scale, freq_factors=freq_factors)
-    c = (np.cos(theta.astype(np.float64)).astype(np.float32) * np.float32(mscale))[:, None, :].astype(np.float64)
-    s = (np.sin(theta.astype(np.float64)).astype(np.float32) * np.float32(mscale))[:, None, :].astype(np.float64)
-    xr = x[..., :dims].astype(np.float64)
-    if style == "neox":
-        a, b = xr[..., :dims // 2], xr[..., dims // 2:]
-        rot = np.concatenate([a * c - b * s, b * c + a * s], axis=-1)
-    else:
-        a, b = xr[..., 0::2], xr[..., 1::2]
-        rot = np.stack([a * c - b * s, a * s + b * c], axis=-1).reshape(xr.shape)
-    return np.concatenate([rot.astype(np.float32), x[..., dims:]], axis=-1)
+    c = (np.cos(theta.astype(np.float64)).astype(np.float32) * np.float32(mscale))[:, None, :]   # (T, 1, dims/2)
+    s = (np.sin(theta.astype(np.float64)).astype(np.float32) * np.float32(mscale))[:, None, :]
+    xr = x[..., :dims]
+    a, b = (xr[..., :dims // 2], xr[..., dims // 2:]) if style == "neox" else (xr[..., 0::2], xr[..., 1::2])
+    fused = lambda p, q, rounded: (p.astype(np.float64) * q - rounded).astype(np.float32)  # noqa: E731
+    r0, r1 = fused(a, c, b * s), fused(a, s, -(b * c))
+    rot = np.concatenate([r0, r1], axis=-1) if style == "neox" else np.stack([r0, r1], axis=-1).reshape(xr.shape)
+    return np.concatenate([rot, x[..., dims:]], axis=-1)
 
 
 def _np_attention(q, k, v, k_cache=None, v_cache=None, pos=None, *, scale, window=None, softcap=None):

@@ -8,8 +8,9 @@ NaN in gives NaN out). Against float64 numpy the relative error stays under 1.5e
 (about 2 ulp) over the ranges models hit; sin and cos are within 1e-7 absolute for
 |x| up to 1e5 (rope angles), lose accuracy slowly beyond, and give NaN past 2**22.
 
-`sincos_f64` takes f64 angles (rope's pos * freq) and reduces them in f64 before the f32
-polynomials, so angles in the hundreds of thousands stay exact to f32 rounding.
+`sincos_f64` takes f64 angles (rope's) and reduces them and evaluates its polynomials in f64,
+so its f32 results are the correctly rounded ones (glibc's, which ggml's rope uses) but in
+rare near-ties, for angles into the hundreds of thousands.
 The scalar generic twins call libm through LLVM's intrinsics instead (`libm`).
 
     y = vmath.unary(isa, "tanh", x, poly=vector_path(target))
@@ -42,11 +43,11 @@ def _call(isa: Isa, name: str, *args: ir.Value) -> ir.Value:
     return isa.k.intrinsic(f"llvm.{name}.{mangle(args[0].type)}", args[0].type, list(args))
 
 
-def horner(isa: Isa, x: ir.Value, coefs) -> ir.Value:
+def horner(isa: Isa, x: ir.Value, coefs, elem: ir.Type = f32) -> ir.Value:
     """c0*x^n + c1*x^(n-1) + ... + cn, by fused multiply-adds."""
-    acc = const(x, coefs[0])
+    acc = const(x, coefs[0], elem)
     for c in coefs[1:]:
-        acc = isa.fma(acc, x, const(x, c))
+        acc = isa.fma(acc, x, const(x, c, elem))
     return acc
 
 
@@ -139,6 +140,8 @@ _SINCOS_MAX = 4194304.0          # 2**22: beyond it the quadrant count is not ex
 _F64, _I64 = ir.DoubleType(), ir.IntType(64)
 _MAGIC64 = 6755399441055744.0    # 1.5 * 2**52: adding it rounds |v| < 2**51 to an integer
 _PIO2_HI64, _PIO2_LO64 = 1.5707963267341256e+00, 6.077100506506192e-11   # pi/2; HI has 33 bits
+_SIN_TAYLOR = tuple((-1) ** k / math.factorial(2 * k + 1) for k in range(6, 0, -1))   # r^13 .. r^3, over r^3
+_COS_TAYLOR = tuple((-1) ** k / math.factorial(2 * k) for k in range(7, 0, -1))       # r^14 .. r^2, over r^2
 
 
 def sincos(isa: Isa, x: ir.Value) -> tuple[ir.Value, ir.Value]:
@@ -155,31 +158,44 @@ def sincos(isa: Isa, x: ir.Value) -> tuple[ir.Value, ir.Value]:
 
 
 def sincos_f64(isa: Isa, x: ir.Value) -> tuple[ir.Value, ir.Value]:
-    """(sin x, cos x) as f32 for f64 angles x (rope: pos * freq, exact to f64): the reduction
-    by pi/2 runs in f64, so large angles keep their accuracy; |x| < 2**31 pi/2."""
+    """(sin x, cos x) rounded to f32, for f64 angles x (rope's): the reduction by pi/2 and the
+    polynomials (Taylor to r^13 and r^14: under 3e-14 on |r| <= pi/4) run in f64, so the f32 results
+    are the correctly rounded ones, as glibc's sinf and cosf give ggml, but in rare near-ties; |x| <
+    2**31 pi/2."""
     b = isa.k.b
     a = _call(isa, "fabs", x)
     t = b.fadd(b.fmul(a, const(x, 2.0 / math.pi, _F64)), const(x, _MAGIC64, _F64))
     qf = b.fsub(t, const(x, _MAGIC64, _F64))
     q = b.trunc(b.bitcast(t, like(x, _I64)), like(x, i32))                   # the integer sits in the low bits
     r = b.fsub(b.fsub(a, b.fmul(qf, const(x, _PIO2_HI64, _F64))), b.fmul(qf, const(x, _PIO2_LO64, _F64)))
-    return _quadrants(isa, b.fptrunc(r, like(x, f32)), q, b.fptrunc(x, like(x, f32)))
+    z = b.fmul(r, r)
+    ps = isa.fma(b.fmul(horner(isa, z, _SIN_TAYLOR, _F64), z), r, r)          # r + r^3 (-1/6 + ...)
+    pc = isa.fma(horner(isa, z, _COS_TAYLOR, _F64), z, const(x, 1.0, _F64))   # 1 + z (-1/2 + ...)
+    narrow = lambda v: b.fptrunc(v, like(x, f32))  # noqa: E731
+    return _signed(isa, narrow(ps), narrow(pc), q, narrow(x))
 
 
 def _quadrants(isa: Isa, r: ir.Value, q: ir.Value, x: ir.Value) -> tuple[ir.Value, ir.Value]:
     """sin and cos of x from |x| = q pi/2 + r: polynomials in r, chosen and signed by q and x's sign."""
     b = isa.k.b
-    ity = like(r, i32)
     z = b.fmul(r, r)
     ps = isa.fma(b.fmul(horner(isa, z, _SIN_POLY), z), r, r)                    # sin r
     pc = isa.fma(b.fmul(horner(isa, z, _COS_POLY), z), z,
                  isa.fma(z, const(r, -0.5), const(r, 1.0)))                     # cos r
-    odd = b.icmp_unsigned("!=", b.and_(q, const(r, 1, i32)), const(r, 0, i32))
+    return _signed(isa, ps, pc, q, x)
+
+
+def _signed(isa: Isa, ps: ir.Value, pc: ir.Value, q: ir.Value, x: ir.Value) -> tuple[ir.Value, ir.Value]:
+    """sin x and cos x from sin r and cos r (f32), where |x| = q pi/2 + r: chosen and signed by q and
+    x's sign."""
+    b = isa.k.b
+    ity = like(ps, i32)
+    odd = b.icmp_unsigned("!=", b.and_(q, const(ps, 1, i32)), const(ps, 0, i32))
     sin_a, cos_a = b.select(odd, pc, ps), b.select(odd, ps, pc)
-    sign = lambda bits: b.shl(b.and_(bits, const(r, 2, i32)), const(r, 30, i32))  # noqa: E731
-    sin_sign = b.xor(sign(q), b.and_(b.bitcast(x, ity), const(r, 0x80000000, i32)))
-    cos_sign = sign(b.add(q, const(r, 1, i32)))
-    flip = lambda v, s: b.bitcast(b.xor(b.bitcast(v, ity), s), r.type)  # noqa: E731
+    sign = lambda bits: b.shl(b.and_(bits, const(ps, 2, i32)), const(ps, 30, i32))  # noqa: E731
+    sin_sign = b.xor(sign(q), b.and_(b.bitcast(x, ity), const(ps, 0x80000000, i32)))
+    cos_sign = sign(b.add(q, const(ps, 1, i32)))
+    flip = lambda v, s: b.bitcast(b.xor(b.bitcast(v, ity), s), ps.type)  # noqa: E731
     return flip(sin_a, sin_sign), flip(cos_a, cos_sign)
 
 
