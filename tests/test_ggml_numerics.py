@@ -2,6 +2,9 @@
 (so that a norm's output, the input of the next matmul's 8-bit rounding, is llama.cpp's), and rope
 chains its angles in f32 as ggml does. Checked against llama.cpp's own intermediate tensors of the demo
 model's first layer, read through its eval callback, on every backend and through the fused attention."""
+import ctypes
+import ctypes.util
+
 import numpy as np
 import pytest
 
@@ -81,3 +84,43 @@ def test_fused_rope_attention_turns_by_llama_cpps_angles(llama):
                np.int32(0))
     assert rel(kc[:T], llama["Kcur-0"][-1]) < 1e-7
     assert rel(o.reshape(T, -1), llama["kqv_out-0"][0]) < 6e-7        # 2.4e-6 with exact angles
+
+
+@pytest.mark.parametrize("dims", [64, 80, 96, 128, 256])
+@pytest.mark.parametrize("base", [10000.0, 500000.0, 1000000.0])
+def test_rope_theta_scale_is_libms_powf(dims, base):
+    """The step between rope angles is base^(-2/dims) as this machine's powf gives it to ggml (numpy's
+    f32 power was an ulp off for 10000 and 64 dims, and the chained angles of a llama head carried it
+    to every pair: 75% of llama.cpp's roped elements differed by an ulp or more)."""
+    libm = ctypes.CDLL(ctypes.util.find_library("m") or "libm.so.6")
+    libm.powf.restype, libm.powf.argtypes = ctypes.c_float, [ctypes.c_float, ctypes.c_float]
+    want = np.float32(libm.powf(base, np.float32(-2.0) / np.float32(dims)))
+    assert ops.rope_theta_scale(dims, base) == want
+
+
+@pytest.mark.parametrize("backend", ["numpy", "llvm"])
+def test_fma_rounds_once(backend):
+    """fma(a, b, c) keeps the product's low bits that a*b + c rounds away: (1 + 2^-12)^2 - 1 is
+    2^-11 + 2^-24, which the rounded product loses; random operands agree with the f64 statement."""
+    graph = ggraph.trace(ops.fma, f32["T"], f32["T"], f32["T"])
+    fn = ggraph.compile(graph, backend=backend)
+    a = np.float32(1 + 2.0 ** -12)
+    got = fn(np.array([a], np.float32), np.array([a], np.float32), np.array([-1.0], np.float32))
+    assert got[0] == np.float32(2.0 ** -11 + 2.0 ** -24) != a * a - np.float32(1)
+    rng = np.random.default_rng(3)
+    x, y, z = (rng.standard_normal(1000).astype(np.float32) for _ in range(3))
+    np.testing.assert_array_equal(fn(x, y, z), (x.astype(np.float64) * y + z).astype(np.float32))
+
+
+def test_sin_and_cos_are_correctly_rounded():
+    """The llvm backend's vector and scalar sin and cos give the f32 nearest the true value (as glibc's
+    sinf and cosf do but in about one case in a hundred), over the angles rope meets."""
+    rng = np.random.default_rng(5)
+    x = np.concatenate([rng.uniform(-4e6, 4e6, 20000), rng.uniform(-7, 7, 20000),
+                        np.arange(0, 32768, 1.0)]).astype(np.float32)
+    for op, exact in ((ops.sin, np.sin), (ops.cos, np.cos)):
+        fn = ggraph.compile(ggraph.trace(op, f32["T"]), backend="llvm")
+        want = exact(x.astype(np.float64)).astype(np.float32)
+        for part in (x, x[:3]):                       # whole vectors, and a tail narrower than one
+            got = fn(part)
+            assert np.count_nonzero(got != want[:len(part)]) <= 2, op.__name__

@@ -22,8 +22,8 @@ from ggraph.ir import methods  # noqa: F401  (Tracer operators, used by the deco
 from ggraph.ir.dims import Sym, simplify
 from ggraph.ir.dtypes import Aval, DimAval, f32
 from ggraph.ir.primitive import ShapeError, register
-from ggraph.ir.prims import (cache_rows, cache_update, cache_write, cast, concat, cos, dequant, exp, io_bytes, iota,
-                             less, matmul, neg, reduce_max, reduce_mean, reduce_sum, reshape, rsqrt, sin, slice, tanh,
+from ggraph.ir.prims import (cache_rows, cache_update, cache_write, cast, concat, cos, dequant, exp, fma, io_bytes,
+                             iota, less, matmul, neg, reduce_max, reduce_mean, reduce_sum, reshape, rsqrt, sin, slice, tanh,
                              transpose, where)
 from ggraph.ir.trace import Tracer, bind, bind_composite, to_atom
 
@@ -91,8 +91,10 @@ def _np_swiglu(g, u):
 
 
 def rope_theta_scale(dims: int, base: float) -> np.float32:
-    """base^(-2/dims) in f32, as ggml's powf gives it: from one rotation pair's angle to the next's."""
-    return np.power(np.float32(base), np.float32(-2.0) / np.float32(dims))
+    """base^(-2/dims) in f32, as ggml's powf gives it (glibc's powf works in f64 and rounds once, as
+    here; numpy's f32 power is an ulp off for base 10000 and 64 dims, which llama's chained angles then
+    carry to every pair): from one rotation pair's angle to the next's."""
+    return np.float32(float(np.float32(base)) ** (float(np.float32(-2.0) / np.float32(dims))))
 
 
 def rope_angles_table(positions: np.ndarray, *, dims: int, base: float, scale: float = 1.0,
@@ -245,15 +247,16 @@ def _rope(x, positions, freq_factors=None, *, dims, base, scale, style, mscale=1
     theta = rope_angles(positions, *ff, dims=dims, base=base, scale=scale)         # (T, dims/2)
     c = reshape(cos(theta) * mscale, (T, 1, half))
     s = reshape(sin(theta) * mscale, (T, 1, half))
+    # ggml's x0·c − x1·s and x0·s + x1·c, as its C compiles with FMA: the first product fused
     if style == "neox":
         a, b = x[:, :, :half], x[:, :, half:dims]
-        parts = [a * c - b * s, b * c + a * s]
+        parts = [fma(a, c, -(b * s)), fma(a, s, b * c)]
     else:
         pairs = reshape(x[:, :, :dims], (T, H, half, 2))
         a = reshape(pairs[:, :, :, 0:1], (T, H, half))
         b = reshape(pairs[:, :, :, 1:2], (T, H, half))
-        ra = reshape(a * c - b * s, (T, H, half, 1))
-        rb = reshape(a * s + b * c, (T, H, half, 1))
+        ra = reshape(fma(a, c, -(b * s)), (T, H, half, 1))
+        rb = reshape(fma(a, s, b * c), (T, H, half, 1))
         parts = [reshape(concat([ra, rb], axis=-1), (T, H, dims))]
     if dims < D:
         parts.append(x[:, :, dims:])

@@ -31,7 +31,7 @@ from ggraph.ir.primitive import Primitive, ShapeError, register
 from ggraph.ir.trace import Tracer, bind, to_atom
 
 __all__ = ["add", "sub", "mul", "div", "maximum", "less", "neg", "exp", "log", "sqrt", "rsqrt", "tanh", "sin",
-           "cos", "where", "cast", "reduce_sum", "reduce_mean", "reduce_max", "reshape", "transpose", "broadcast_to",
+           "cos", "fma", "where", "cast", "reduce_sum", "reduce_mean", "reduce_max", "reshape", "transpose", "broadcast_to",
            "slice", "concat", "take", "matmul", "dequant", "iota", "cache_update", "elementwise"]
 
 
@@ -149,6 +149,11 @@ def _math(name: str):
     return lambda ev, x: ev.math(name, x)
 
 
+def _math_f64(name: str):
+    """libm's double ``name`` of the exact f64 value, rounded to f32 once: the correctly rounded result."""
+    return lambda ev, x: ev.b.fptrunc(ev.math(name, ev.b.fpext(x, ev.typ(x, "f64"))), x.type)
+
+
 def _poly(name: str):
     """The backend's polynomial form of ``name``: whole vectors at a time."""
     return lambda ev, x: ev.poly(name, x)
@@ -195,8 +200,11 @@ sqrt_p = elementwise("sqrt", np.sqrt, flops=4, emit=_math("sqrt"))
 rsqrt_p = elementwise("rsqrt", lambda x: np.float32(1) / np.sqrt(x), flops=5,
                       emit=lambda ev, x: ev.b.fdiv(ev.const(x, 1.0), ev.math("sqrt", x)))
 tanh_p = elementwise("tanh", np.tanh, flops=10, emit=_math("tanh"), emit_vector=_poly("tanh"))
-sin_p = elementwise("sin", np.sin, flops=10, emit=_math("sin"), emit_vector=_poly("sin"))
-cos_p = elementwise("cos", np.cos, flops=10, emit=_math("cos"), emit_vector=_poly("cos"))
+# sin and cos are the correctly rounded values (computed in f64), as glibc's sinf and cosf give ggml's rope
+sin_p = elementwise("sin", lambda x: np.sin(x.astype(np.float64)), flops=10, emit=_math_f64("sin"),
+                    emit_vector=_poly("sin"))
+cos_p = elementwise("cos", lambda x: np.cos(x.astype(np.float64)), flops=10, emit=_math_f64("cos"),
+                    emit_vector=_poly("cos"))
 
 add_p = elementwise("add", np.add, arity=2, emit=_arith("fadd", "add"), simplify=(
     lambda e, prod, x, y: _same(e, x) if _is(y, 0) else None,                    # x+0 -> x
@@ -223,6 +231,22 @@ def _where_shape(c, x, y):
 
 where_p = elementwise("where", lambda c, x, y: np.where(c != 0, x, y), arity=3, shape=_where_shape,
                       emit=_emit_where)
+
+def _fma_shape(a, b, c):
+    _require_plain("fma", a, b, c)
+    if not (a.dtype is b.dtype is c.dtype) or not a.dtype.is_float:
+        raise ShapeError(f"fma: needs three operands of one float dtype, got {a}, {b} and {c}")
+    return Aval(broadcast_shapes("fma", a.shape, b.shape, c.shape), a.dtype)
+
+
+def _np_fma(a, b, c):
+    """a·b + c rounded once: the product of two f32 is exact in f64 (ties of the f64 sum's rounding
+    aside, which a second rounding to f32 could break the other way: about one in 2^29)."""
+    return (np.asarray(a, np.float64) * b + c).astype(np.result_type(a, b, c))
+
+
+fma_p = elementwise("fma", _np_fma, arity=3, flops=2, shape=_fma_shape,
+                    emit=lambda ev, a, b, c: ev.math("fma", a, b, c))
 
 CASTS = {"f32", "f16", "i32", "i8"}
 
@@ -524,6 +548,7 @@ def rsqrt(x): return bind(rsqrt_p, x)
 def tanh(x): return bind(tanh_p, x)
 def sin(x): return bind(sin_p, x)
 def cos(x): return bind(cos_p, x)
+def fma(a, b, c): return bind(fma_p, a, b, c)                    # a·b + c, rounded once
 def reduce_sum(x): return bind(reduce_sum_p, x)
 def reduce_mean(x): return bind(reduce_mean_p, x)
 def reduce_max(x): return bind(reduce_max_p, x)

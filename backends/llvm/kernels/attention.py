@@ -34,7 +34,7 @@ Rope angles are computed in the kernel once per position and shared by its rows,
 computes them (and the numpy rule, ``ops.rope_angles_table``): theta_0 = pos, theta_(i+1) =
 theta_i * base^(-2/dims) rounded to f32 at each pair, / freq_factors[i], * scale; then sin
 and cos of that f32 angle, reduced by pi/2 in f64, times mscale, and the rotation
-x0*c - x1*s, x0*s + x1*c contracted into FMAs where the target has them, as ggml's C is.
+x0*c - x1*s, x0*s + x1*c with the first product fused (an FMA), as ggml's C compiles.
 The attention scale is folded into the roped query.
 
 Kernel B takes the query heads that share a kv head (GQA) together, so each K and V row
@@ -313,8 +313,8 @@ class _Rows:
                         s, c = b.fmul(s, vmath.const(s, m)), b.fmul(c, vmath.const(c, m))
                     for src, dst in pairs:                       # ggml's x0·c − x1·s, x0·s + x1·c, contracted
                         x0, x1 = self._pair(src, i0, w)
-                        self._store_pair(dst, i0, w, self.isa.fma(x0, c, b.fneg(b.fmul(x1, s))),
-                                         self.isa.fma(x0, s, b.fmul(x1, c)))
+                        self._store_pair(dst, i0, w, self.isa.fused(x0, c, b.fneg(b.fmul(x1, s))),
+                                         self.isa.fused(x0, s, b.fmul(x1, c)))
                     o += w
             _chunked(k, half, lanes, 1, rotate, "pair")
             start = rope.dims

@@ -77,7 +77,7 @@ def kernel_name(prefix: str, target: Target, *parts) -> str:
 #  dtype: (register lane type, memory lane type, bytes)    f16 computes in f32, rounded after each op
 _TYPES = {dtypes.f32: (f32, f32, 4), dtypes.f16: (f32, i16, 2), dtypes.i32: (i32, i32, 4), dtypes.i8: (i8, i8, 1)}
 _REG_NAMES = {f32: "f32", i32: "i32", i8: "i8"}
-_REG_TYPES = {"f32": f32, "i32": i32, "i8": i8}
+_REG_TYPES = {"f32": f32, "i32": i32, "i8": i8, "f64": f64}         # f64: the wide steps of some emitters
 
 
 def _check_dtype(aval: Aval, what: str) -> None:
@@ -366,7 +366,7 @@ class Evaluator:
 
     @staticmethod
     def typ(like: ir.Value, elem: str) -> ir.Type:
-        """The type of ``like``'s width with lanes of ``elem`` ("f32", "i32", "i8")."""
+        """The type of ``like``'s width with lanes of ``elem`` ("f32", "i32", "i8", "f64")."""
         return _typ(_REG_TYPES[elem], _width(like))
 
     @staticmethod

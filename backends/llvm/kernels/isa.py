@@ -70,6 +70,11 @@ class Isa:
         """a*b + c, fused where the target has FMA (llvm.fmuladd)."""
         return self.k.intrinsic(f"llvm.fmuladd.{mangle(a.type)}", a.type, [a, b, c])
 
+    def fused(self, a: ir.Value, b: ir.Value, c: ir.Value) -> ir.Value:
+        """a*b + c rounded once on every target (llvm.fma: the instruction, or libm's fma where the
+        target lacks it), for arithmetic that must give the bits of C compiled with FMA."""
+        return self.k.intrinsic(f"llvm.fma.{mangle(a.type)}", a.type, [a, b, c])
+
     def maxnum(self, a: ir.Value, b: ir.Value) -> ir.Value:
         return self.k.intrinsic(f"llvm.maxnum.{mangle(a.type)}", a.type, [a, b])
 

@@ -133,10 +133,7 @@ def tanh(isa: Isa, x: ir.Value) -> ir.Value:
 
 
 # -- sin, cos ---------------------------------------------------------------------------------
-_PIO2 = (1.5703125, 4.837512969970703125e-4, 7.54978995489188216e-8)   # pi/2 in three parts
-_SIN_POLY = (-1.9515295891e-4, 8.3321608736e-3, -1.6666654611e-1)
-_COS_POLY = (2.443315711809948e-5, -1.388731625493765e-3, 4.166664568298827e-2)
-_SINCOS_MAX = 4194304.0          # 2**22: beyond it the quadrant count is not exact; answer NaN
+_SINCOS_MAX = 4194304.0          # 2**22: f32 angles beyond it answer NaN (the vector forms' domain)
 _F64, _I64 = ir.DoubleType(), ir.IntType(64)
 _MAGIC64 = 6755399441055744.0    # 1.5 * 2**52: adding it rounds |v| < 2**51 to an integer
 _PIO2_HI64, _PIO2_LO64 = 1.5707963267341256e+00, 6.077100506506192e-11   # pi/2; HI has 33 bits
@@ -145,16 +142,11 @@ _COS_TAYLOR = tuple((-1) ** k / math.factorial(2 * k) for k in range(7, 0, -1)) 
 
 
 def sincos(isa: Isa, x: ir.Value) -> tuple[ir.Value, ir.Value]:
-    """(sin x, cos x): |x| = q pi/2 + r with |r| <= pi/4; the quadrant q picks and signs the polynomials."""
+    """(sin x, cos x) of f32 x, correctly rounded (``sincos_f64`` of the exact f64 value), as glibc's
+    sinf and cosf give them (and so ggml's rope); NaN for |x| >= 2**22 and for inf and NaN."""
     b = isa.k.b
-    a = _call(isa, "fabs", x)
-    qf, q = _round(isa, b.fmul(a, const(x, 2.0 / math.pi)))
-    r = a
-    for part in _PIO2:
-        r = isa.fma(qf, const(x, -part), r)
-    lost = b.fcmp_unordered("uge", a, const(x, _SINCOS_MAX))                  # reduction fails: NaN
-    sin_x, cos_x = _quadrants(isa, r, q, x)
-    return tuple(b.select(lost, const(x, math.nan), v) for v in (sin_x, cos_x))
+    lost = b.fcmp_unordered("uge", _call(isa, "fabs", x), const(x, _SINCOS_MAX))
+    return tuple(b.select(lost, const(x, math.nan), v) for v in sincos_f64(isa, b.fpext(x, like(x, _F64))))
 
 
 def sincos_f64(isa: Isa, x: ir.Value) -> tuple[ir.Value, ir.Value]:
@@ -173,16 +165,6 @@ def sincos_f64(isa: Isa, x: ir.Value) -> tuple[ir.Value, ir.Value]:
     pc = isa.fma(horner(isa, z, _COS_TAYLOR, _F64), z, const(x, 1.0, _F64))   # 1 + z (-1/2 + ...)
     narrow = lambda v: b.fptrunc(v, like(x, f32))  # noqa: E731
     return _signed(isa, narrow(ps), narrow(pc), q, narrow(x))
-
-
-def _quadrants(isa: Isa, r: ir.Value, q: ir.Value, x: ir.Value) -> tuple[ir.Value, ir.Value]:
-    """sin and cos of x from |x| = q pi/2 + r: polynomials in r, chosen and signed by q and x's sign."""
-    b = isa.k.b
-    z = b.fmul(r, r)
-    ps = isa.fma(b.fmul(horner(isa, z, _SIN_POLY), z), r, r)                    # sin r
-    pc = isa.fma(b.fmul(horner(isa, z, _COS_POLY), z), z,
-                 isa.fma(z, const(r, -0.5), const(r, 1.0)))                     # cos r
-    return _signed(isa, ps, pc, q, x)
 
 
 def _signed(isa: Isa, ps: ir.Value, pc: ir.Value, q: ir.Value, x: ir.Value) -> tuple[ir.Value, ir.Value]:
