@@ -72,6 +72,19 @@ def test_less_where_cast():
         ggraph.trace(lambda x: ops.where(x, x, x), f32[3])
 
 
+def test_fma_broadcasts_and_names_bad_operands():
+    """fma broadcasts its three operands as the binary ops do; mixed or integer dtypes and shapes that
+    do not broadcast are refused by name."""
+    x, y = randn(6, 4), randn(4)
+    out, g = run1(lambda x, y: ops.fma(x, y, x), x, y, avals=[f32["T", 4], f32[4]])
+    assert str(g.outvars[0].aval) == "f32[T,4]"
+    np.testing.assert_array_equal(out, (x.astype(np.float64) * y + x).astype(np.float32))
+    with pytest.raises(ShapeError, match=r"fma: needs three operands of one float dtype"):
+        ggraph.trace(lambda x, i: ops.fma(x, x, i), f32[3], i32[3])
+    with pytest.raises(ShapeError, match=r"fma.*do not broadcast"):
+        ggraph.trace(lambda x, y: ops.fma(x, y, x), f32["T", 3], f32[4])
+
+
 def test_reductions_keep_last_axis():
     x = randn(5, 17)
     s, g = run1(ops.reduce_sum, x)
