@@ -1,7 +1,9 @@
 """Where it costs nothing, ggraph computes as ggml does, to the bit: rms_norm sums the squares in f64
 (so that a norm's output, the input of the next matmul's 8-bit rounding, is llama.cpp's), and rope
 chains its angles in f32 as ggml does. Checked against llama.cpp's own intermediate tensors of the demo
-model's first layer, read through its eval callback, on every backend and through the fused attention."""
+model's first layer, read through its eval callback, on every backend and through the fused attention
+(slow: they need llama.cpp and the demo model); and against the C library: the angle step is powf's, the
+fma primitive rounds once, sin and cos are correctly rounded."""
 import ctypes
 import ctypes.util
 
@@ -45,6 +47,7 @@ def rel(a, b) -> float:
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["numpy", "llvm"])
 def test_rms_norm_gives_llama_cpps_bits(llama, weights, backend):
     """Every row of the attention norm: an f32 sum of squares in lane order (as ggraph once summed) gets
@@ -55,6 +58,7 @@ def test_rms_norm_gives_llama_cpps_bits(llama, weights, backend):
     np.testing.assert_array_equal(got, llama["attn_norm-0"][0])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["numpy", "llvm"])
 def test_rope_turns_by_llama_cpps_angles(llama, backend):
     """The unfused rope of the normed q and k (layer 0 is a local layer: base 10000). With exact angles
@@ -67,6 +71,7 @@ def test_rope_turns_by_llama_cpps_angles(llama, backend):
         assert rel(got, llama[f"{which}cur-0"][-1]) < 1e-7, which
 
 
+@pytest.mark.slow
 def test_fused_rope_attention_turns_by_llama_cpps_angles(llama):
     """The same through the fused rope_attention kernels: the roped keys they store in the cache, and
     the attention output."""
