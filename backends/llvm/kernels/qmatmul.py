@@ -123,6 +123,13 @@ def variant(dtype, target: Target) -> str:
     return f"{dot}-{target.vector_bits}: {gemm}, {gemv}; {fmt.act} activations"
 
 
+# Chunks per thread of a rows16 gemv (decode): the last chunk a thread takes is what the other waits
+# for at the barrier. 1B-shaped file, 2 threads, `ggraph bench --profile`, 4-6 alternating rounds:
+# barrier/idle 1.4-2.4% of the step with 16 (mean 1.8%), 1.6-5.5% with 8 (mean 3.8%), 2.1-2.4% with 32;
+# end to end (decode at 2 threads against stream_bandwidth, 4 alternating rounds) no change above the noise.
+GEMV_CHUNKS = 16
+
+
 def qmatmul(module: ir.Module, dtype, K: int, N: int, target: Target, rows_only: bool = False,
             layout: str | None = None) -> str:
     """Emit (once) the quantised matmul for weights (N, K) of `dtype`; returns its name. With
@@ -145,7 +152,7 @@ def qmatmul(module: ir.Module, dtype, K: int, N: int, target: Target, rows_only:
     if layout and not rows_only:      # rows16: gemv 16 rows at a time, the gemms' panels from groups
         with k.b.if_else(k.b.icmp_signed("==", T, k.i64(1))) as (single, many):
             with single:
-                with k.row_chunks(N, k.arg["counter"], quantum=rows16.ROWS) as rows:
+                with k.row_chunks(N, k.arg["counter"], per_thread=GEMV_CHUNKS, quantum=rows16.ROWS) as rows:
                     rows16.gemv(k, isa, fmt.dtype, lay, rows)
             with many:
                 _many(k, isa, fmt, lay, N, target, layout)
