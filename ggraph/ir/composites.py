@@ -23,8 +23,8 @@ from ggraph.ir.dims import Sym, simplify
 from ggraph.ir.dtypes import Aval, DimAval, f32
 from ggraph.ir.primitive import ShapeError, register
 from ggraph.ir.prims import (cache_rows, cache_update, cache_write, cast, concat, cos, dequant, exp, fma, io_bytes,
-                             iota, less, matmul, neg, reduce_max, reduce_mean, reduce_sum, reshape, rsqrt, sin, slice, tanh,
-                             transpose, where)
+                             iota, less, matmul, neg, reduce_max, reduce_mean, reduce_sum, reshape, rsqrt, sin, slice,
+                             tanh, transpose, where)
 from ggraph.ir.trace import Tracer, bind, bind_composite, to_atom
 
 __all__ = ["composite", "rms_norm", "softmax", "silu", "gelu_tanh", "swiglu", "rope", "attention",

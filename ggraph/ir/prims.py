@@ -31,8 +31,8 @@ from ggraph.ir.primitive import Primitive, ShapeError, register
 from ggraph.ir.trace import Tracer, bind, to_atom
 
 __all__ = ["add", "sub", "mul", "div", "maximum", "less", "neg", "exp", "log", "sqrt", "rsqrt", "tanh", "sin",
-           "cos", "fma", "where", "cast", "reduce_sum", "reduce_mean", "reduce_max", "reshape", "transpose", "broadcast_to",
-           "slice", "concat", "take", "matmul", "dequant", "iota", "cache_update", "elementwise"]
+           "cos", "fma", "where", "cast", "reduce_sum", "reduce_mean", "reduce_max", "reshape", "transpose",
+           "broadcast_to", "slice", "concat", "take", "matmul", "dequant", "iota", "cache_update", "elementwise"]
 
 
 class Blocks:

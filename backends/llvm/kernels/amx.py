@@ -5,8 +5,8 @@ A tile multiply (tdpbssd) adds a [16 x 64] s8 tile times a [64 x 16] s8 tile int
 act_quant's one-row-per-token layout; the second is 16 weight rows in VNNI order (each
 64-byte line holds the same 4 features of 16 rows), decoded once per tile of rows into a
 private panel (from the file's layout, or from rows16, where q4_k, q5_k and q6_k lie in such
-lines already, so that decode's gemv streams them 16 rows as lanes) and then used by every token; result row t holds token t's 16 outputs, so it
-adds to y[t, rows] as one vector.
+lines already, so that decode's gemv streams them 16 rows as lanes) and then used by every
+token; result row t holds token t's 16 outputs, so it adds to y[t, rows] as one vector.
 
 A tile sums 64 features at once, but the weights have a scale per sub-block of 16 or 32.
 Super-block types have integer sub-block scales, so the panel holds v = (q - offset) * scale
@@ -191,14 +191,15 @@ def amx_gemm(k: Kernel, isa: Isa, fmt: BlockFormat, lay: ActLayout, N: int, rows
     buf = k.scratch(i8, R * tp.room * per_panel)
     cbuf = k.scratch(i8, 2 * UNIT_BYTES)
     acc = k.scratch(f32, R * SPAN * TILE)
+    decode = _decode_rows16 if layout == rows16.LAYOUT else _decode
     tile_op(k, "ldtilecfg", config(k))
     with rows as (start, end), k.loop(0, nblocks, step=per_panel, name="apanel") as p0:
         count = _panel_count(k, p0, per_panel, nblocks)
         with k.loop(start, end, step=R * TILE, name="agroup") as n0:
             r0 = _tile_rows(k, N, n0, R)
-            decode = _decode_rows16 if layout == rows16.LAYOUT else _decode
             for r in range(R):
-                mins = decode(k, isa, fmt, lay, tp, k.add(r0, r * TILE), p0, count, k.addr(buf, r * tp.room * per_panel))
+                mins = decode(k, isa, fmt, lay, tp, k.add(r0, r * TILE), p0, count,
+                              k.addr(buf, r * tp.room * per_panel))
             with k.loop(0, T, step=SPAN, name="aspan") as s0:
                 run = _Run(k, isa, lay, tp, N, R, r0, [_row_mask(k, r0, r * TILE, n0, end) for r in range(R)],
                            s0, buf, tp.room * per_panel, cbuf, acc, mins)

@@ -256,21 +256,21 @@ class _Rows:
         return self.k.addr(base, self.k.mul(index, 4 * width))
 
     def angles(self, pos: ir.Value) -> ir.Value:
-        """The rope angles of position ``pos`` (f64) in a private f32[dims/2]: ggml's chain, theta_0 = pos
+        """The rope angles of position ``pos`` (f32) in a private f32[dims/2]: ggml's chain, theta_0 = pos
         and theta_(i+1) = theta_i · base^(-2/dims) rounded to f32 (``ops.rope_angles_table``)."""
         k, b = self.k, self.b
         if self._angles is None:
             self._angles = k.scratch(f32, self.rope.dims // 2)
         step = ir.Constant(f32, float(rope_theta_scale(self.rope.dims, self.rope.base)))
-        theta = k.var(f32, b.fptrunc(pos, f32))                              # positions are i32: exact
+        theta = k.var(f32, pos)
         with k.loop(0, self.rope.dims // 2, name="angle") as i:
             k.store(theta.get(), self._angles, k.mul(i, 4))
             theta.set(b.fmul(theta.get(), step))
         return self._angles
 
     def position(self, t) -> ir.Value:
-        """positions[t] as f64: the rope angle's position for token t."""
-        return self.b.sitofp(self._position(t), f64)
+        """positions[t] as f32, as ggml's rope takes it ((float)p): the first angle of token t."""
+        return self.b.sitofp(self._position(t), f32)
 
     def _position(self, t) -> ir.Value:
         return self.k.load(i32, self.k.arg["positions"], self.k.mul(t, 4))

@@ -5,12 +5,10 @@ LLVM lowers `llvm.exp.v16f32` and friends to one libm call per lane, so vector k
 the polynomial forms here: range reduction, a Cephes single-precision polynomial, and
 selects for the special values (exp(-inf) = 0, tanh saturates to ±1, log(0) = -inf,
 NaN in gives NaN out). Against float64 numpy the relative error stays under 1.5e-7
-(about 2 ulp) over the ranges models hit; sin and cos are within 1e-7 absolute for
-|x| up to 1e5 (rope angles), lose accuracy slowly beyond, and give NaN past 2**22.
-
-`sincos_f64` takes f64 angles (rope's) and reduces them and evaluates its polynomials in f64,
-so its f32 results are the correctly rounded ones (glibc's, which ggml's rope uses) but in
-rare near-ties, for angles into the hundreds of thousands.
+(about 2 ulp) over the ranges models hit. sin and cos (`sincos_f64`, and `sincos` for f32
+angles, which gives NaN past 2**22) reduce and evaluate their polynomials in f64, so their
+f32 results are the correctly rounded ones but in rare near-ties, for angles into the
+hundreds of thousands.
 The scalar generic twins call libm through LLVM's intrinsics instead (`libm`).
 
     y = vmath.unary(isa, "tanh", x, poly=vector_path(target))
