@@ -41,7 +41,9 @@ Kernel B takes the query heads that share a kv head (GQA) together, so each K an
 is read once for all of them, and walks the visible keys once in blocks of 16 with an
 online softmax: per block the scores, their max m, p = exp(s - m), one rescale of the
 accumulators by exp(m_old - m), then p·V. Threads' shares of rows are whole groups. The
-generic target gets a scalar twin: one query row at a time, one key at a time, libm exp.
+generic target gets a scalar twin: one query row at a time, one key at a time, libm exp, scores
+summed in PORTABLE_LANES lanes and everything accumulated with FMA rounded once, as llama.cpp's
+x86 kernels round.
 
 Steps of several tokens (prefill) go by tiles instead, where the heads fit (`tiles_fit`): the G
 heads of one kv head for lanes // G consecutive tokens, a lane per query row. Each block's K and
@@ -63,7 +65,7 @@ from llvmlite import ir
 from ggraph.backends.llvm.kernels import vmath
 from ggraph.backends.llvm.kernels.blocks import pack
 from ggraph.backends.llvm.kernels.builder import Kernel, f32, f64, i32, i64, splat_const, vec
-from ggraph.backends.llvm.kernels.isa import Isa, vector_path
+from ggraph.backends.llvm.kernels.isa import PORTABLE_LANES, Isa, vector_path
 from ggraph.backends.llvm.kernels.kv_rows import KVRow, check_cache_type
 from ggraph.backends.llvm.target import Target
 from ggraph.ops import ROPE_STYLES, rope_theta_scale
@@ -142,7 +144,7 @@ def from_rope_attention(eqn) -> tuple[Attention, Rope]:
 def variant(target: Target) -> str:
     """How the attention kernels run on `target` (for `ggraph target`)."""
     if not vector_path(target):
-        return "scalar (generic twin): one query row and one key at a time, libm"
+        return f"scalar (generic twin): one query row and one key at a time, libm, {PORTABLE_LANES}-lane scores"
     return (f"{target.vector_bits // 32} f32 lanes: GQA heads together, blocks of {BLOCK} keys, "
             f"online softmax, in-kernel rope; steps of several tokens in tiles with a lane per query row")
 
@@ -897,6 +899,22 @@ def _attention_rows(rows: _Rows, share, part) -> None:
         _keys_scalar(rows, (kc, vc), q, b.udiv(h, k.i64(attn.H // attn.Hkv)), lo, hi, out, part is not None)
 
 
+def _dot_scalar(rows: _Rows, q, krow) -> ir.Value:
+    """q · k in PORTABLE_LANES partial sums (FMA rounded once), then the tail one at a time: the
+    order of llama.cpp's f32 K·Q matmul on AVX-512."""
+    k, isa, D, L = rows.k, rows.isa, rows.attn.D, PORTABLE_LANES
+    main = D - D % L
+    lanes = k.var(vec(f32, L), _zeros(L))
+    if main:
+        with k.loop(0, main, step=L, name="d") as d:
+            lanes.set(isa.fused(k.load(vec(f32, L), q, k.mul(d, 4)), rows.keys.load(krow, d, L), lanes.get()))
+    dot = k.var(f32, isa.hsum(lanes.get()))
+    if main < D:
+        with k.loop(main, D, name="dt") as d:
+            dot.set(isa.fused(k.load(f32, q, k.mul(d, 4)), rows.keys.load(krow, d, 1), dot.get()))
+    return dot.get()
+
+
 def _keys_scalar(rows: _Rows, caches, q, g, lo, hi, out, partial: bool) -> None:
     """One key at a time: score, running max and sum, rescale the accumulator (the spec). A
     partial result is stored unnormalised after its max and sum."""
@@ -908,27 +926,25 @@ def _keys_scalar(rows: _Rows, caches, q, g, lo, hi, out, partial: bool) -> None:
     total = k.var(f32, 0.0)
     with k.loop(lo, hi, name="key") as j:
         krow = rows.keys.at(caches[0], k.add(k.mul(j, attn.Hkv), g))
-        dot = k.var(f32, 0.0)
-        with k.loop(0, attn.D, name="d") as d:
-            dot.set(isa.fma(k.load(f32, q, k.mul(d, 4)), rows.keys.load(krow, d, 1), dot.get()))
-        s = _softcap(rows, dot.get())
+        s = _softcap(rows, _dot_scalar(rows, q, krow))
         m_new = isa.maxnum(m.get(), s)
         corr = vmath.libm(isa, "exp", b.fsub(m.get(), m_new))
         p = vmath.libm(isa, "exp", b.fsub(s, m_new))
-        total.set(isa.fma(total.get(), corr, p))
+        total.set(isa.fused(total.get(), corr, p))
         m.set(m_new)
         vrow = rows.values.at(caches[1], k.add(k.mul(j, attn.Hkv), g))
         with k.loop(0, attn.Dv, name="dv") as d:
             a = k.load(f32, acc, k.mul(d, 4))
-            k.store(isa.fma(p, rows.values.load(vrow, d, 1), b.fmul(a, corr)), acc, k.mul(d, 4))
+            k.store(isa.fused(p, rows.values.load(vrow, d, 1), b.fmul(a, corr)), acc, k.mul(d, 4))
     if partial:
         k.store(m.get(), out)
         k.store(total.get(), out, 4)
         with k.loop(0, attn.Dv, name="out") as d:
             k.store(k.load(f32, acc, k.mul(d, 4)), out, k.add(k.mul(d, 4), 8))
         return
+    inv = b.fdiv(ir.Constant(f32, 1.0), total.get())                  # times 1/sum, as ggml scales
     with k.loop(0, attn.Dv, name="out") as d:
-        k.store(b.fdiv(k.load(f32, acc, k.mul(d, 4)), total.get()), out, k.mul(d, 4))
+        k.store(b.fmul(k.load(f32, acc, k.mul(d, 4)), inv), out, k.mul(d, 4))
 
 
 # ---------------------------------------------------------------------------------------

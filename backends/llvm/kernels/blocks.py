@@ -25,9 +25,9 @@ class IntScales:
     scale[s] = d * scales[s], min[s] = dmin * mins[s]. Drivers may sum a block's sub-blocks in
     integers with them, as llama.cpp's k-quant dot products do."""
 
-    scales: ir.Value                   # <subs x i32>
+    scales: ir.Value                   # <subs x i32>, or one sub-block's i32 (BlockFormat.int_scale)
     d: ir.Value                        # float
-    mins: ir.Value | None = None       # <subs x i32>
+    mins: ir.Value | None = None       # as scales
     dmin: ir.Value | None = None       # float
 
 
@@ -118,6 +118,7 @@ class BlockFormat:
     int_mins: bool = False   # Decoded.ints has mins (super-blocks with w = d*sc*q - dmin*m)
     headers: Callable | None = None   # (k, isa, [blk]) -> Headers of consecutive blocks, where the format has it
     run: Callable | None = None       # (k, isa, first blk, G) -> Run gathered from 64-byte loads, where it has one
+    int_scale: Callable | None = None  # (k, isa, blk, s) -> IntScales of sub-block s (super-block types)
 
     @property
     def chunks(self) -> int:

@@ -7,6 +7,10 @@ Threads take chunks of rows in turn, counted in ``counter`` (zero when the call 
 qmatmul's do. Lanes run along K: gemv keeps one accumulator
 per row; gemm keeps an R x C tile of accumulators (rows x tokens) so each loaded weight
 vector serves C tokens and each x vector serves R rows. K tails run scalar.
+
+The generic twin sums in PORTABLE_LANES lanes with FMA rounded once: the order and rounding of
+the AVX-512 kernel and of llama.cpp's f32 matmul there, so that f32 models agree across targets
+to their accumulation, not to a sequential sum's larger error.
 """
 from __future__ import annotations
 
@@ -14,7 +18,7 @@ from llvmlite import ir
 
 from ggraph.ir import dtypes
 from ggraph.backends.llvm.kernels.builder import Kernel, f32, i16, vec
-from ggraph.backends.llvm.kernels.isa import Isa, vector_path
+from ggraph.backends.llvm.kernels.isa import PORTABLE_LANES, Isa, vector_path
 from ggraph.backends.llvm.target import Target
 
 #  dtype: (bytes, bits -> f32) for one element or a vector of them
@@ -39,7 +43,7 @@ def float_weight(dtype) -> bool:
 
 def variant(dtype, target: Target) -> str:
     if not vector_path(target):
-        return "scalar (generic twin)"
+        return f"portable {PORTABLE_LANES} f32 lanes (generic twin), FMA rounded once"
     R, C = _tile_shape(target)
     return f"fma-{target.vector_bits}: gemm {R} rows x {C} tokens, gemv; f32 activations"
 
@@ -55,8 +59,8 @@ def fmatmul(module: ir.Module, dtype, K: int, N: int, target: Target) -> str:
         return name
     k = Kernel(module, name, ("w", "x", "y", "counter"))
     isa = Isa(k, target)
-    lanes = target.vector_bits // 32 if vector_path(target) else 1
-    R, C = _tile_shape(target) if lanes > 1 else (1, 1)
+    lanes = target.vector_bits // 32 if vector_path(target) else PORTABLE_LANES
+    R, C = _tile_shape(target)
     T = k.arg["T"]
     b = k.b
     full_t = b.mul(b.sdiv(T, k.i64(C)), k.i64(C))
@@ -89,16 +93,15 @@ def _tile(k: Kernel, isa: Isa, dt, K: int, N: int, n0, R: int, t0, C: int, lanes
     rows = [k.add(n0, r) for r in range(R)]
     toks = [k.add(t0, c) for c in range(C)]
     main = K - K % lanes
-    acc = [[k.var(vec(f32, lanes), ir.Constant(vec(f32, lanes), [0.0] * lanes)) if lanes > 1
-            else k.var(f32, 0.0) for _ in range(C)] for _ in range(R)]
+    acc = [[k.var(vec(f32, lanes), ir.Constant(vec(f32, lanes), [0.0] * lanes)) for _ in range(C)]
+           for _ in range(R)]
     with k.loop(0, main, step=lanes, name="k") as kk:
         ws = [_load_w(k, isa, dt, K, n, kk, lanes) for n in rows]
         xs = [_load_x(k, K, t, kk, lanes) for t in toks]
         for r in range(R):
             for c in range(C):
-                acc[r][c].set(isa.fma(ws[r], xs[c], acc[r][c].get()))
-    sums = [[isa.hsum(acc[r][c].get()) if lanes > 1 else acc[r][c].get() for c in range(C)]
-            for r in range(R)]
+                acc[r][c].set(isa.fused(ws[r], xs[c], acc[r][c].get()))
+    sums = [[isa.hsum(acc[r][c].get()) for c in range(C)] for r in range(R)]
     if main < K:
         tail = [[k.var(f32, sums[r][c]) for c in range(C)] for r in range(R)]
         with k.loop(main, K, name="kt") as kk:
@@ -106,7 +109,7 @@ def _tile(k: Kernel, isa: Isa, dt, K: int, N: int, n0, R: int, t0, C: int, lanes
             xs = [_load_x(k, K, t, kk, 1) for t in toks]
             for r in range(R):
                 for c in range(C):
-                    tail[r][c].set(isa.fma(ws[r], xs[c], tail[r][c].get()))
+                    tail[r][c].set(isa.fused(ws[r], xs[c], tail[r][c].get()))
         sums = [[tail[r][c].get() for c in range(C)] for r in range(R)]
     for r in range(R):
         for c in range(C):

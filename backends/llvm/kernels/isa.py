@@ -43,6 +43,11 @@ def _bit_matrix(shift: int, width: int, to: int) -> list[int]:
     return rows
 
 
+# lanes of f32 partial sums in the generic twins' dot products (portable IR vectors that LLVM splits
+# into baseline registers): the order of llama.cpp's f32 matmul on AVX-512 and of ggraph's kernels there
+PORTABLE_LANES = 16
+
+
 def vector_path(target: Target) -> bool:
     """True if kernels use their vector emitters; baseline x86 gets the scalar twins."""
     return target.arch != "x86_64" or target.has("avx2")

@@ -1,7 +1,7 @@
 """Decoders for the 256-weight super-block types: q2_k q3_k q4_k q5_k q6_k iq4_xs.
 
 Byte offsets and bit positions follow GGUF_AND_QUANTS.md. Each type has a scalar twin
-(`_level_*`, `_scale_*`: one weight or sub-block, the spec) and a vector one
+(`_level_*`, `_ints_*`: one weight or sub-block's integer scales, the spec) and a vector one
 (`_decode_*`: scales up front, 32-weight chunks on demand).
 """
 from __future__ import annotations
@@ -49,11 +49,9 @@ def _level_q2_k(k, isa, blk, i):
     return _q2(k, blk, 16, i)
 
 
-def _scale_q2_k(k, isa, blk, s):
+def _ints_q2_k(k, isa, blk, s):
     sc = byte(k, blk, s)
-    d, dmin = half(k, isa, blk, 80), half(k, isa, blk, 82)
-    return (k.b.fmul(d, k.b.uitofp(bits(k, sc, 0, 4), ir.FloatType())),
-            k.b.fmul(dmin, k.b.uitofp(bits(k, sc, 4, 4), ir.FloatType())))
+    return IntScales(bits(k, sc, 0, 4), half(k, isa, blk, 80), bits(k, sc, 4, 4), half(k, isa, blk, 82))
 
 
 def _decode_q2_k(k, isa, blk):
@@ -76,8 +74,8 @@ def _q3_scale6(k: Kernel, blk, j) -> ir.Value:
     return k.b.sub(k.b.or_(low, k.b.shl(high, _c32(4))), _c32(32))
 
 
-def _scale_q3_k(k, isa, blk, s):
-    return k.b.fmul(half(k, isa, blk, 108), k.b.sitofp(_q3_scale6(k, blk, s), ir.FloatType())), None
+def _ints_q3_k(k, isa, blk, s):
+    return IntScales(_q3_scale6(k, blk, s), half(k, isa, blk, 108))
 
 
 def _decode_q3_k(k, isa, blk):
@@ -108,10 +106,9 @@ def _k4_scale_min(k: Kernel, blk, j) -> tuple:
     return sc, mn
 
 
-def _scale_k4(k, isa, blk, s):
+def _ints_k4(k, isa, blk, s):
     sc, mn = _k4_scale_min(k, blk, s)
-    d, dmin = half(k, isa, blk, 0), half(k, isa, blk, 2)
-    return (k.b.fmul(d, k.b.uitofp(sc, ir.FloatType())), k.b.fmul(dmin, k.b.uitofp(mn, ir.FloatType())))
+    return IntScales(sc, half(k, isa, blk, 0), mn, half(k, isa, blk, 2))
 
 
 def _k4_scales_vector(k: Kernel, isa: Isa, blk) -> IntScales:
@@ -181,8 +178,8 @@ def _level_q6_k(k, isa, blk, i):
     return k.b.sub(k.b.or_(lo, k.b.shl(hi, _c32(4))), _c32(32))
 
 
-def _scale_q6_k(k, isa, blk, s):
-    return k.b.fmul(half(k, isa, blk, 208), k.b.sitofp(sbyte(k, blk, k.add(192, s)), ir.FloatType())), None
+def _ints_q6_k(k, isa, blk, s):
+    return IntScales(sbyte(k, blk, k.add(192, s)), half(k, isa, blk, 208))
 
 
 def _decode_q6_k(k, isa, blk):
@@ -211,8 +208,18 @@ def _iq4_xs_ls(k: Kernel, blk, ib) -> ir.Value:
     return k.b.sub(k.b.or_(low, k.b.shl(high, _c32(4))), _c32(32))
 
 
-def _scale_iq4_xs(k, isa, blk, s):
-    return k.b.fmul(half(k, isa, blk, 0), k.b.sitofp(_iq4_xs_ls(k, blk, s), ir.FloatType())), None
+def _ints_iq4_xs(k, isa, blk, s):
+    return IntScales(_iq4_xs_ls(k, blk, s), half(k, isa, blk, 0))
+
+
+def _float_scale(ints):
+    """BlockFormat.scale from an integer-scale reader: (d * scale[s], dmin * min[s]), as llama.cpp's
+    dequantisers round them."""
+    def scale(k, isa, blk, s):
+        got = ints(k, isa, blk, s)
+        times = lambda d, n: k.b.fmul(d, k.b.sitofp(n, ir.FloatType()))      # noqa: E731
+        return times(got.d, got.scales), times(got.dmin, got.mins) if got.mins is not None else None
+    return scale
 
 
 def _decode_iq4_xs(k, isa, blk):
@@ -224,14 +231,14 @@ def _decode_iq4_xs(k, isa, blk):
 
 # sub: weights per scale; unroll: chunks whose bit positions differ (gemm loops over such groups);
 # mins: integer mins beside the integer scales
-#   dtype          sub  unroll  mins   level          scale          decode
+#   dtype          sub  unroll  mins   level          scales         decode
 _TABLE = [
-    (dtypes.q2_k,   16,  4,     True,  _level_q2_k,   _scale_q2_k,   _decode_q2_k),
-    (dtypes.q3_k,   16,  4,     False, _level_q3_k,   _scale_q3_k,   _decode_q3_k),
-    (dtypes.q4_k,   32,  2,     True,  _level_q4_k,   _scale_k4,     _decode_q4_k),
-    (dtypes.q5_k,   32,  2,     True,  _level_q5_k,   _scale_k4,     _decode_q5_k),
-    (dtypes.q6_k,   16,  4,     False, _level_q6_k,   _scale_q6_k,   _decode_q6_k),
-    (dtypes.iq4_xs, 32,  2,     False, _level_iq4_xs, _scale_iq4_xs, _decode_iq4_xs),
+    (dtypes.q2_k,   16,  4,     True,  _level_q2_k,   _ints_q2_k,    _decode_q2_k),
+    (dtypes.q3_k,   16,  4,     False, _level_q3_k,   _ints_q3_k,    _decode_q3_k),
+    (dtypes.q4_k,   32,  2,     True,  _level_q4_k,   _ints_k4,      _decode_q4_k),
+    (dtypes.q5_k,   32,  2,     True,  _level_q5_k,   _ints_k4,      _decode_q5_k),
+    (dtypes.q6_k,   16,  4,     False, _level_q6_k,   _ints_q6_k,    _decode_q6_k),
+    (dtypes.iq4_xs, 32,  2,     False, _level_iq4_xs, _ints_iq4_xs,  _decode_iq4_xs),
 ]
 # q4_k / q5_k: 64 bytes of nibbles hold chunks (0, 2) in their low halves and (1, 3) in their high ones;
 # q2_k / q3_k (qs) and q6_k (qh): 64 bytes of 2-bit fields hold chunks (c, c + 4) at the same shift
@@ -240,5 +247,6 @@ _HALF_PAIRS = ((0, 4), (1, 5), (2, 6), (3, 7))
 _WIDE = {dtypes.q4_k: _NIBBLE_PAIRS, dtypes.q5_k: _NIBBLE_PAIRS,
          dtypes.q2_k: _HALF_PAIRS, dtypes.q3_k: _HALF_PAIRS, dtypes.q6_k: _HALF_PAIRS}
 _HEADERS = {dtypes.q4_k: _k4_headers, dtypes.q5_k: _k4_headers}
-FORMATS = {dt: BlockFormat(dt, "q8_k", sub, level, scale, decode, unroll, _WIDE.get(dt, ()), mins, _HEADERS.get(dt))
-           for dt, sub, unroll, mins, level, scale, decode in _TABLE}
+FORMATS = {dt: BlockFormat(dt, "q8_k", sub, level, _float_scale(ints), decode, unroll, _WIDE.get(dt, ()), mins,
+                          _HEADERS.get(dt), int_scale=ints)
+           for dt, sub, unroll, mins, level, ints, decode in _TABLE}

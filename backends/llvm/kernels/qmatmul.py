@@ -1157,36 +1157,61 @@ def _sum_of(k: Kernel, values: list) -> ir.Value:
 
 # -- scalar twin ----------------------------------------------------------------------------
 def _scalar(k: Kernel, isa: Isa, fmt: BlockFormat, lay: ActLayout, N: int, rows, L: int) -> None:
-    """y[t, n] = sum over blocks and sub-blocks of dx * (scale * sum(q * xq) - min * sum(xq))."""
+    """y[t, n] = sum over blocks of dx * (scale * sum(q * xq) - min * sum(xq)), rounded as llama.cpp
+    does: a super-block sums its sub-blocks' integer dots times their integer scales (its mins
+    likewise) and takes one float step, dx*d times that sum; the steps accumulate with FMA, the
+    mins' apart, subtracted at the end."""
     b = k.b
-    bs, sub = fmt.dtype.block_size, fmt.sub
     with k.loop(*rows, name="n") as n:
         with k.loop(0, k.arg["T"], name="t") as t:
-            base = k.addr(k.arg["xq"], k.mul(b.sdiv(t, k.i64(L)), lay.group_bytes(L)))
-            lane = b.srem(t, k.i64(L))
-            acc = k.var(f32, 0.0)
-            with k.loop(0, lay.K // bs, name="blk") as blk:
+            x = (k.addr(k.arg["xq"], k.mul(b.sdiv(t, k.i64(L)), lay.group_bytes(L))), b.srem(t, k.i64(L)))
+            acc, mins = k.var(f32, 0.0), k.var(f32, 0.0)
+            with k.loop(0, lay.K // fmt.dtype.block_size, name="blk") as blk:
                 wblk = _row(k, fmt, lay, n, blk)
-                dx = k.load(f32, base, lay.d(k, L, blk, lane))
-                with k.loop(0, bs // sub, name="s") as s:
-                    isum = k.var(i32, 0)
-                    with k.loop(0, sub, name="i") as i:
-                        e = k.add(k.mul(blk, bs), k.mul(s, sub), i)              # feature index
-                        at = k.add(lay.qs(k, L, b.sdiv(e, k.i64(4)), lane), b.srem(e, k.i64(4)))
-                        xv = b.sext(k.load(i8, base, at), i32)
-                        q = fmt.level(k, isa, wblk, k.add(k.mul(s, sub), i))
-                        isum.set(b.add(isum.get(), b.mul(q, xv)))
-                    scale, mn = fmt.scale(k, isa, wblk, s)
-                    term = b.fmul(b.fmul(scale, dx), b.sitofp(isum.get(), f32))
-                    if mn is not None:
-                        xsum = _xsum_scalar(k, fmt, lay, L, base, blk, s, lane)
-                        term = b.fsub(term, b.fmul(b.fmul(mn, dx), b.sitofp(xsum, f32)))
-                    acc.set(b.fadd(acc.get(), term))
-            k.store(acc.get(), k.arg["y"], k.mul(k.add(k.mul(t, N), n), 4))
+                dx = k.load(f32, x[0], lay.d(k, L, blk, x[1]))
+                step = _block_scalar if fmt.int_scale is None else _super_block_scalar
+                for total, (factor, dot) in zip((acc, mins), step(k, isa, fmt, lay, L, x, wblk, blk)):
+                    total.set(isa.fused(b.fmul(factor, dx), b.sitofp(dot, f32), total.get()))
+            k.store(b.fsub(acc.get(), mins.get()), k.arg["y"], k.mul(k.add(k.mul(t, N), n), 4))
 
 
-def _xsum_scalar(k: Kernel, fmt: BlockFormat, lay: ActLayout, L: int, base, blk, s, lane):
-    """Sum of quantised activations of sub-block s (an i64 value) for one token."""
+def _block_scalar(k: Kernel, isa: Isa, fmt: BlockFormat, lay: ActLayout, L: int, x, wblk, blk) -> list:
+    """A one-scale block's (scale, sum(q * xq)) and, with a min, (min, sum(xq))."""
+    scale, mn = fmt.scale(k, isa, wblk, 0)
+    out = [(scale, _dot_scalar(k, isa, fmt, lay, L, x, wblk, blk, 0))]
+    return out + ([(mn, _xsum_scalar(k, fmt, lay, L, x, blk, 0))] if mn is not None else [])
+
+
+def _super_block_scalar(k: Kernel, isa: Isa, fmt: BlockFormat, lay: ActLayout, L: int, x, wblk, blk) -> list:
+    """A super-block's (d, sum_s scale[s] * sum(q * xq)) and, with mins, (dmin, sum_s min[s] * sum(xq))."""
+    b = k.b
+    header = fmt.int_scale(k, isa, wblk, 0)                           # d and dmin (sub-block 0's scales unused)
+    isum, msum = k.var(i32, 0), k.var(i32, 0)
+    with k.loop(0, fmt.dtype.block_size // fmt.sub, name="s") as s:
+        ints = fmt.int_scale(k, isa, wblk, s)
+        isum.set(b.add(isum.get(), b.mul(ints.scales, _dot_scalar(k, isa, fmt, lay, L, x, wblk, blk, s))))
+        if ints.mins is not None:
+            msum.set(b.add(msum.get(), b.mul(ints.mins, _xsum_scalar(k, fmt, lay, L, x, blk, s))))
+    out = [(header.d, isum.get())]
+    return out + ([(header.dmin, msum.get())] if header.mins is not None else [])
+
+
+def _dot_scalar(k: Kernel, isa: Isa, fmt: BlockFormat, lay: ActLayout, L: int, x, wblk, blk, s) -> ir.Value:
+    """sum(q * xq) over sub-block s (an int or i64 value) of block blk, one weight at a time (i32)."""
+    b = k.b
+    base, lane = x
+    isum = k.var(i32, 0)
+    with k.loop(0, fmt.sub, name="i") as i:
+        e = k.add(k.mul(blk, fmt.dtype.block_size), k.mul(s, fmt.sub), i)           # feature index
+        at = k.add(lay.qs(k, L, b.sdiv(e, k.i64(4)), lane), b.srem(e, k.i64(4)))
+        q = fmt.level(k, isa, wblk, k.add(k.mul(s, fmt.sub), i))
+        isum.set(b.add(isum.get(), b.mul(q, b.sext(k.load(i8, base, at), i32))))
+    return isum.get()
+
+
+def _xsum_scalar(k: Kernel, fmt: BlockFormat, lay: ActLayout, L: int, x, blk, s):
+    """Sum of quantised activations of sub-block s (an int or i64 value) for one token."""
+    base, lane = x
     per = fmt.sub // lay.sum_block
     first = k.add(k.mul(blk, fmt.dtype.block_size // lay.sum_block), k.mul(s, per))
     return _sum_of(k, [lay.load_sums(k, base, L, k.add(first, p), lane=lane) for p in range(per)])
