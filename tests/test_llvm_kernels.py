@@ -182,6 +182,20 @@ def test_act_quant_matches_ggml(target, fmt, K):
             assert not s32[T:].any(), "padding tokens must be zero"
 
 
+@pytest.mark.parametrize("fmt,K", [("q8_0", 96), ("q8_k", 512)])
+def test_act_quant_makes_a_block_with_nan_nan(target, fmt, K):
+    """A NaN anywhere in a block (a damaged weight upstream) makes that block's d NaN, so it reaches the
+    logits; ggml's quantisers skip NaN in amax and round it to a 0 quant, a silently zeroed feature."""
+    x = np.ones((3, K), np.float32)
+    x[0, 7] = np.nan                                       # one NaN in the first block
+    x[1, :] = np.nan                                       # a whole row
+    buf = np.zeros(kernels.act_bytes(fmt, 3, K), np.uint8)
+    run(fn(target, f"act_quant_{fmt}_k{K}", ACT_ABI), (x.ctypes.data, buf.ctypes.data), 3, 2)
+    _, d, _, _ = unpack_act(buf, fmt, 3, K, target)
+    assert np.isnan(d[0, 0]) and np.isfinite(d[0, 1:]).all(), d[0]
+    assert np.isnan(d[1]).all() and np.isfinite(d[2]).all()
+
+
 # -- qmatmul --------------------------------------------------------------------------------
 def check_qmatmul(target, dt, K: int, n: int, w: np.ndarray, tokens=TOKENS, rng=None, lib=None, x_of=None,
                   layout=None) -> None:

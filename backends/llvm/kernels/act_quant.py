@@ -20,6 +20,10 @@ q8_k: ggml's quantize_row_q8_K with the sign of d made positive (iscale = 127/am
 d = 1/iscale); ggml's (d, q) differ from ours by one common sign, so every product d*q
 is bit-identical. ggml's q8_1 `s` is not stored: the integer sums carry it exactly,
 so q4_1 and q5_1 use the q8_0 layout.
+
+A NaN anywhere in a block makes its amax and d NaN (ggml's quantisers skip it, and its quant
+rounds to 0), so damaged activations reach the logits as NaN, which the runtime reports,
+rather than as quietly zeroed features.
 """
 from __future__ import annotations
 
@@ -157,7 +161,7 @@ def _scales(k: Kernel, lay: ActLayout, amax: ir.Value, isa: Isa) -> tuple[ir.Val
     """(d as stored, multiplier) for a block whose largest |x| is amax."""
     b = k.b
     zero = ir.Constant(f32, 0.0)
-    nonzero = b.fcmp_ordered("!=", amax, zero)
+    nonzero = b.fcmp_unordered("!=", amax, zero)                          # NaN too: d stays NaN
     inv = b.fdiv(ir.Constant(f32, 127.0), amax)
     if lay.fmt == "q8_0":
         d = isa.round_f16(b.fdiv(amax, ir.Constant(f32, 127.0)))
@@ -176,7 +180,7 @@ def _quant_row_vector(k: Kernel, isa: Isa, lay: ActLayout, L: int, x, base, lane
     bs, ss = lay.block, lay.sum_block
     with k.loop(0, lay.K // bs, name="blk") as blk:
         v = k.load(vec(f32, bs), x, k.mul(blk, 4 * bs))                        # (bs,) f32
-        d, mult = _scales(k, lay, isa.hmax(_fabs(k, v)), isa)
+        d, mult = _scales(k, lay, isa.hmax(_fabs(k, v), nan=True), isa)
         q = isa.round_even(k.b.fmul(v, k.splat(mult, bs)))                       # (bs,) i32
         qb = k.b.trunc(q, vec(i8, bs))
         if L == 1:
@@ -202,7 +206,7 @@ def _quant_row_scalar(k: Kernel, isa: Isa, lay: ActLayout, L: int, x, base, lane
         amax = k.var(f32, 0.0)
         with k.loop(0, bs, name="i") as i:
             xi = k.load(f32, x, k.mul(k.add(k.mul(blk, bs), i), 4))
-            amax.set(isa.maxnum(amax.get(), _fabs(k, xi)))
+            amax.set(isa.maximum(amax.get(), _fabs(k, xi)))
         d, mult = _scales(k, lay, amax.get(), isa)
         with k.loop(0, bs // ss, name="s") as s:
             total = k.var(i32, 0)

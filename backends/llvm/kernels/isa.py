@@ -83,6 +83,10 @@ class Isa:
     def maxnum(self, a: ir.Value, b: ir.Value) -> ir.Value:
         return self.k.intrinsic(f"llvm.maxnum.{mangle(a.type)}", a.type, [a, b])
 
+    def maximum(self, a: ir.Value, b: ir.Value) -> ir.Value:
+        """The larger of a and b, NaN if either is (maxnum would take the other)."""
+        return self.k.intrinsic(f"llvm.maximum.{mangle(a.type)}", a.type, [a, b])
+
     def _tree(self, v: ir.Value, op) -> ir.Value:
         k = self.k
         while v.type.count > 1:
@@ -95,9 +99,9 @@ class Isa:
         add = self.k.b.fadd if isinstance(v.type.element, ir.FloatType) else self.k.b.add
         return self._tree(v, add)
 
-    def hmax(self, v: ir.Value) -> ir.Value:
-        """Largest lane of a float vector."""
-        return self._tree(v, self.maxnum)
+    def hmax(self, v: ir.Value, nan: bool = False) -> ir.Value:
+        """Largest lane of a float vector; with ``nan``, NaN if any lane is."""
+        return self._tree(v, self.maximum if nan else self.maxnum)
 
     def round_even(self, v: ir.Value) -> ir.Value:
         """Nearest integer (ties to even) of |v| < 2**22 as i32: ggml's nearest_int."""
