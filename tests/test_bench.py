@@ -132,7 +132,9 @@ def test_roofline_bounds_every_engine_by_the_same_work(model, capsys):
     assert main(["bench", model, "-p", "4", "-n", "2", "--roofline", "--repeats", "1", "--json"]) == 0
     r = json.loads(capsys.readouterr().out)
     assert r["pp_limit_tok_s"] > 0 and r["tg_limit_tok_s"] > 0 and r["bandwidth_gb_s"] > 0
-    assert r["limit_target"] and r["peak_int8_gop_s"] >= r["peak_gflop_s"]
+    assert r["limit_target"] and r["peak_int8_gop_s"] > 0 and r["peak_gflop_s"] > 0
+    if r["limit_target"] != "generic":          # one u8 x s8 instruction does 4 ops per f32 lane's 2; the
+        assert r["peak_int8_gop_s"] >= r["peak_gflop_s"]      # generic twin's int8 dot is four scalar MACs
     assert main(["bench", model, "-p", "4", "-n", "2", "--roofline", "--repeats", "1"]) == 0
     out = capsys.readouterr().out
     assert "roofline at 1 thread:" in out and "of limit" in out
