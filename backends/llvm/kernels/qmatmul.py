@@ -100,7 +100,8 @@ def variant(dtype, target: Target) -> str:
     """A one-line description of the kernel `qmatmul` emits for (dtype, target)."""
     fmt = block_format(dtype)
     if not vector_path(target):
-        return "scalar (generic twin)"
+        return "scalar (generic twin)" + ("; sub-blocks times integer scales, one FMA per block"
+                                          if fmt.int_scale is not None else "; FMA per block")
     R, G = tile(target)
     dot = {True: "vpdpbusd", False: "pmaddubsw"}[target.has("avx512vnni")] if target.arch == "x86_64" \
         else ("sdot" if target.has("dotprod") else "smull")
