@@ -68,7 +68,7 @@ from ggraph.backends.llvm.kernels.builder import Kernel, f32, f64, i32, i64, spl
 from ggraph.backends.llvm.kernels.isa import PORTABLE_LANES, Isa, vector_path
 from ggraph.backends.llvm.kernels.kv_rows import KVRow, check_cache_type
 from ggraph.backends.llvm.target import Target
-from ggraph.ops import ROPE_STYLES, rope_theta_scale
+from ggraph.ops import ROPE_STYLES
 
 BLOCK = 16                       # keys per online-softmax step in the vector kernel
 ROW_COST = BLOCK                 # fixed cost of a query row (rope, a softmax block), in key units
@@ -260,14 +260,11 @@ class _Rows:
     def angles(self, pos: ir.Value) -> ir.Value:
         """The rope angles of position ``pos`` (f32) in a private f32[dims/2]: ggml's chain, theta_0 = pos
         and theta_(i+1) = theta_i · base^(-2/dims) rounded to f32 (``ops.rope_angles_table``)."""
-        k, b = self.k, self.b
+        k = self.k
         if self._angles is None:
             self._angles = k.scratch(f32, self.rope.dims // 2)
-        step = ir.Constant(f32, float(rope_theta_scale(self.rope.dims, self.rope.base)))
-        theta = k.var(f32, pos)
-        with k.loop(0, self.rope.dims // 2, name="angle") as i:
-            k.store(theta.get(), self._angles, k.mul(i, 4))
-            theta.set(b.fmul(theta.get(), step))
+        with vmath.rope_angles(k, pos, self.rope.dims, self.rope.base) as (i, theta):
+            k.store(theta, self._angles, k.mul(i, 4))
         return self._angles
 
     def position(self, t) -> ir.Value:

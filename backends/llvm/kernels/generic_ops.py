@@ -14,8 +14,8 @@ import hashlib
 
 from llvmlite import ir
 
+from ggraph.backends.llvm.kernels import vmath
 from ggraph.backends.llvm.kernels.builder import Kernel, f32, i8, i32, i64
-from ggraph.ir.composites import rope_theta_scale
 
 FAST = ("fast",)
 
@@ -92,16 +92,13 @@ def rope_angles(module: ir.Module, dims: int, base: float, scale: float, freq_fa
     ff = ("freq_factors",) if freq_factors else ()
     k = Kernel(module, name, ("positions",) + ff + ("y",), ("T",), noalias=True)
     b, half = k.b, dims // 2
-    step = ir.Constant(f32, float(rope_theta_scale(dims, base)))
     start, end = _share(k, k.arg["T"])
     with k.loop(start, end, name="t") as t:
-        theta = k.var(f32, b.sitofp(k.load(i32, k.arg["positions"], b.mul(t, ir.Constant(i64, 4))), f32))
-        with k.loop(0, half, name="i") as i:
-            v = theta.get()
+        pos = b.sitofp(k.load(i32, k.arg["positions"], b.mul(t, ir.Constant(i64, 4))), f32)
+        with vmath.rope_angles(k, pos, dims, base) as (i, v):
             if freq_factors:
                 v = b.fdiv(v, k.load(f32, k.arg["freq_factors"], b.mul(i, ir.Constant(i64, 4))))
             if scale != 1.0:
                 v = b.fmul(v, ir.Constant(f32, scale))
             k.store(v, k.arg["y"], b.mul(b.add(b.mul(t, ir.Constant(i64, half)), i), ir.Constant(i64, 4)))
-            theta.set(b.fmul(theta.get(), step))
     return k.finish()

@@ -16,11 +16,13 @@ The scalar generic twins call libm through LLVM's intrinsics instead (`libm`).
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 
 from llvmlite import ir
 
-from ggraph.backends.llvm.kernels.builder import f32, i32, mangle, splat_const, vec
+from ggraph.backends.llvm.kernels.builder import Kernel, f32, i32, mangle, splat_const, vec
 from ggraph.backends.llvm.kernels.isa import Isa
+from ggraph.ir.composites import rope_theta_scale
 
 _MAGIC = 12582912.0              # 1.5 * 2**23: adding it rounds |v| < 2**22 to an integer
 
@@ -203,3 +205,15 @@ def unary(isa: Isa, name: str, x: ir.Value, poly: bool) -> ir.Value:
     if name not in POLY:
         raise ValueError(f"vmath: no function {name!r}; known: {', '.join(POLY)}")
     return POLY[name](isa, x) if poly else libm(isa, name, x)
+
+
+@contextmanager
+def rope_angles(k: Kernel, first: ir.Value, dims: int, base: float):
+    """A loop over a rope's dims/2 pairs that yields (i, theta_i): ggml's f32 angle chain, theta_0 =
+    ``first`` (the position as f32) and theta_(i+1) = theta_i * base^(-2/dims), each product rounded
+    to f32 (``ops.rope_angles_table``)."""
+    step = ir.Constant(f32, float(rope_theta_scale(dims, base)))
+    theta = k.var(f32, first)
+    with k.loop(0, dims // 2, name="angle") as i:
+        yield i, theta.get()
+        theta.set(k.b.fmul(theta.get(), step))
