@@ -1163,6 +1163,7 @@ def _scalar(k: Kernel, isa: Isa, fmt: BlockFormat, lay: ActLayout, N: int, rows,
     likewise) and takes one float step, dx*d times that sum; the steps accumulate with FMA, the
     mins' apart, subtracted at the end."""
     b = k.b
+    step = _block_scalar if fmt.int_scale is None else _super_block_scalar
     with k.loop(*rows, name="n") as n:
         with k.loop(0, k.arg["T"], name="t") as t:
             x = (k.addr(k.arg["xq"], k.mul(b.sdiv(t, k.i64(L)), lay.group_bytes(L))), b.srem(t, k.i64(L)))
@@ -1170,7 +1171,6 @@ def _scalar(k: Kernel, isa: Isa, fmt: BlockFormat, lay: ActLayout, N: int, rows,
             with k.loop(0, lay.K // fmt.dtype.block_size, name="blk") as blk:
                 wblk = _row(k, fmt, lay, n, blk)
                 dx = k.load(f32, x[0], lay.d(k, L, blk, x[1]))
-                step = _block_scalar if fmt.int_scale is None else _super_block_scalar
                 for total, (factor, dot) in zip((acc, mins), step(k, isa, fmt, lay, L, x, wblk, blk)):
                     total.set(isa.fused(b.fmul(factor, dx), b.sitofp(dot, f32), total.get()))
             k.store(b.fsub(acc.get(), mins.get()), k.arg["y"], k.mul(k.add(k.mul(t, N), n), 4))
