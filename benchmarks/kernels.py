@@ -22,7 +22,7 @@ from ggraph.ir import dtypes
 from ggraph.backends.llvm import jit, kernels
 from ggraph.backends.llvm.kernels import rows16
 from ggraph.gguf.quants import F16_FIELDS
-from ggraph.backends.llvm.program import huge_pages
+from ggraph.backends.llvm.program import own_pages
 from ggraph.backends.llvm.target import runnable_targets
 from ggraph.backends.llvm.team import CallTeam
 
@@ -75,7 +75,7 @@ def timed(fn, args_for, reps: int, nth: int, runs: int = 5) -> float:
 
 class Shape:
     """One qmatmul compiled for (target, type, K, N) and weights in the file's ``layout`` or one a
-    program lays them out in (rows16: in 2 MB pages, as a program allocates them): ``gemv(nth)``
+    program lays them out in (rows16: in pages of their own, as a program allocates them): ``gemv(nth)``
     GB/s of weights at T=1 (cold: a fresh copy per call, unless ``hot``), ``gemm(nth)`` GFLOP/s."""
 
     def __init__(self, target, wtype: str, K: int, N: int, rng, hot: bool = False, tokens: int = 64,
@@ -96,14 +96,14 @@ class Shape:
             self.pool[:] = raw.reshape(1, -1)
         else:                      # (GB/s count the file's bytes; rows16 pads q6_k by 1%)
             laid = rows16.repack(raw, dt, N, K)
-            self.pool = huge_pages(self.copies * laid.nbytes).reshape(self.copies, laid.nbytes)
+            self.pool = own_pages(self.copies * laid.nbytes).reshape(self.copies, laid.nbytes)
             self.pool[:] = laid.reshape(1, -1)
         self.acts = {}
-        for T in (1, tokens):            # in 2 MB pages, as a program's activations are (numpy's large arrays)
+        for T in (1, tokens):            # page aligned
             x = rng.standard_normal((T, K)).astype(np.float32)
-            xq = huge_pages(kernels.act_bytes(fmt, T, K))
+            xq = own_pages(kernels.act_bytes(fmt, T, K))
             aq(x.ctypes.data, xq.ctypes.data, T, 0, 1)
-            y = huge_pages(4 * T * N).view(np.float32).reshape(T, N)
+            y = own_pages(4 * T * N).view(np.float32).reshape(T, N)
             self.acts[T] = (xq, y, 2 * T * N * K)
         self.tokens = tokens
 

@@ -1,6 +1,7 @@
 """q4_k, q5_k and q6_k weights interleaved 16 rows at a time (backends/llvm/kernels/rows16.py): where each byte goes,
 which weights a program lays out so (those that only qmatmuls read), one copy per process, and the
 file's pages left intact."""
+import mmap
 import textwrap
 
 import numpy as np
@@ -173,7 +174,7 @@ def test_programs_share_one_copy_and_the_file_keeps_its_bytes(tmp_path):
     progs = [compile_graph(graph, backend="llvm", passes=[], target=_vnni(), threads=1, weights=f) for _ in range(2)]
     copies = [p._keep[p.spec.param_index[graph.params[0]]] for p in progs]
     assert copies[0] is copies[1] and isinstance(copies[0], program._Laid)
-    assert copies[0].data.ctypes.data % program.HUGE_PAGE == 0
+    assert copies[0].data.ctypes.data % mmap.PAGESIZE == 0
     np.testing.assert_array_equal(rows16.unpack(copies[0].data, dtypes.q4_k, 256, 1024), raw.reshape(-1))
     np.testing.assert_array_equal(f.tensors["w"].data.reshape(-1), raw.reshape(-1))
     x = rng.standard_normal((1, 1024)).astype(np.float32)

@@ -5,8 +5,8 @@
 
 Weights are read in place from the GGUF mmap, except those the program lays out its own way
 (``Buffer.layout``: q4_k, q5_k and q6_k matrices interleaved 16 rows at a time on AVX-512 VNNI,
-with or without AMX, see kernels/rows16.py), copied once per process into 2 MB pages as they are
-bound, the file's pages let go. Activations live in one arena that grows to the largest step seen and is
+with or without AMX, see kernels/rows16.py), copied once per process into memory of their own as they
+are bound, the file's pages let go. Activations live in one arena that grows to the largest step seen and is
 reused. One call runs the whole graph: every team thread enters the program once.
 
 Building is cached at two levels: each kernel unit's object code (``jit.unit``), and the
@@ -386,7 +386,7 @@ _LAID: "weakref.WeakValueDictionary[tuple, _Laid]" = weakref.WeakValueDictionary
 
 def laid_out(value, aval, layout: str) -> _Laid:
     """``value`` (a weight's Blocks) in ``layout``: the copy already made in this process for the
-    same bytes, or a new one (rows16.repack) in huge pages."""
+    same bytes, or a new one (rows16.repack) in pages of its own."""
     from ggraph.backends.llvm.kernels import rows16
     data = value.data if isinstance(value, Blocks) else value
     key = (data.ctypes.data, data.nbytes, layout)
@@ -396,28 +396,20 @@ def laid_out(value, aval, layout: str) -> _Laid:
             raise ValueError(f"weight {aval.source!r}: no layout {layout!r} for {aval}")
         N, K = aval.shape
         laid = _LAID[key] = _Laid(value, rows16.repack(data, aval.dtype, N, K,
-                                                    out=huge_pages(rows16.nbytes(aval.dtype, N, K))))
+                                                    out=own_pages(rows16.nbytes(aval.dtype, N, K))))
         _drop_file_pages(data)
     return laid
 
 
-HUGE_PAGE = 2 << 20
-
-
-def huge_pages(nbytes: int) -> np.ndarray:
-    """``nbytes`` of memory of its own (uint8), 2 MB aligned, where Linux is asked for huge pages:
-    a gemv then streams the weights with a fraction of the page walks (rows16 q4_k from memory,
-    one Zen 4 thread: 24.4 GB/s in 2 MB pages, 23.1 in 4 KB; the file layout's gemv gains nothing)."""
+def own_pages(nbytes: int) -> np.ndarray:
+    """``nbytes`` of memory of its own (uint8), page aligned, given back to the system when the last
+    view of it goes. In 4 KB pages: huge pages bought nothing. This used to madvise a shared anonymous
+    mapping for them, which Linux ignores unless shmem huge pages are on (off by default); a private
+    mapping does get them, and on a Xeon (1B-shaped q4_k_m decode, 1 and 2 threads, alternating
+    rounds in one process) it ran no faster and kept 150 MB (20%) more resident, each weight rounded
+    up to whole 2 MB pages."""
     import mmap
-    m = mmap.mmap(-1, nbytes + HUGE_PAGE)
-    if hasattr(m, "madvise") and hasattr(mmap, "MADV_HUGEPAGE"):
-        try:
-            m.madvise(mmap.MADV_HUGEPAGE)
-        except OSError:                               # transparent huge pages switched off: 4 KB pages
-            pass
-    whole = np.frombuffer(m, np.uint8)
-    at = -whole.ctypes.data % HUGE_PAGE
-    return whole[at:at + nbytes]
+    return np.frombuffer(mmap.mmap(-1, max(nbytes, 1)), np.uint8)[:nbytes]
 
 
 def _drop_file_pages(a: np.ndarray) -> None:
