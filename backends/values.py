@@ -13,6 +13,7 @@ mapping. Every check names the input or weight: its dtype, its shape, its byte s
 from __future__ import annotations
 
 import math
+import weakref
 
 import numpy as np
 
@@ -25,17 +26,19 @@ from ggraph.ir.trace import tree_flatten, tree_unflatten
 
 
 def bind_symbols(graph: Graph, values: dict[Var, object]) -> dict[str, int]:
-    """Symbol values from dim inputs and from input shapes; mismatches name the input."""
+    """Symbol values from dim inputs and from input shapes; mismatches name the input. ``values`` are
+    checked (``as_value``), which has held every input of a static shape to it already: only the
+    dim inputs and the inputs with symbolic dims are looked at here."""
+    dims, shaped = _symbolic_inputs(graph)
     env: dict[str, int] = {}
-    for v in graph.invars:
-        if isinstance(v.aval, DimAval):
-            x = values[v]
-            if getattr(x, "shape", ()) != () or np.asarray(x).dtype.kind not in "iu":
-                raise TypeError(f"input {v.aval.symbol} is a dim: give one integer, got {x!r}")
-            env[v.aval.symbol] = int(x)
-            if env[v.aval.symbol] < 0:
-                raise ValueError(f"input {v.aval.symbol} = {env[v.aval.symbol]}: a dim cannot be negative")
-    for v in graph.invars:
+    for v in dims:
+        x = values[v]
+        if getattr(x, "shape", ()) != () or np.asarray(x).dtype.kind not in "iu":
+            raise TypeError(f"input {v.aval.symbol} is a dim: give one integer, got {x!r}")
+        env[v.aval.symbol] = int(x)
+        if env[v.aval.symbol] < 0:
+            raise ValueError(f"input {v.aval.symbol} = {env[v.aval.symbol]}: a dim cannot be negative")
+    for v in shaped:
         shape = _logical_shape(values[v])
         for d, n in zip(v.aval.shape, shape):
             if isinstance(d, Sym) and len(d.terms) == 1 and d.terms[0][1] == 1 and d.const == 0:
@@ -43,13 +46,25 @@ def bind_symbols(graph: Graph, values: dict[Var, object]) -> dict[str, int]:
                     raise ValueError(f"input {v.hint or graph.invars.index(v)}: {d.terms[0][0]} = 0; a step takes "
                                      f"at least one row ({v.aval})")
                 env.setdefault(d.terms[0][0], n)
-    for v in graph.invars:
-        shape = v.aval.shape
-        want = shape if all(type(d) is int for d in shape) else v.aval.concrete(env)
-        got = _logical_shape(values[v])
+    for v in shaped:
+        want, got = v.aval.concrete(env), _logical_shape(values[v])
         if want != got:
             raise ValueError(f"input {v.hint or v}: expected shape {v.aval} = {want}, got {got}")
     return env
+
+
+_SYMBOLIC: "weakref.WeakKeyDictionary[Graph, tuple]" = weakref.WeakKeyDictionary()
+
+
+def _symbolic_inputs(graph: Graph) -> tuple[tuple, tuple]:
+    """(the dim inputs, the inputs whose shapes have symbolic dims) of ``graph``, found once."""
+    found = _SYMBOLIC.get(graph)
+    if found is None:
+        dims = tuple(v for v in graph.invars if isinstance(v.aval, DimAval))
+        shaped = tuple(v for v in graph.invars if not isinstance(v.aval, DimAval)
+                       and not all(type(d) is int for d in v.aval.shape))
+        found = _SYMBOLIC[graph] = (dims, shaped)
+    return found
 
 
 def _logical_shape(x) -> tuple:
@@ -201,7 +216,19 @@ class Program:
         written = self.__dict__.get("_written")
         if written is None:
             written = self.__dict__["_written"] = written_inputs(self.graph)
-        return as_written(v.aval, x, what) if v in written else as_value(v.aval, x, what)
+        if v not in written:
+            return as_value(v.aval, x, what)
+        # An array the program updates in place (a KV cache) is the caller's own, never a copy, and
+        # the same one step after step: it is checked again only when it is another array, or this
+        # one with another shape, dtype or flags.
+        checked = self.__dict__.setdefault("_checked", {})
+        seen = checked.get(v)
+        key = (x.shape, x.dtype, x.flags.writeable, x.flags.c_contiguous) if isinstance(x, np.ndarray) else None
+        if seen is not None and seen[0] is x and seen[1] == key:
+            return seen[2]
+        value = as_written(v.aval, x, what)
+        checked[v] = (x, key, value)
+        return value
 
     def bind_weights(self, weights) -> None:
         """Bind every param by its source name from a GGUFFile or a {name: array} mapping."""

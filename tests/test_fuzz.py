@@ -359,6 +359,14 @@ API = {  # python snippet (with `s`, a Session of the base model, and np): the e
     "read_only_cache": ("kc = [c.copy() for c in s.k_cache]; [c.setflags(write=False) for c in kc]; "
                         "s.program(True).run_inputs([np.array([2], np.int32), 0, *kc, *s.v_cache])",
                         "is updated in place, but the array given is read-only"),
+    # a cache the last step took (and checked) is checked again once its flags or shape change
+    "cache_turned_read_only": ("p = s.program(True); kc = [c.copy() for c in s.k_cache]; "
+                               "p.run_inputs([np.array([2], np.int32), 0, *kc, *s.v_cache]); kc[0].setflags(write=False); "
+                               "p.run_inputs([np.array([3], np.int32), 1, *kc, *s.v_cache])",
+                               "is updated in place, but the array given is read-only"),
+    "cache_reshaped_in_place": ("p = s.program(True); kc = [c.copy() for c in s.k_cache]; "
+                                "p.run_inputs([np.array([2], np.int32), 0, *kc, *s.v_cache]); kc[0].shape = (-1,); "
+                                "p.run_inputs([np.array([3], np.int32), 1, *kc, *s.v_cache])", "expected shape"),
     "converted_cache": ("s.program(True).run_inputs([np.array([2], np.int32), 0, "
                         "*[c.astype(np.float64) for c in s.k_cache], *s.v_cache])",
                         "is updated in place: give an array of float16"),
