@@ -193,7 +193,13 @@ class Lowering:
 
     def bound(self, rows, capacity: int, what: str) -> None:
         """Require ``rows`` (a dim expression, e.g. P+T) <= ``capacity`` on every run, before the call:
-        the kernels write and read those rows without checking."""
+        the kernels write and read those rows without checking. Of the bounds on one expression (every
+        KV cache's P+T) only the tightest is kept: it fails first, and each run evaluates one."""
+        for i, (seen, cap, _) in enumerate(self.bounds):
+            if seen == rows:
+                if int(capacity) < cap:
+                    self.bounds[i] = (rows, int(capacity), what)
+                return
         self.bounds.append((rows, int(capacity), what))
 
     def value_range(self, v, lo: int, hi: int, what: str) -> None:
