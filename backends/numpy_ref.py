@@ -41,8 +41,9 @@ class NumpyProgram(Program):
     def bind(self, v: Var, value) -> None:
         self.weights[v.aval.source] = value
 
-    def run(self, values: dict[Var, object]) -> list:
-        """Evaluate with inputs given per var; the params come from the bound weights."""
+    def run(self, values: dict[Var, object], first: int | None = None) -> list:
+        """Evaluate with inputs given per var; the params come from the bound weights. Returns the
+        outputs, or the ``first`` few."""
         g = self.graph
         missing = [v.aval.source for v in g.params if v.aval.source not in self.weights]
         if missing:
@@ -54,7 +55,8 @@ class NumpyProgram(Program):
             if e.prim is dequant_p and e.inputs[0] in params:
                 return self._cached_dequant(e.inputs[0], vals[0])
             return eval_eqn(e, vals, dims)
-        return evaluate(g, [values[v] for v in g.invars] + [self.weights[v.aval.source] for v in g.params], apply)
+        outs = evaluate(g, [values[v] for v in g.invars] + [self.weights[v.aval.source] for v in g.params], apply)
+        return outs if first is None else outs[:first]
 
     def _cached_dequant(self, v: Var, blocks):
         hit = self._dequant_cache.get(v)

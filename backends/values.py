@@ -176,7 +176,8 @@ def _blocks(aval, x: np.ndarray, what: str) -> Blocks:
 
 
 class Program:
-    """The calling convention both backends share; subclasses give ``run(values)`` and ``bind(var, value)``."""
+    """The calling convention both backends share; subclasses give ``run(values, first=None)`` (the
+    outputs, or only the ``first`` few) and ``bind(var, value)``."""
 
     graph: Graph
     bound: set                                   # param vars that have a weight
@@ -205,12 +206,15 @@ class Program:
         outs = self.run(values)
         return tree_unflatten(g.out_tree, outs) if g.out_tree is not None else outs
 
-    def run_inputs(self, inputs: list) -> list:
-        """Run with the graph's non-weight inputs in order; weights come from ``bind_weights``."""
+    def run_inputs(self, inputs: list, first: int | None = None) -> list:
+        """Run with the graph's non-weight inputs in order; weights come from ``bind_weights``. With
+        ``first``, only that many leading outputs come back (a decode step's logits, not the caches
+        it updated in place)."""
         g = self.graph
         if len(inputs) != len(g.invars):
             raise TypeError(f"{g.name or 'graph'} has {len(g.invars)} inputs, got {len(inputs)}")
-        return self.run({v: self._input(v, x, f"input {v.hint or i}") for i, (v, x) in enumerate(zip(g.invars, inputs))})
+        return self.run({v: self._input(v, x, f"input {v.hint or i}") for i, (v, x) in enumerate(zip(g.invars, inputs))},
+                        first)
 
     def _input(self, v: Var, x, what: str):
         written = self.__dict__.get("_written")
@@ -223,7 +227,8 @@ class Program:
         # one with another shape, dtype or flags.
         checked = self.__dict__.setdefault("_checked", {})
         seen = checked.get(v)
-        key = (x.shape, x.dtype, x.flags.writeable, x.flags.c_contiguous) if isinstance(x, np.ndarray) else None
+        flags = x.flags if isinstance(x, np.ndarray) else None
+        key = (x.shape, x.dtype, flags.writeable, flags.c_contiguous) if flags is not None else None
         if seen is not None and seen[0] is x and seen[1] == key:
             return seen[2]
         value = as_written(v.aval, x, what)

@@ -113,3 +113,15 @@ def test_a_graph_of_static_shapes_runs_natively():
     want = ggraph.compile(graph, backend="numpy")(x, pos)
     for _ in range(2):
         np.testing.assert_allclose(fn(x, pos), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_run_inputs_can_return_only_the_first_outputs(backend):
+    """A decode step wants its logits, not the caches it updated in place: ``first`` leaves the rest out."""
+    g = ggraph.trace(lambda tokens, w: (lm(tokens, w), ops.take(w["emb"], tokens)), i32["T"], AVALS)
+    fn = ggraph.compile(g, backend=backend, weights=weights(np.random.default_rng(0)))
+    tokens = np.array([1, 5, 15], np.int32)
+    every = fn.run_inputs([tokens])
+    some = fn.run_inputs([tokens], first=1)
+    assert len(every) == 2 and len(some) == 1
+    np.testing.assert_array_equal(some[0], every[0])

@@ -312,7 +312,7 @@ class LLVMProgram(Program):
         self._slots, self._fits_T = slots, T
 
     # -- calling -----------------------------------------------------------------------
-    def run(self, values: dict[Var, object]) -> list:
+    def run(self, values: dict[Var, object], first: int | None = None) -> list:
         g = self.graph
         if not self._weights_bound:
             for v in g.params:
@@ -346,7 +346,7 @@ class LLVMProgram(Program):
         for slot, message in enumerate(self.spec.checks):
             if self._status[2 * slot]:
                 raise IndexError(message.format(id=int(self._status[2 * slot + 1])))
-        return [self._output(plan, dims) for plan in self._outputs]
+        return [self._output(plan, dims) for plan in self._outputs[:first]]
 
     def _read_profile(self, wall: float) -> None:
         """Each call's time is its threads' mean time from the barrier before it to their finish; the

@@ -93,8 +93,7 @@ class Batch:
         seq = np.concatenate([np.full(ids.size, s, np.int32) for s, ids in parts])
         positions = np.concatenate([self._n_past[s] + np.arange(ids.size, dtype=np.int32) for s, ids in parts])
         pick = (np.cumsum([ids.size for _, ids in parts]) - 1).astype(np.int32)    # each slot's last token
-        logits, *_ = self.program().run_inputs([tokens, seq, positions, pick,
-                                                *self.k_cache, *self.v_cache])
+        logits, = self.program().run_inputs([tokens, seq, positions, pick, *self.k_cache, *self.v_cache], first=1)
         for s, ids in parts:
             self._n_past[s] += ids.size
         return {s: np.asarray(row, dtype=np.float32) for (s, _), row in zip(parts, logits)}

@@ -133,7 +133,7 @@ class Session:
         out = []
         for at in range(0, tokens.size, self.ubatch):
             part = tokens[at:at + self.ubatch]
-            first, *_ = prog.run_inputs([part, np.int32(self._n_past), *self.k_cache, *self.v_cache])
+            first, = prog.run_inputs([part, np.int32(self._n_past), *self.k_cache, *self.v_cache], first=1)
             self._n_past += part.size
             self._cached += part.tolist()
             out.append(first)
