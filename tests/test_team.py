@@ -53,3 +53,30 @@ def test_a_closed_team_lets_its_workers_go_and_refuses_steps():
     with pytest.raises(RuntimeError, match="closed"):
         s.step([5])
     team.close()                                                        # twice is fine
+
+
+@pytest.mark.parametrize("lead", [0.0, 0.75])
+def test_row_chunks_give_every_row_to_one_chunk(lead):
+    """Each thread's first chunk (one long run with ``lead``), then the counter's: every row of every
+    matrix size once, for any thread count (threads run one after another here; the counter is what
+    keeps two from taking a chunk, whatever the timing)."""
+    import ctypes
+    from llvmlite import ir
+    from ggraph.backends.llvm import jit
+    from ggraph.backends.llvm.kernels.builder import Kernel, i32
+    from ggraph.backends.llvm.target import host_target
+    P = ctypes.c_void_p
+    for n in (16, 48, 100, 512, 2064, 8192):
+        m = ir.Module()
+        k = Kernel(m, f"visit_{n}", ("y", "counter"))
+        with k.row_chunks(n, k.arg["counter"], per_thread=16, quantum=16, lead=lead) as (start, end):
+            with k.loop(start, end) as r:
+                k.store(k.b.add(k.load(i32, k.arg["y"], k.mul(r, 4)), ir.Constant(i32, 1)), k.arg["y"], k.mul(r, 4))
+        name = k.finish()
+        lib = jit.compile(m, host_target())
+        visit = lib.function(name, None, [P, P, ctypes.c_int64, ctypes.c_int32, ctypes.c_int32])
+        for nth in (1, 2, 3, 5):
+            y, counter = np.zeros(n, np.int32), np.zeros(16, np.int32)
+            for ith in range(nth):
+                visit(y.ctypes.data, counter.ctypes.data, 1, ith, nth)
+            assert (y == 1).all(), (n, nth, lead, np.flatnonzero(y != 1)[:8], y[y != 1][:8])

@@ -251,18 +251,26 @@ class Kernel:
         return start, end
 
     @contextmanager
-    def row_chunks(self, n: int, counter: ir.Value, per_thread: int = 8, quantum: int = ROW_CHUNK):
+    def row_chunks(self, n: int, counter: ir.Value, per_thread: int = 8, quantum: int = ROW_CHUNK, lead: float = 0.0):
         """Chunks of ``n`` output rows (whole multiples of ``quantum`` rows, about ``per_thread`` per
         thread) taken in turn: thread ith does chunk ith first, then the next one nobody has taken
         (``counter``, an i32 that is zero when the call starts, counts them), so a thread that runs
-        faster, or is not preempted, does more of them. Yields each chunk's [start, end)."""
+        faster, or is not preempted, does more of them. With ``lead``, that fraction of the rows
+        comes first as one chunk per thread. Yields each chunk's [start, end)."""
         b = self.b
+        c64 = lambda v: ir.Constant(i64, v)                      # noqa: E731
         nth = b.sext(self.arg["nth"], i64)
         units = (n + quantum - 1) // quantum
-        per = b.sdiv(ir.Constant(i64, units), b.mul(nth, ir.Constant(i64, per_thread)))
-        size = b.mul(b.select(b.icmp_signed("<", per, ir.Constant(i64, 1)), ir.Constant(i64, 1), per),
-                     ir.Constant(i64, quantum))
-        chunks = b.sdiv(b.add(ir.Constant(i64, n - 1), size), size)
+        per = b.sdiv(c64(units), b.mul(nth, c64(per_thread)))
+        small = b.select(b.icmp_signed("<", per, c64(1)), c64(1), per)
+        if lead:
+            big = b.sdiv(c64(int(units * lead)), nth)
+            n_big = b.select(b.icmp_signed(">", big, small), nth, c64(0))
+            big = b.select(b.icmp_signed(">", big, small), big, small)
+        else:
+            big, n_big = small, c64(0)
+        rest = b.sub(c64(units), b.mul(n_big, big))
+        chunks = b.add(n_big, b.sdiv(b.add(rest, b.sub(small, c64(1))), small))
         first = b.sext(self.arg["ith"], i64)
         pre = b.block
         head = self.fn.append_basic_block("chunk.head")
@@ -274,9 +282,11 @@ class Kernel:
         c.add_incoming(first, pre)
         b.cbranch(b.icmp_signed("<", c, chunks), body, done)
         b.position_at_end(body)
-        start = b.mul(c, size)
-        end = b.add(start, size)
-        yield start, b.select(b.icmp_signed("<", end, ir.Constant(i64, n)), end, ir.Constant(i64, n))
+        in_big = b.icmp_signed("<", c, n_big)
+        at = b.select(in_big, b.mul(c, big), b.add(b.mul(n_big, big), b.mul(b.sub(c, n_big), small)))
+        start = b.mul(at, c64(quantum))
+        end = b.mul(b.add(at, b.select(in_big, big, small)), c64(quantum))
+        yield start, b.select(b.icmp_signed("<", end, c64(n)), end, c64(n))
         taken = b.atomic_rmw("add", counter, ir.Constant(i32, 1), "monotonic")
         c.add_incoming(b.add(nth, b.sext(taken, i64)), b.block)
         b.branch(head)
