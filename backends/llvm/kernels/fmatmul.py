@@ -45,7 +45,8 @@ def variant(dtype, target: Target) -> str:
     if not vector_path(target):
         return f"portable {PORTABLE_LANES} f32 lanes (generic twin), FMA rounded once"
     R, C = _tile_shape(target)
-    return f"fma-{target.vector_bits}: gemm {R} rows x {C} tokens, gemv; f32 activations"
+    gemv = f"gemv {R} rows at a time" + (", the next rows' weights asked for ahead" if target.gemv_prefetch == "rows" else "")
+    return f"fma-{target.vector_bits}: gemm {R} rows x {C} tokens, {gemv}; f32 activations"
 
 
 def fmatmul(module: ir.Module, dtype, K: int, N: int, target: Target) -> str:
