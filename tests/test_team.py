@@ -1,12 +1,17 @@
 """The native thread team: steps handed to workers without Python, idle workers asleep on a
 futex and woken by the next step, and a clean close."""
+import ctypes
 import sys
 import time
 
 import numpy as np
 import pytest
+from llvmlite import ir
 
 import zoo
+from ggraph.backends.llvm import jit
+from ggraph.backends.llvm.kernels.builder import Kernel, i32
+from ggraph.backends.llvm.target import host_target
 from ggraph.backends.llvm.team import QUIT, SLEEPERS
 from ggraph.runtime.session import Session
 
@@ -60,11 +65,6 @@ def test_row_chunks_give_every_row_to_one_chunk(lead):
     """Each thread's first chunk (one long run with ``lead``), then the counter's: every row of every
     matrix size once, for any thread count (threads run one after another here; the counter is what
     keeps two from taking a chunk, whatever the timing)."""
-    import ctypes
-    from llvmlite import ir
-    from ggraph.backends.llvm import jit
-    from ggraph.backends.llvm.kernels.builder import Kernel, i32
-    from ggraph.backends.llvm.target import host_target
     P = ctypes.c_void_p
     for n in (16, 48, 100, 512, 2064, 8192):
         m = ir.Module()

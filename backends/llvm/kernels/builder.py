@@ -265,8 +265,8 @@ class Kernel:
         small = b.select(b.icmp_signed("<", per, c64(1)), c64(1), per)
         if lead:
             big = b.sdiv(c64(int(units * lead)), nth)
-            n_big = b.select(b.icmp_signed(">", big, small), nth, c64(0))
-            big = b.select(b.icmp_signed(">", big, small), big, small)
+            longer = b.icmp_signed(">", big, small)            # else no lead: every chunk small
+            n_big, big = b.select(longer, nth, c64(0)), b.select(longer, big, small)
         else:
             big, n_big = small, c64(0)
         rest = b.sub(c64(units), b.mul(n_big, big))

@@ -76,12 +76,17 @@ def fmatmul(module: ir.Module, dtype, K: int, N: int, target: Target) -> str:
     return k.finish()
 
 
+def _w_offset(k: Kernel, dt, K: int, n, kk) -> ir.Value:
+    """Byte offset of weight (n, kk)."""
+    return k.mul(k.add(k.mul(n, K), kk), FLOAT_LOADERS[dt][0])
+
+
 def _load_w(k: Kernel, isa: Isa, dt, K: int, n, kk, lanes: int) -> ir.Value:
     """`lanes` weights of row n from feature kk, as f32 (a scalar when lanes == 1)."""
-    size, convert = FLOAT_LOADERS[dt]
+    convert = FLOAT_LOADERS[dt][1]
     elem = f32 if dt is dtypes.f32 else i16
     typ = elem if lanes == 1 else vec(elem, lanes)
-    raw = k.load(typ, k.arg["w"], k.mul(k.add(k.mul(n, K), kk), size))
+    raw = k.load(typ, k.arg["w"], _w_offset(k, dt, K, n, kk))
     return raw if convert is None else convert(isa, raw)
 
 
@@ -105,11 +110,10 @@ def _tile(k: Kernel, isa: Isa, dt, K: int, N: int, n0, R: int, t0, C: int, lanes
     main = K - K % lanes
     acc = [[k.var(vec(f32, lanes), ir.Constant(vec(f32, lanes), [0.0] * lanes)) for _ in range(C)]
            for _ in range(R)]
-    size = FLOAT_LOADERS[dt][0]
     with k.loop(0, main, step=lanes, name="k") as kk:
         if ahead:
             for n in rows:
-                k.prefetch(k.addr(k.arg["w"], k.mul(k.add(k.mul(k.add(n, R), K), kk), size)), level=2)
+                k.prefetch(k.addr(k.arg["w"], _w_offset(k, dt, K, k.add(n, R), kk)), level=2)
         ws = [_load_w(k, isa, dt, K, n, kk, lanes) for n in rows]
         xs = [_load_x(k, K, t, kk, lanes) for t in toks]
         for r in range(R):

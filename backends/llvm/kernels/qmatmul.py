@@ -5,8 +5,9 @@
 x arrives quantised by act_quant (the layout is described there). Threads take chunks of
 rows (multiples of 16, of 32 for the rows gemm, about 8 per thread) in turn, counting them in
 ``counter``, which must be zero when the call starts: a thread that gets more of the machine
-does more rows. A gemv first gives each thread one long run of rows (GEMV_LEAD of them). Per sub-block the integer dot is exact; it is then scaled by the weight and
-activation scales in f32. Four drivers share the block decoders:
+does more rows; a gemv first gives each thread one long run of rows (GEMV_LEAD of them). Per
+sub-block the integer dot is exact; it is then scaled by the weight and activation scales in f32.
+Four drivers share the block decoders:
 
 - gemv (T == 1): one row at a time, 32 weights per step (64 for 256-weight blocks on
   512-bit targets: with VNNI the two chunks one 64-byte load holds, against a copy of the
