@@ -29,9 +29,21 @@ On a 2-core Xeon with AMX (one thread, T = 512, `benchmarks/kernels.py --targets
 avx512_vnni,amx --tokens 512`), against the AVX-512 VNNI rows gemm in the same run: 2048 x
 2048 q4_k 1.89x, 8192 x 2048 q4_k 1.63x, 2048 x 8192 q6_k 2.66x with the activations in 2 MB
 pages, as a program's are (1.50x, 1.35x, 2.15x in 4 KB pages, where one tile of rows at a
-time over all of K gave 1.21x, 0.64x and 1.98x). Groups of 4 tiles gave 1.13-1.25x of one
-(A/B in one process), K panels outermost 1.5x on 8192-wide rows (whose activations are
-larger than L2).
+time over all of K gave 1.21x, 0.64x and 1.98x). Groups of 4 tiles gave 1.1-1.7x of one (a
+process per variant; groups of 2 the same as 4), K panels outermost 1.5x on 8192-wide rows (whose
+activations are larger than L2); panels of 4 blocks were 5-15% slower than 8, and 2 or 8 pairs a
+chunk, or spans of 128 or 512 tokens, within the noise of 4 and 256.
+
+Where a unit's time goes (q4_k 2048 x 2048 in rows16, T = 512, one thread of a Sapphire Rapids
+Xeon; cycles a unit of 16 tile multiplies, each variant of this kernel in a process of its own):
+312 is the tile unit's own rate on real operands (19.5 cycles a tdpbssd; 16.0 on zero tiles, which
+is why ggraph.bench.peaks multiplies random bytes). The unit's tile instructions alone, in a loop
+with hot operands, take ~370: the tilezero and tilestored between units drain the tile pipeline
+(on zero data 310; with two sets of result tiles used in turn, one token tile a unit, 258). Here,
+with the operands at their addresses (L2) and the accumulators' loads and stores: ~580; the panel
+decode brings it to ~690, and the float steps (about 15 vector instructions a token and tile of
+rows) to ~940, a third of the tile rate. A tileloadd of rows that are not 64-byte aligned costs
+~50 cycles instead of ~8, hence the aligned activation rows (ActLayout.group_bytes) and panels.
 
 The last group of tiles of rows starts at N - 16R and the last pair of token tiles at T - 32,
 so every tile row is real; rows an earlier group owns are masked out of the stores to y, and
