@@ -266,6 +266,19 @@ def test_amx_tiles_take_super_block_types_only():
     assert "AMX tiles" in d["qmatmul q4_k"] and "AMX" not in d["qmatmul q8_0"]
 
 
+def test_amx_keeps_vpdpwssd_whole():
+    """On amx, LLVM is told vpdpwssd is fast: the tile gemm's mins stay one instruction per pair of
+    sums, where generic tuning splits all but the first of a chain into vpmaddwd + vpaddd."""
+    amx = target.named_target("amx")
+    asm = asm_of(q4_k_matmul, name="amx")
+    split = r"vpmaddwd\s+%zmm"                                        # (a 128-bit one elsewhere is meant)
+    assert asm.count("vpdpwssd") >= 16 and not re.search(split, asm)
+    untuned = dataclasses.replace(amx, features=amx.features.replace(",+fast-dpwssd", ""))
+    m = ir.Module()
+    q4_k_matmul(m, untuned)
+    assert re.search(split, jit.emit_assembly(m, untuned))              # what the flag changes
+
+
 def test_generic_stays_in_sse2():
     asm = asm_of(q8_0_matmul, lambda m, t: kernels.fmatmul(m, dtypes.f16, 64, 16, t), name="generic")
     assert "ymm" not in asm and "zmm" not in asm and "vcvtph2ps" not in asm and "pmaddubsw" not in asm
