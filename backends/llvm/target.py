@@ -145,7 +145,8 @@ def named_target(name: str, extra: tuple = ()) -> Target:
     if name not in _SETS:
         raise ValueError(f"unknown target {name!r}; known: {', '.join(NAMES)}")
     triple, cpu, feats, bits = _SETS[name]
-    return Target(name, triple, cpu, ",".join("+" + f for f in feats + tuple(extra) + _TUNING.get(name, ())), bits)
+    features = feats + tuple(extra) + _TUNING.get(name, ())
+    return Target(name, triple, cpu, ",".join("+" + f for f in features), bits)
 
 
 ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA, SYS_ARCH_PRCTL = 0x1023, 18, 158

@@ -36,14 +36,14 @@ chunk, or spans of 128 or 512 tokens, within the noise of 4 and 256.
 
 Where a unit's time goes (q4_k 2048 x 2048 in rows16, T = 512, one thread of a Sapphire Rapids
 Xeon; cycles a unit of 16 tile multiplies, each variant of this kernel in a process of its own):
-312 is the tile unit's own rate on real operands (19.5 cycles a tdpbssd; 16.0 on zero tiles, which
-is why ggraph.bench.peaks multiplies random bytes). The unit's tile instructions alone, in a loop
-with hot operands, take ~370: the tilezero and tilestored between units drain the tile pipeline
-(on zero data 310; with two sets of result tiles used in turn, one token tile a unit, 258). Here,
-with the operands at their addresses (L2) and the accumulators' loads and stores: ~580; the panel
-decode brings it to ~690, and the float steps (about 15 vector instructions a token and tile of
-rows) to ~940, a third of the tile rate. A tileloadd of rows that are not 64-byte aligned costs
-~50 cycles instead of ~8, hence the aligned activation rows (ActLayout.group_bytes) and panels.
+312 is the tile unit's own rate on real operands (`python benchmarks/tiles.py`: 19.6 cycles a
+tdpbssd of random bytes, 16.7 of zero tiles, which is why ggraph.bench.peaks multiplies random
+bytes). This kernel's tile instructions alone, over a panel's addresses, take ~450 (tiles.py: 452;
+with two sets of two result tiles used in turn, one token tile a unit, each set stored while the
+other multiplies, 417); in the kernel, with the accumulators' loads and stores, ~600; the panel
+decode brings it to ~650 and the float steps (about 12 vector instructions a token and tile of
+rows) to ~840, 37% of the tile rate. A tileloadd of rows that do not start 64-byte lines costs ~57
+cycles instead of ~8.6 (tiles.py), hence the aligned activation rows (ActLayout.group_bytes).
 
 The last group of tiles of rows starts at N - 16R and the last pair of token tiles at T - 32,
 so every tile row is real; rows an earlier group owns are masked out of the stores to y, and

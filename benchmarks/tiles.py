@@ -1,0 +1,159 @@
+"""What this machine's AMX tile unit does with the instruction patterns of the tiled gemm
+(backends/llvm/kernels/amx.py), in cycles of the core clock measured in the same run:
+
+- a tdpbssd of zero tiles and of random bytes (the tile unit is quicker on zeros);
+- a tileloadd of 16 rows that start 64-byte lines, and of rows that do not;
+- 16 tile multiplies as amx.py issues them (2 token tiles x 2 weight planes a unit, its four
+  result tiles zeroed and stored each unit), against two sets of two result tiles used in turn
+  (1 token tile a unit; a set is stored, and zeroed, after the next unit's first k-step, so the
+  tile unit never waits for it), both over a 1B-shaped panel's addresses with random bytes.
+
+    python benchmarks/tiles.py [--rounds 3]
+
+Needs the amx feature set (a CPU with AMX and Linux's grant of tile data). On a shared host the
+tile unit may be shared with another tenant's thread; compare lines of one run, not runs.
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+from llvmlite import ir
+
+from ggraph.backends.llvm import jit
+from ggraph.backends.llvm.kernels import amx
+from ggraph.backends.llvm.kernels.builder import Kernel
+from ggraph.backends.llvm.target import host_target
+from ggraph.bench import peaks
+
+STRIDE, ROOM = 2496, 8576      # a token's q8_k row at K = 2048; a q4_k panel block (amx.TilePanel.room)
+B_AT, C_AT = 2 << 20, 3 << 20  # where the weight panel and the stored result tiles lie in the buffer
+PAIRS, BLOCKS, TILES = 4, 8, 4  # a chunk of pairs of token tiles, a K panel, a group of tiles of rows
+
+
+def _load(k, tile, at, stride):
+    amx.tile_op(k, "tileloadd64", tile, k.addr(k.arg["buf"], at), k.i64(stride))
+
+
+def _kernel(m, name, body):
+    """``name(buf, n)``: n passes of ``body(k)`` between one tile configuration and its release."""
+    k = Kernel(m, name, ("buf",), sizes=("n",))
+    amx.tile_op(k, "ldtilecfg", amx.config(k))
+    for t in range(8):
+        amx.tile_op(k, "tilezero", t)
+    with k.loop(0, k.arg["n"], name="rep"):
+        body(k)
+    amx.tile_op(k, "tilerelease")
+    k.finish()
+
+
+def _multiplies(offset):
+    """Four independent chains of tile multiplies, 64 each a pass, of operand tiles loaded once from
+    ``offset`` in buf."""
+    def build(m, name):
+        k = Kernel(m, name, ("buf",), sizes=("n",))
+        amx.tile_op(k, "ldtilecfg", amx.config(k))
+        for t in range(4):
+            amx.tile_op(k, "tilezero", t)
+        for t in range(4, 8):
+            _load(k, t, offset, 64)
+        with k.loop(0, k.arg["n"], name="rep"), k.loop(0, 64, name="it"):
+            for c, (a, b) in enumerate(((4, 6), (4, 7), (5, 6), (5, 7))):
+                amx.tile_op(k, "tdpbssd", c, a, b)
+        amx.tile_op(k, "tilerelease")
+        k.finish()
+    return build
+
+
+def _loads(offset):
+    return lambda k: [_load(k, t, offset + 1024 * (t - 4), 64) for t in (4, 5, 6, 7)]
+
+
+def _unit_now(k, i, j, r):
+    """amx.py's unit: block i, pair j, tile of rows r; four result tiles zeroed, then stored."""
+    a = k.add(k.mul(i, 256), k.mul(j, 32 * STRIDE))
+    w = k.add(k.mul(i, ROOM), k.mul(r, BLOCKS * ROOM))
+    for t in range(4):
+        amx.tile_op(k, "tilezero", t)
+    for s in range(4):
+        _load(k, 4, k.add(a, s * 64), STRIDE)
+        _load(k, 6, k.add(w, B_AT + s * 1024), 64)
+        _load(k, 7, k.add(w, B_AT + 4096 + s * 1024), 64)
+        _load(k, 5, k.add(a, 16 * STRIDE + s * 64), STRIDE)
+        for c, (x, y) in enumerate(((4, 6), (4, 7), (5, 6), (5, 7))):
+            amx.tile_op(k, "tdpbssd", c, x, y)
+    half = k.mul(k.b.and_(r, k.i64(1)), 4096)
+    for t in range(4):
+        amx.tile_op(k, "tilestored64", t, k.addr(k.arg["buf"], k.add(half, C_AT + t * 1024)), k.i64(64))
+
+
+def _unit_in_turn(k, i, j, r, g, now, last):
+    """Token tile g of pair j into result set ``now``; the set ``last`` stored and zeroed after the
+    first k-step."""
+    a = k.add(k.mul(i, 256), k.mul(k.add(k.mul(j, 2), g), 16 * STRIDE))
+    w = k.add(k.mul(i, ROOM), k.mul(r, BLOCKS * ROOM))
+    for s in range(4):
+        _load(k, 4, k.add(a, s * 64), STRIDE)
+        _load(k, 6, k.add(w, B_AT + s * 1024), 64)
+        _load(k, 7, k.add(w, B_AT + 4096 + s * 1024), 64)
+        amx.tile_op(k, "tdpbssd", now[0], 4, 6)
+        amx.tile_op(k, "tdpbssd", now[1], 4, 7)
+        if s == 0:
+            for t in last:
+                amx.tile_op(k, "tilestored64", t, k.addr(k.arg["buf"], C_AT + 8192 + t * 1024), k.i64(64))
+            for t in last:
+                amx.tile_op(k, "tilezero", t)
+
+
+def _panel(unit):
+    """A chunk of pairs over a K panel, block by block, each pair over the group's tiles of rows."""
+    def body(k):
+        with k.loop(0, BLOCKS, name="i") as i, k.loop(0, PAIRS, name="j") as j, k.loop(0, TILES, name="r") as r:
+            unit(k, i, j, r)
+    return body
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rounds", type=int, default=3)
+    args = ap.parse_args()
+    target = host_target()
+    if not target.has("amx-int8"):
+        raise SystemExit(f"benchmarks/tiles.py needs the amx feature set; this host runs {target.name}")
+    m = ir.Module()
+    per_pass = 16 * BLOCKS * PAIRS * TILES
+    cases = {   # name: (builder, passes a call, what one result is: (label, how many a pass))
+        "tdpbssd, zero tiles": (_multiplies(4096), 2000, ("a tdpbssd", 256)),
+        "tdpbssd, random bytes": (_multiplies(0), 2000, ("a tdpbssd", 256)),
+        "tileloadd, rows on lines": (lambda m, n: _kernel(m, n, _loads(64 * 1024)), 50000, ("a tileloadd", 4)),
+        "tileloadd, rows off lines": (lambda m, n: _kernel(m, n, _loads(64 * 1024 + 8)), 50000, ("a tileloadd", 4)),
+        "units as amx.py issues them": (lambda m, n: _kernel(m, n, _panel(_unit_now)), 20,
+                                        ("16 tdpbssd", per_pass // 16)),
+        "two result sets in turn": (lambda m, n: _kernel(m, n, _panel(
+            lambda k, i, j, r: (_unit_in_turn(k, i, j, r, 0, (0, 1), (2, 3)),
+                                _unit_in_turn(k, i, j, r, 1, (2, 3), (0, 1))))), 20, ("16 tdpbssd", per_pass // 16)),
+    }
+    for at, (build, _, _) in enumerate(cases.values()):
+        build(m, f"case_{at}")
+    lib = jit.compile(m, target)
+    size = 4 << 20
+    raw = np.random.default_rng(0).integers(0, 256, size + 4096, dtype=np.uint8)
+    buf = raw[-raw.ctypes.data % 4096:][:size]                  # page aligned: every tile row starts a line
+    buf[4096:8192] = 0                                          # the zero operand tiles
+    ghz = peaks.measure(target)["ghz"]
+    print(f"core clock {ghz:.2f} GHz; cycles, the best of 5 calls in each of {args.rounds} rounds")
+    for at, (name, (_, n, (what, count))) in enumerate(cases.items()):
+        fn = lib.function(f"case_{at}", None, peaks._ABI)
+        row = [min(_timed(fn, buf, n) for _ in range(5)) * ghz * 1e9 / (n * count) for _ in range(args.rounds)]
+        print(f"  {name:30s}" + "".join(f"{c:8.1f}" for c in row) + f"   cycles for {what}")
+
+
+def _timed(fn, buf, n) -> float:
+    start = time.perf_counter()
+    fn(buf.ctypes.data, n, 0, 1)
+    return time.perf_counter() - start
+
+
+if __name__ == "__main__":
+    main()
