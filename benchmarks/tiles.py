@@ -2,6 +2,8 @@
 (backends/llvm/kernels/amx.py), in cycles of the core clock measured in the same run:
 
 - a tdpbssd of zero tiles and of random bytes (the tile unit is quicker on zeros);
+- 24 zmm FMAs alone, and a tdpbssd with 12 or 24 of them issued beside it (how much vector work,
+  such as a tile gemm's float steps, the tile multiplies hide);
 - a tileloadd of 16 rows that start 64-byte lines, and of rows that do not;
 - 16 tile multiplies as amx.py issues them (2 token tiles x 2 weight planes a unit, its four
   result tiles zeroed and stored each unit), against two sets of two result tiles used in turn
@@ -23,12 +25,14 @@ from llvmlite import ir
 
 from ggraph.backends.llvm import jit
 from ggraph.backends.llvm.kernels import amx
-from ggraph.backends.llvm.kernels.builder import Kernel
+from ggraph.backends.llvm.kernels.builder import Kernel, f32, vec
+from ggraph.backends.llvm.kernels.isa import Isa
 from ggraph.backends.llvm.target import host_target
 from ggraph.bench import peaks
 
 STRIDE, ROOM = 2496, 8576      # a token's q8_k row at K = 2048; a q4_k panel block (amx.TilePanel.room)
 B_AT, C_AT = 2 << 20, 3 << 20  # where the weight panel and the stored result tiles lie in the buffer
+FMA_AT = 3 << 20 | 1 << 19     # the FMAs' operands (small floats)
 PAIRS, BLOCKS, TILES = 4, 8, 4  # a chunk of pairs of token tiles, a K panel, a group of tiles of rows
 
 
@@ -61,6 +65,36 @@ def _multiplies(offset):
         with k.loop(0, k.arg["n"], name="rep"), k.loop(0, 64, name="it"):
             for c, (a, b) in enumerate(((4, 6), (4, 7), (5, 6), (5, 7))):
                 amx.tile_op(k, "tdpbssd", c, a, b)
+        amx.tile_op(k, "tilerelease")
+        k.finish()
+    return build
+
+
+def _with_fmas(per_tdp: int, tiles: bool = True):
+    """The four chains of tile multiplies of random bytes (or, without ``tiles``, none), with
+    ``per_tdp`` zmm FMAs (12 independent chains) issued beside each tdpbssd: how much vector work
+    the tile multiplies hide."""
+    def build(m, name):
+        k = Kernel(m, name, ("buf",), sizes=("n",))
+        isa, typ = Isa(k, host_target()), vec(f32, 16)
+        amx.tile_op(k, "ldtilecfg", amx.config(k))
+        for t in range(4):
+            amx.tile_op(k, "tilezero", t)
+        for t in range(4, 8):
+            _load(k, t, 0, 64)
+        a, b = k.load(typ, k.arg["buf"], FMA_AT), k.load(typ, k.arg["buf"], FMA_AT + 64)
+        accs = [k.var(typ, k.load(typ, k.arg["buf"], FMA_AT + 64 * (2 + c))) for c in range(12)]
+        with k.loop(0, k.arg["n"], name="rep"), k.loop(0, 64, name="it"):
+            for c, (x, y) in enumerate(((4, 6), (4, 7), (5, 6), (5, 7))):
+                if tiles:
+                    amx.tile_op(k, "tdpbssd", c, x, y)
+                for f in range(per_tdp):
+                    acc = accs[(c * per_tdp + f) % 12]
+                    acc.set(isa.fma(acc.get(), a, b))
+        total = accs[0].get()
+        for acc in accs[1:]:
+            total = k.b.fadd(total, acc.get())
+        k.store(total, k.arg["buf"], FMA_AT + 64 * 14)
         amx.tile_op(k, "tilerelease")
         k.finish()
     return build
@@ -126,6 +160,9 @@ def main() -> None:
     cases = {   # name: (builder, passes a call, what one result is: (label, how many a pass))
         "tdpbssd, zero tiles": (_multiplies(4096), 2000, ("a tdpbssd", 256)),
         "tdpbssd, random bytes": (_multiplies(0), 2000, ("a tdpbssd", 256)),
+        "24 zmm FMAs alone": (_with_fmas(24, tiles=False), 2000, ("24 FMAs", 256)),
+        "tdpbssd beside 12 FMAs each": (_with_fmas(12), 2000, ("a tdpbssd", 256)),
+        "tdpbssd beside 24 FMAs each": (_with_fmas(24), 2000, ("a tdpbssd", 256)),
         "tileloadd, rows on lines": (lambda m, n: _kernel(m, n, _loads(64 * 1024)), 50000, ("a tileloadd", 4)),
         "tileloadd, rows off lines": (lambda m, n: _kernel(m, n, _loads(64 * 1024 + 8)), 50000, ("a tileloadd", 4)),
         "units as amx.py issues them": (lambda m, n: _kernel(m, n, _panel(_unit_now)), 20,
@@ -141,6 +178,7 @@ def main() -> None:
     raw = np.random.default_rng(0).integers(0, 256, size + 4096, dtype=np.uint8)
     buf = raw[-raw.ctypes.data % 4096:][:size]                  # page aligned: every tile row starts a line
     buf[4096:8192] = 0                                          # the zero operand tiles
+    buf[FMA_AT:FMA_AT + 1024].view(np.float32)[:] = 1e-3                # no NaNs or subnormals
     ghz = peaks.measure(target)["ghz"]
     print(f"core clock {ghz:.2f} GHz; cycles, the best of 5 calls in each of {args.rounds} rounds")
     for at, (name, (_, n, (what, count))) in enumerate(cases.items()):

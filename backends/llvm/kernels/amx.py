@@ -34,16 +34,21 @@ process per variant; groups of 2 the same as 4), K panels outermost 1.5x on 8192
 activations are larger than L2); panels of 4 blocks were 5-15% slower than 8, and 2 or 8 pairs a
 chunk, or spans of 128 or 512 tokens, within the noise of 4 and 256.
 
-Where a unit's time goes (q4_k 2048 x 2048 in rows16, T = 512, one thread of a Sapphire Rapids
-Xeon; cycles a unit of 16 tile multiplies, each variant of this kernel in a process of its own):
-312 is the tile unit's own rate on real operands (`python benchmarks/tiles.py`: 19.6 cycles a
-tdpbssd of random bytes, 16.7 of zero tiles, which is why ggraph.bench.peaks multiplies random
-bytes). This kernel's tile instructions alone, over a panel's addresses, take ~450 (tiles.py: 452;
-with two sets of two result tiles used in turn, one token tile a unit, each set stored while the
-other multiplies, 417); in the kernel, with the accumulators' loads and stores, ~600; the panel
-decode brings it to ~650 and the float steps (about 12 vector instructions a token and tile of
-rows) to ~840, 37% of the tile rate. A tileloadd of rows that do not start 64-byte lines costs ~57
-cycles instead of ~8.6 (tiles.py), hence the aligned activation rows (ActLayout.group_bytes).
+Where a unit's time goes (q4_k 2048 x 2048 in rows16, T = 512, one thread of a Sapphire Rapids Xeon;
+cycles a unit of 16 tile multiplies, each variant of this kernel in a process of its own): 312 is
+the tile unit's own rate on real operands (`python benchmarks/tiles.py`: 19.6 cycles a tdpbssd of
+random bytes, 16.7 of zero tiles, which is why ggraph.bench.peaks multiplies random bytes). This
+kernel's tile instructions alone, over a panel's addresses, take ~400-450 (tiles.py; with two sets
+of two result tiles used in turn, one token tile a unit, each set stored while the other multiplies,
+~340, but that kernel was no faster with its float steps); in the kernel, with the accumulators'
+loads and stores, ~600; the panel decode brings it to ~650 and the float steps (about 12 vector
+instructions a token and tile of rows) to ~840, 37% of the tile rate. The tile multiplies hide only
+so much vector work: about 12 zmm FMAs a tdpbssd (tiles.py: 18.2 cycles a tdpbssd alone or with 12
+beside it, 27.3 with 24, near the 18.2 + 12.0 of both in turn), and the float steps bring 32 x ~12 a
+unit of 16 multiplies, twice that. (Without the mins' four vpdpwssd a step, the kernel ran within 5%
+of its speed: not the instruction count alone, then.) A tileloadd of rows that do not start 64-byte
+lines costs ~54 cycles instead of ~8.4 (tiles.py), hence the aligned activation rows
+(ActLayout.group_bytes).
 
 The last group of tiles of rows starts at N - 16R and the last pair of token tiles at T - 32,
 so every tile row is real; rows an earlier group owns are masked out of the stores to y, and
