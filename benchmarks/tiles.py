@@ -150,7 +150,7 @@ def _panel(unit):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=3, help="rounds of every case, a column each (default 3)")
     args = ap.parse_args()
     target = host_target()
     if not target.has("amx-int8"):
