@@ -55,8 +55,7 @@ class NumpyProgram(Program):
             if e.prim is dequant_p and e.inputs[0] in params:
                 return self._cached_dequant(e.inputs[0], vals[0])
             return eval_eqn(e, vals, dims)
-        outs = evaluate(g, [values[v] for v in g.invars] + [self.weights[v.aval.source] for v in g.params], apply)
-        return outs if first is None else outs[:first]
+        return evaluate(g, [values[v] for v in g.invars] + [self.weights[v.aval.source] for v in g.params], apply)[:first]
 
     def _cached_dequant(self, v: Var, blocks):
         hit = self._dequant_cache.get(v)

@@ -258,19 +258,18 @@ class Kernel:
         faster, or is not preempted, does more of them. With ``lead``, that fraction of the rows
         comes first as one chunk per thread. Yields each chunk's [start, end)."""
         b = self.b
-        c64 = lambda v: ir.Constant(i64, v)                      # noqa: E731
         nth = b.sext(self.arg["nth"], i64)
         units = (n + quantum - 1) // quantum
-        per = b.sdiv(c64(units), b.mul(nth, c64(per_thread)))
-        small = b.select(b.icmp_signed("<", per, c64(1)), c64(1), per)
+        per = b.sdiv(self.i64(units), b.mul(nth, self.i64(per_thread)))
+        small = b.select(b.icmp_signed("<", per, self.i64(1)), self.i64(1), per)
         if lead:
-            big = b.sdiv(c64(int(units * lead)), nth)
+            big = b.sdiv(self.i64(int(units * lead)), nth)
             longer = b.icmp_signed(">", big, small)            # else no lead: every chunk small
-            n_big, big = b.select(longer, nth, c64(0)), b.select(longer, big, small)
+            n_big, big = b.select(longer, nth, self.i64(0)), b.select(longer, big, small)
         else:
-            big, n_big = small, c64(0)
-        rest = b.sub(c64(units), b.mul(n_big, big))
-        chunks = b.add(n_big, b.sdiv(b.add(rest, b.sub(small, c64(1))), small))
+            big, n_big = small, self.i64(0)
+        rest = b.sub(self.i64(units), b.mul(n_big, big))
+        chunks = b.add(n_big, b.sdiv(b.add(rest, b.sub(small, self.i64(1))), small))
         first = b.sext(self.arg["ith"], i64)
         pre = b.block
         head = self.fn.append_basic_block("chunk.head")
@@ -284,9 +283,9 @@ class Kernel:
         b.position_at_end(body)
         in_big = b.icmp_signed("<", c, n_big)
         at = b.select(in_big, b.mul(c, big), b.add(b.mul(n_big, big), b.mul(b.sub(c, n_big), small)))
-        start = b.mul(at, c64(quantum))
-        end = b.mul(b.add(at, b.select(in_big, big, small)), c64(quantum))
-        yield start, b.select(b.icmp_signed("<", end, c64(n)), end, c64(n))
+        start = b.mul(at, self.i64(quantum))
+        end = b.mul(b.add(at, b.select(in_big, big, small)), self.i64(quantum))
+        yield start, b.select(b.icmp_signed("<", end, self.i64(n)), end, self.i64(n))
         taken = b.atomic_rmw("add", counter, ir.Constant(i32, 1), "monotonic")
         c.add_incoming(b.add(nth, b.sext(taken, i64)), b.block)
         b.branch(head)
