@@ -52,28 +52,10 @@ def _kernel(m, name, body):
     k.finish()
 
 
-def _multiplies(offset):
-    """Four independent chains of tile multiplies, 64 each a pass, of operand tiles loaded once from
-    ``offset`` in buf."""
-    def build(m, name):
-        k = Kernel(m, name, ("buf",), sizes=("n",))
-        amx.tile_op(k, "ldtilecfg", amx.config(k))
-        for t in range(4):
-            amx.tile_op(k, "tilezero", t)
-        for t in range(4, 8):
-            _load(k, t, offset, 64)
-        with k.loop(0, k.arg["n"], name="rep"), k.loop(0, 64, name="it"):
-            for c, (a, b) in enumerate(((4, 6), (4, 7), (5, 6), (5, 7))):
-                amx.tile_op(k, "tdpbssd", c, a, b)
-        amx.tile_op(k, "tilerelease")
-        k.finish()
-    return build
-
-
-def _with_fmas(per_tdp: int, tiles: bool = True):
-    """The four chains of tile multiplies of random bytes (or, without ``tiles``, none), with
-    ``per_tdp`` zmm FMAs (12 independent chains) issued beside each tdpbssd: how much vector work
-    the tile multiplies hide."""
+def _with_fmas(per_tdp: int, tiles: bool = True, operands: int = 0):
+    """Four chains of tile multiplies, 64 each a pass, of operand tiles loaded once from ``operands``
+    in buf (or, without ``tiles``, none), with ``per_tdp`` zmm FMAs (12 independent chains) issued
+    beside each tdpbssd: how much vector work the tile multiplies hide."""
     def build(m, name):
         k = Kernel(m, name, ("buf",), sizes=("n",))
         isa, typ = Isa(k, host_target()), vec(f32, 16)
@@ -81,7 +63,7 @@ def _with_fmas(per_tdp: int, tiles: bool = True):
         for t in range(4):
             amx.tile_op(k, "tilezero", t)
         for t in range(4, 8):
-            _load(k, t, 0, 64)
+            _load(k, t, operands, 64)
         a, b = k.load(typ, k.arg["buf"], FMA_AT), k.load(typ, k.arg["buf"], FMA_AT + 64)
         accs = [k.var(typ, k.load(typ, k.arg["buf"], FMA_AT + 64 * (2 + c))) for c in range(12)]
         with k.loop(0, k.arg["n"], name="rep"), k.loop(0, 64, name="it"):
@@ -158,8 +140,8 @@ def main() -> None:
     m = ir.Module()
     per_pass = 16 * BLOCKS * PAIRS * TILES
     cases = {   # name: (builder, passes a call, what one result is: (label, how many a pass))
-        "tdpbssd, zero tiles": (_multiplies(4096), 2000, ("a tdpbssd", 256)),
-        "tdpbssd, random bytes": (_multiplies(0), 2000, ("a tdpbssd", 256)),
+        "tdpbssd, zero tiles": (_with_fmas(0, operands=4096), 2000, ("a tdpbssd", 256)),
+        "tdpbssd, random bytes": (_with_fmas(0), 2000, ("a tdpbssd", 256)),
         "24 zmm FMAs alone": (_with_fmas(24, tiles=False), 2000, ("24 FMAs", 256)),
         "tdpbssd beside 12 FMAs each": (_with_fmas(12), 2000, ("a tdpbssd", 256)),
         "tdpbssd beside 24 FMAs each": (_with_fmas(24), 2000, ("a tdpbssd", 256)),
