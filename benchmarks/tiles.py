@@ -134,6 +134,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rounds", type=int, default=3, help="rounds of every case, a column each (default 3)")
     args = ap.parse_args()
+    if args.rounds < 1:
+        ap.error(f"--rounds must be at least 1, not {args.rounds}")
     target = host_target()
     if not target.has("amx-int8"):
         raise SystemExit(f"benchmarks/tiles.py needs the amx feature set; this host runs {target.name}")
