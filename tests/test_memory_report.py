@@ -64,25 +64,30 @@ def test_pack_puts_buffers_of_disjoint_lifetimes_in_the_same_place():
     assert offsets[0] == offsets[1] == 0 and offsets[2] == 100 and total == 150
 
 
-def test_programs_load_through_the_system_linker_or_lljit_alike(model, monkeypatch):
+def test_programs_load_through_the_system_linker_or_lljit_alike(model, tmp_path):
+    """A process with ``ld`` loads a program as one shared object; one without it links the same
+    objects with LLJIT, and both give the same logits. Each runs in a process of its own, as a
+    user's would: a fatal error in LLVM's JIT fails this test with its message, not the whole run."""
     import shutil
+    import subprocess
+    import sys
 
     import numpy as np
-    from ggraph.backends.llvm import jit, program
     if shutil.which("ld") is None:
         pytest.skip("no system linker: programs load through LLJIT only")
-    ids = [5, 9, 200, 31, 7]
-
-    def run():
-        program._LOADED.clear()                              # link again, as a new process would
-        s = Session(model, threads=2, ctx=64, cache_type_k="f32", cache_type_v="f32")
-        return s.logits(ids), type(s.program(last_only=False).lib._tracker).__name__
-    shared, kind = run()
-    assert kind == "_Dylib"
-    monkeypatch.setattr(jit.shutil, "which", lambda name: None)
-    lljit, kind = run()
-    assert kind != "_Dylib"
-    np.testing.assert_array_equal(shared, lljit)
+    code = ("import sys, numpy as np; from ggraph.backends.llvm import jit; from ggraph.runtime.session import Session\n"
+            "if sys.argv[1] == 'lljit': jit.shutil.which = lambda name: None\n"
+            f"s = Session({str(model)!r}, threads=2, ctx=64, cache_type_k='f32', cache_type_v='f32')\n"
+            "np.save(sys.argv[2], s.logits([5, 9, 200, 31, 7]))\n"
+            "print(type(s.program(last_only=False).lib._tracker).__name__)\n")
+    kinds, logits = {}, {}
+    for loader in ("ld", "lljit"):
+        out = tmp_path / f"{loader}.npy"
+        r = subprocess.run([sys.executable, "-c", code, loader, str(out)], capture_output=True, text=True)
+        assert r.returncode == 0, f"{loader}: exit {r.returncode}\n{r.stderr[-3000:]}"
+        kinds[loader], logits[loader] = r.stdout.split()[-1], np.load(out)
+    assert kinds["ld"] == "_Dylib" and kinds["lljit"] != "_Dylib"
+    np.testing.assert_array_equal(logits["ld"], logits["lljit"])
 
 
 def test_a_warm_process_never_loads_llvm(model):
