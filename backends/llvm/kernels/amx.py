@@ -42,16 +42,16 @@ kernel's tile instructions alone, over a panel's addresses, take ~400-450 (tiles
 of two result tiles used in turn, one token tile a unit, each set stored while the other multiplies,
 ~340, but that kernel was no faster with its float steps); with the float steps' memory traffic
 beside them (a token's two stored result rows and its accumulator loaded, the accumulator stored),
-~470 with the accumulators in L1 and ~540 spread over 32 KB as here (tiles.py, 441 without); in
-the kernel, with the accumulators' loads and stores, ~600; the panel decode brings it to ~650 and
-the float steps (about 12 vector instructions a token and tile of rows) to ~840, 37% of the tile
-rate. The tile multiplies hide only so much vector work: about 12 zmm FMAs a tdpbssd (tiles.py:
-18.2 cycles a tdpbssd alone or with 12 beside it, 27.3 with 24, near the 18.2 + 12.0 of both in
-turn), and the float steps bring 32 x ~12 a unit of 16 multiplies, twice that. (Without the mins' four vpdpwssd a step, the kernel ran within 5%
-of its speed: not the instruction count alone, then; and the float steps as a pass of their own
-after each block's multiplies, their vector work at full rate, ran at 0.8x.) A tileloadd of rows
-that do not start 64-byte lines costs ~54 cycles instead of ~8.4 (tiles.py), hence the aligned
-activation rows (ActLayout.group_bytes).
+~470 with the accumulators in L1 and ~540 spread over 32 KB as here (tiles.py, 441 without); in the
+kernel, with the accumulators' loads and stores, ~600; the panel decode brings it to ~650 and the
+float steps (about 12 vector instructions a token and tile of rows) to ~840, 37% of the tile rate.
+The tile multiplies hide only so much vector work: about 12 zmm FMAs a tdpbssd (tiles.py: 18.2
+cycles a tdpbssd alone or with 12 beside it, 27.3 with 24, near the 18.2 + 12.0 of both in turn),
+and the float steps bring 32 x ~12 a unit of 16 multiplies, twice that. (Without the mins' four
+vpdpwssd a step, the kernel ran within 5% of its speed: not the instruction count alone, then; and
+the float steps as a pass of their own after each block's multiplies, their vector work at full
+rate, ran at 0.8x.) A tileloadd of rows that do not start 64-byte lines costs ~54 cycles instead of
+~8.4 (tiles.py), hence the aligned activation rows (ActLayout.group_bytes).
 
 The last group of tiles of rows starts at N - 16R and the last pair of token tiles at T - 32,
 so every tile row is real; rows an earlier group owns are masked out of the stores to y, and
