@@ -340,7 +340,11 @@ def _lljit():
     init_llvm()
     with _jit_lock:
         if not _jit:
-            _jit.append(llvm.create_lljit_compiler())
+            # JITLink, not RuntimeDyld (llvmlite's default): RuntimeDyld maps code and constants
+            # apart and, in llvmlite's LLVM (built with assertions), aborts the process when a
+            # crowded address space puts them more than 2 GB apart; JITLink lays out a link in one
+            # allocation and reports what it cannot resolve as an error.
+            _jit.append(llvm.create_lljit_compiler(use_jit_link=True))
         return _jit[0]
 
 
