@@ -335,3 +335,80 @@ def test_second_compile_is_a_cache_hit(tmp_path, monkeypatch):
     assert list(y) == [28.0] * 16
     with pytest.raises(KeyError, match="not in this library"):
         second.address("nope")
+
+
+# -- loading without a system linker ------------------------------------------------------------
+_FAR_APART = r'''
+import ctypes, shutil, sys
+from llvmlite import ir
+from ggraph.backends.llvm import jit
+from ggraph.backends.llvm.target import host_target
+
+which = shutil.which
+shutil.which = lambda name, *a, **k: None if name == "ld" else which(name, *a, **k)   # LLJIT loads it
+t = host_target()
+m = ir.Module()
+m.triple = t.triple
+table = ir.GlobalVariable(m, ir.ArrayType(ir.FloatType(), 64), "table")
+table.global_constant, table.linkage = True, "private"
+table.initializer = ir.Constant(table.type.pointee, [i / 2 for i in range(64)])
+k = ir.Function(m, ir.FunctionType(ir.FloatType(), [ir.IntType(32)]), "k")
+b = ir.IRBuilder(k.append_basic_block())
+total = ir.Constant(ir.FloatType(), 0.0)
+for j in range(2000):                        # pages of code, each add reading the table in .rodata
+    at = b.and_(b.add(k.args[0], ir.Constant(ir.IntType(32), j)), ir.Constant(ir.IntType(32), 63))
+    total = b.fadd(total, b.load(b.gep(table, [ir.Constant(ir.IntType(32), 0), at])))
+b.ret(total)
+obj, _ = jit.object_code(m, t)
+
+jit._lljit()                                     # made first: its own start-up would take the hole below
+
+# Every gap of the mmap area mapped (PROT_NONE) but its top page, with 3 GB mapped below: a new
+# mapping of one page lands at the top, anything larger more than 3 GB below it.
+libc = ctypes.CDLL(None, use_errno=True)
+libc.mmap.restype = ctypes.c_void_p
+libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+ANON, NOREPLACE = 0x22 | 0x4000, 0x100000            # private, anonymous, no swap; MAP_FIXED_NOREPLACE
+low = libc.mmap(None, 3 << 30, 0, ANON, -1, 0)
+
+
+def fill() -> bool:
+    """Map every gap between ``low`` and ld.so (the top of the mmap area) but the top page; False
+    if another thread mapped something meanwhile."""
+    lines = open("/proc/self/maps").read().splitlines()
+    ends = [int(line.split()[0].split("-")[1], 16) for line in lines if "ld-linux" in line]
+    if not ends:
+        print("skip: no ld-linux mapping to find the top of the mmap area by")
+        sys.exit(0)
+    spans = sorted(tuple(int(v, 16) for v in line.split()[0].split("-")) for line in lines)
+    gaps = [(a, b) for (_, a), (b, _) in zip(spans, spans[1:]) if b > a and a >= low and b <= max(ends)]
+    top, whole = max(gaps), True
+    for lo, hi in gaps:
+        hi -= 4096 if (lo, hi) == top else 0
+        if hi > lo:
+            whole &= libc.mmap(lo, hi - lo, 0, ANON | NOREPLACE, -1, 0) == lo
+    return whole
+
+
+if not any(fill() for _ in range(5)):
+    print("skip: other threads kept mapping memory")
+    sys.exit(0)
+lib = jit.link([obj], ["k"])
+print(type(lib._tracker).__name__, lib.function("k", ctypes.c_float, [ctypes.c_int32])(5))
+'''
+
+
+def test_lljit_links_code_and_constants_that_lie_far_apart():
+    """Without ``ld``, programs load through LLJIT. Its default linker (RuntimeDyld) maps code and
+    constants apart, and llvmlite's LLVM is built with assertions: when the two land more than 2 GB
+    apart (a crowded address space, made here on purpose) it aborted the process on a 32-bit
+    relocation. JITLink lays a link out in one allocation."""
+    import subprocess
+    import sys
+    if not sys.platform.startswith("linux") or target.host_arch() != "x86_64":
+        pytest.skip("the address-space layout is made with Linux's mmap, for x86-64 relocations")
+    run = subprocess.run([sys.executable, "-c", _FAR_APART], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, f"exit {run.returncode}: {run.stderr[-2000:]}"
+    if run.stdout.startswith("skip:"):
+        pytest.skip(run.stdout.strip())
+    assert run.stdout.split() == ["ResourceTracker", str(sum((5 + j) % 64 / 2 for j in range(2000)))]
