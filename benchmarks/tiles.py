@@ -7,10 +7,11 @@
 - a tileloadd of 16 rows that start 64-byte lines, and of rows that do not;
 - 16 tile multiplies as amx.py issues them (2 token tiles x 2 weight planes a unit, its four
   result tiles zeroed and stored each unit); the same with the memory traffic of the float steps
-  beside them (each token's two stored result rows loaded, its accumulator loaded and stored), the
-  accumulators in L1 or spread over 32 KB as amx.py's are; against two sets of two result tiles used in turn
-  (1 token tile a unit; a set is stored, and zeroed, after the next unit's first k-step, so the
-  tile unit never waits for it), both over a 1B-shaped panel's addresses with random bytes.
+  beside them (each token's two stored result rows loaded, its accumulator loaded and stored),
+  the accumulators in L1 or spread over 32 KB as amx.py's are; against two sets of two result
+  tiles used in turn (1 token tile a unit; a set is stored, and zeroed, after the next unit's
+  first k-step, so the tile unit never waits for it); all over a 1B-shaped panel's addresses
+  with random bytes.
 
     python benchmarks/tiles.py [--rounds 5]
 
