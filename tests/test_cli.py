@@ -70,3 +70,18 @@ def test_bench_says_llama_cpp_is_missing_before_measuring(small_file, capsys, mo
     assert main(["bench", str(small_file), "--vs-llama-cpp"]) == 1
     out, err = capsys.readouterr()
     assert out == "" and "--vs-llama-cpp needs llama-cpp-python" in err and "Traceback" not in err
+
+
+def test_target_says_how_programs_load(capsys, monkeypatch):
+    """With ``ld`` programs load as shared objects it links; without, through LLVM's JIT linker."""
+    import shutil
+    import sys
+    which = shutil.which
+    assert main(["target"]) == 0
+    line = [x for x in capsys.readouterr().out.splitlines() if x.startswith("programs load:")]
+    ld = which("ld") if sys.platform.startswith("linux") else None
+    assert line == ([f"programs load: as one shared object each, linked by {ld} and cached"] if ld else
+                    ["programs load: through LLVM's JIT linker (JITLink) in the process: no system linker 'ld' found"])
+    monkeypatch.setattr(shutil, "which", lambda name, *a, **k: None if name == "ld" else which(name, *a, **k))
+    assert main(["target", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["linker"] is None

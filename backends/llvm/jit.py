@@ -421,12 +421,19 @@ class _Dylib:
         return ctypes.cast(getattr(self._lib, name), ctypes.c_void_p).value
 
 
+def system_linker() -> str | None:
+    """The path of the system linker that makes each program one shared object (``ld``, on Linux),
+    or None: LLJIT links programs in the process then."""
+    ld = shutil.which("ld")
+    return ld if ld is not None and sys.platform.startswith("linux") else None
+
+
 def _shared_library(objects) -> _Dylib | None:
     """``objects`` linked by the system linker (``ld -shared``) into one shared object, loaded; the
     linked bytes are cached by the objects' digest. None without a linker, or when linking or
     loading fails (said once; LLJIT loads them then)."""
-    ld = shutil.which("ld")
-    if ld is None or not sys.platform.startswith("linux"):
+    ld = system_linker()
+    if ld is None:
         return None
     h = hashlib.sha256(b"ld -shared")
     for obj in objects:

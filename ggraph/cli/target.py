@@ -14,7 +14,7 @@ def target_report() -> dict:
     import os
     import llvmlite
     import llvmlite.binding as llvm
-    from ggraph.backends.llvm import kernels
+    from ggraph.backends.llvm import jit, kernels
     from ggraph.backends.llvm import target as T
     feats = T.host_features()
     chosen = T.host_target()
@@ -29,6 +29,7 @@ def target_report() -> dict:
         "chosen": chosen.name,
         "forced": bool(os.environ.get("GGRAPH_TARGET")),
         "gemv_prefetch": chosen.gemv_prefetch,
+        "linker": jit.system_linker(),
         "kernels": kernels.describe(chosen),
     }
 
@@ -52,6 +53,8 @@ def cmd_target(args) -> int:
         "rows": "rows (each row asks for the lines 2 and 4 KB on at its start)",
         "spread": "spread (an AMD CPU: q4_k, q5_k and the 32-weight types ask for the lines 8 KB ahead of "
                   "each group of blocks; other types leave it to the hardware prefetcher)"}[info["gemv_prefetch"]])
+    print("programs load: " + (f"as one shared object each, linked by {info['linker']} and cached" if info["linker"]
+                               else "through LLVM's JIT linker (JITLink) in the process: no system linker 'ld' found"))
     print("kernels:")
     for op, variant in info["kernels"].items():
         print(f"  {op:<20} {variant}")
