@@ -68,15 +68,15 @@ def test_programs_load_through_the_system_linker_or_lljit_alike(model, tmp_path)
     """A process with ``ld`` loads a program as one shared object; one without it links the same
     objects with LLJIT, and both give the same logits. Each runs in a process of its own, as a
     user's would: a fatal error in LLVM's JIT fails this test with its message, not the whole run."""
-    import shutil
     import subprocess
     import sys
 
     import numpy as np
-    if shutil.which("ld") is None:
+    from ggraph.backends.llvm import jit
+    if jit.system_linker() is None:
         pytest.skip("no system linker: programs load through LLJIT only")
     code = ("import sys, numpy as np; from ggraph.backends.llvm import jit; from ggraph.runtime.session import Session\n"
-            "if sys.argv[1] == 'lljit': jit.shutil.which = lambda name: None\n"
+            "if sys.argv[1] == 'lljit': jit.system_linker = lambda: None\n"
             f"s = Session({str(model)!r}, threads=2, ctx=64, cache_type_k='f32', cache_type_v='f32')\n"
             "np.save(sys.argv[2], s.logits([5, 9, 200, 31, 7]))\n"
             "print(type(s.program(last_only=False).lib._tracker).__name__)\n")
