@@ -13,8 +13,9 @@ Plugins register architectures the same way (``ggraph.plugins``).
 from __future__ import annotations
 
 import dataclasses
-import inspect
 from typing import Callable
+
+from ggraph.ir.primitive import definition_site
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,18 +31,19 @@ ARCHITECTURES: dict[str, Architecture] = {}
 
 def register_architecture(name: str, flags: Callable, forward: Callable | None = None, *,
                           replace: bool = False) -> Architecture:
-    """Make ``name`` a runnable ``general.architecture``; ``replace=True`` overrides a registered one."""
+    """Make ``name`` a runnable ``general.architecture``. Registering a name again from where it was
+    registered before (a notebook cell run twice) replaces it; from elsewhere it needs ``replace=True``."""
     if not isinstance(name, str) or not name:
         raise ValueError(f"register_architecture: the name must be a non-empty string, got {name!r}")
     if not callable(flags):
         raise TypeError(f"register_architecture({name!r}): flags must be a function (key, names, n_layer) -> dict")
     if forward is not None and not callable(forward):
         raise TypeError(f"register_architecture({name!r}): forward must be a function or None")
-    if name in ARCHITECTURES and not replace:
-        raise ValueError(f"architecture {name!r} is already registered (by {ARCHITECTURES[name].origin}); "
-                         f"pass replace=True to override it")
-    origin = inspect.getmodule(flags)
-    arch = Architecture(name, flags, forward, getattr(origin, "__file__", None) or getattr(origin, "__name__", "?"))
+    origin = definition_site()
+    if name in ARCHITECTURES and not replace and ARCHITECTURES[name].origin != origin:
+        raise ValueError(f"architecture {name!r} is already registered by {ARCHITECTURES[name].origin}; {origin} "
+                         f"registers it again: rename one, or pass replace=True to override it")
+    arch = Architecture(name, flags, forward, origin)
     ARCHITECTURES[name] = arch
     return arch
 

@@ -13,6 +13,7 @@ import dataclasses
 from typing import Callable, Iterable
 
 from ggraph.ir.graph import Graph, VerifyError
+from ggraph.ir.primitive import definition_site
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,6 +31,7 @@ class Pass:
 
 
 PASSES: dict[str, Pass] = {}
+_pass_origins: dict[str, str] = {}      # pass name -> the module or file that registered it
 
 
 def graph_pass(name: str, *, explain: bool = False):
@@ -40,9 +42,12 @@ def graph_pass(name: str, *, explain: bool = False):
     def wrap(fn):
         if not (fn.__doc__ or "").strip():
             raise ValueError(f"pass {name!r} needs a docstring saying what it rewrites")
-        if name in PASSES:
-            raise ValueError(f"pass {name!r} is already registered")
+        origin = definition_site()
+        if name in PASSES and _pass_origins[name] != origin:
+            raise ValueError(f"pass {name!r} is already registered by {_pass_origins[name]}; {origin} registers "
+                             f"it again: rename one of them")
         PASSES[name] = Pass(name, fn, explain)
+        _pass_origins[name] = origin
         return fn
     return wrap
 

@@ -5,7 +5,8 @@
 
 A program is built from kernel *units*: ``unit(emitter, args, target, units)`` stands for
 the kernel(s) ``emitter(module, *args)`` emits. Its key hashes the emitter, its arguments
-(graphs by their signature), the target and the source of the code that emits kernels, so
+(graphs by their signature and their primitives' rules), the target, the source of the code
+that emits kernels and the code of any rule outside it (a researcher's emitter or lowering), so
 a unit seen before is read from the cache without building any IR; a new one is built into
 a module of its own. A ``Compiler`` turns new units into object code while lowering goes on,
 in worker processes (one per core when there are many, else one this process keeps), with a
@@ -41,7 +42,9 @@ from ggraph.backends.llvm.target import Target, host_arch, init_llvm, target_mac
 from ggraph.demo import cache_dir          # one cache root for models and object code
 from ggraph.ir.dims import Sym
 from ggraph.ir.dtypes import Aval, DType
+from ggraph.ir.fingerprint import fingerprint, primitives_of, rules_fingerprint
 from ggraph.ir.graph import Graph
+from ggraph.ir.primitive import Primitive
 
 _DEFINE = re.compile(r'^define\s+([^@]*)@"?([^"(\s]+)"?\s*\(', re.MULTILINE)
 _jit_lock = threading.Lock()
@@ -109,25 +112,45 @@ def defined_functions(ir_text: str) -> list[str]:
 # ---------------------------------------------------------------------------------------
 
 @functools.cache
+def covered_roots() -> tuple[str, ...]:
+    """The source directories ``code_digest`` hashes whole: the op table (ggraph/ir) and the llvm backend."""
+    from ggraph import ir as ggraph_ir
+    return tuple(str(p) + os.sep for p in (Path(__file__).parent, Path(ggraph_ir.__file__).parent))
+
+
+@functools.cache
 def code_digest() -> bytes:
     """A digest of the code that decides kernels: the op table (ggraph/ir) and the llvm backend."""
-    from ggraph import ir as ggraph_ir
     h = hashlib.sha256(llvmlite.__version__.encode())
-    for root in (Path(__file__).parent, Path(ggraph_ir.__file__).parent):
-        for p in sorted(root.rglob("*.py")):
+    for root in covered_roots():
+        for p in sorted(Path(root).rglob("*.py")):
             h.update(p.read_bytes())
     return h.digest()
 
 
+def user_code(obj) -> str:
+    """A digest of the code in ``obj`` that ``code_digest`` does not cover: a researcher's emitter, numpy
+    rule or lowering, the constants and closures they capture (``ggraph.ir.fingerprint``)."""
+    return fingerprint(obj, covered_roots()).hex()
+
+
+def graph_code(graph: Graph) -> str:
+    """A digest of every rule, and every llvm lowering rule, of the primitives ``graph`` uses."""
+    from ggraph.backends.llvm.lowering import LOWERINGS
+    return rules_fingerprint(primitives_of(graph), covered_roots(), LOWERINGS.get).hex()
+
+
 def _key_part(a):
     if isinstance(a, Graph):
-        return ("graph", a.signature())
+        return ("graph", a.signature(), graph_code(a))
     if isinstance(a, Target):
         return ("target", a.name, a.cpu, a.features)
     if isinstance(a, (tuple, list)):
         return tuple(_key_part(x) for x in a)
     if isinstance(a, (Aval, DType, Sym)):
         return str(a)
+    if callable(a) or isinstance(a, Primitive):
+        return ("code", getattr(a, "__qualname__", repr(a)), user_code(a))
     return repr(a)
 
 
@@ -148,7 +171,8 @@ def unit(emitter, args: tuple, target: Target, units: dict, compiler: "Compiler 
     """The unit of ``emitter(module, *args)`` for ``target``: from ``units``, the disk cache, or built now
     (and handed to ``compiler``, which compiles it while lowering goes on)."""
     h = hashlib.sha256(code_digest())
-    h.update(repr((emitter.__module__, emitter.__qualname__, _key_part(args), _key_part(target))).encode())
+    h.update(repr((emitter.__module__, emitter.__qualname__, user_code(emitter), _key_part(args),
+                   _key_part(target))).encode())
     key = h.hexdigest()
     if key in units:
         return units[key]

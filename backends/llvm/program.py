@@ -28,6 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ggraph.backends import debug_nans
 from ggraph.backends.llvm import cache, jit
 from ggraph.backends.llvm.codegen import Call, ProgramSpec, barriers_needed, lower
 from ggraph.backends.llvm.lowering import Ref
@@ -44,13 +45,13 @@ ALIGN = 64
 _LOADED: dict[str, tuple[dict, list, jit.Library]] = {}     # program key -> (state, units, code) loaded here
 
 
-def _load_or_build(graph, target, profile: bool, rows_only: bool = False):
+def _load_or_build(graph, target, profile: bool, rows_only: bool = False, debug_nans: bool = False):
     """The lowered program for ``graph`` and its loaded code: already loaded in this process, from the
     program cache (no IR is built then), or lowered, compiled (new kernels only) and saved."""
     if not target.executable:
         raise ValueError(f"llvm backend: target '{target.name}' cannot run in this process (another "
                          f"architecture, or AMX tiles without Linux's permission)")
-    key = program_key(graph, target, profile, rows_only)
+    key = program_key(graph, target, profile, rows_only, debug_nans)
     if key not in _LOADED:
         path = jit.cache_dir() / f"{key}.program"
         loaded = _load(path)
@@ -64,7 +65,7 @@ def _load_or_build(graph, target, profile: bool, rows_only: bool = False):
                     cache.discard(u.path, "its program did not link")
                 loaded = None
         if loaded is None:
-            state, units = _build(graph, target, profile, rows_only)
+            state, units = _build(graph, target, profile, rows_only, debug_nans)
             cache.write(path, cache.PROGRAM, cache.dump_state(state))
             lib = jit.link([u.object for u in units] + [state["object"]], _exports(state), False)
         _LOADED[key] = state, units, lib
@@ -76,12 +77,12 @@ def _exports(state: dict) -> list[str]:
     return [state["name"], SERVE, RUN]
 
 
-def _build(graph, target, profile: bool, rows_only: bool = False) -> tuple[dict, list]:
+def _build(graph, target, profile: bool, rows_only: bool = False, debug_nans: bool = False) -> tuple[dict, list]:
     """Lower ``graph``, compile its new kernels (in workers, while lowering goes on) and its program."""
     t0 = time.perf_counter()
     with jit.Compiler(target) as compiler:
         with Progress(len(graph.eqns), "lowering", unit=" ops", stream=sys.stderr, delay=1.0) as bar:
-            spec = lower(graph, target, profile, compiler, bar, rows_only)
+            spec = lower(graph, target, profile, compiler, bar, rows_only, debug_nans)
         compiler.finish(start=t0)
     fn = spec.module.globals[spec.name]
     fn.attributes.add("noinline")                  # a list of calls: nothing to optimise, and unoptimised
@@ -120,15 +121,18 @@ def _planner_source() -> bytes:
     return Path(plan_memory.__file__).read_bytes()
 
 
-def program_key(graph, target, profile: bool, rows_only: bool = False) -> str:
-    """What decides a compiled program: the graph's signature, the target, the code, profiling, and the
+def program_key(graph, target, profile: bool, rows_only: bool = False, debug_nans: bool = False) -> str:
+    """What decides a compiled program: the graph's signature, the target, the code (ggraph's and the rules
+    of the graph's primitives, a researcher's included), profiling, and the
     names of the weights it binds (the signature leaves names out: two files whose graphs differ only
     in a tensor's name, or in one the program does not read, must not share a cached program)."""
     h = hashlib.sha256(graph.signature().encode())
     h.update("\0".join(v.aval.source for v in graph.params).encode("utf-8", "surrogatepass"))
-    for part in (target.name, target.cpu, target.features, str(target.gemv_prefetch), str(profile), str(rows_only)):
+    for part in (target.name, target.cpu, target.features, str(target.gemv_prefetch), str(profile), str(rows_only),
+                 str(debug_nans)):
         h.update(part.encode())
     h.update(jit.code_digest())
+    h.update(jit.graph_code(graph).encode())
     h.update(_planner_source())
     return h.hexdigest()
 
@@ -212,12 +216,14 @@ class LLVMProgram(Program):
         self.last_profile: list[tuple] = []           # (call, seconds) of the last run, when profiling
         self.last_idle = 0.0                          # seconds the threads of that run spent at barriers
         t0 = time.perf_counter()
-        self.spec, self.lib = _load_or_build(graph, self.target, profile, rows_only)
+        self.debug_nans = debug_nans.enabled()
+        self.spec, self.lib = _load_or_build(graph, self.target, profile, rows_only, self.debug_nans)
         self.compile_s = time.perf_counter() - t0
         self.threads = check_threads(threads) or os.cpu_count() or 1
         self.team = Team(self.lib, self.threads)
         self.table = np.zeros(len(self.spec.buffers), dtype=np.uint64)
         self._keep: dict[int, object] = {}            # arrays whose addresses are in the table
+        self._weights: dict[Var, object] = {}          # each weight as given (before any layout of ours)
         self._arena = np.zeros(0, dtype=np.uint8)
         self._spans = lifetimes(self.spec)             # arena buffer -> (first, last) epoch it is used in
         self._slots: dict[int, int] = {}               # arena buffer -> bytes its place in the arena holds
@@ -267,6 +273,7 @@ class LLVMProgram(Program):
         program lays out its own way (``Buffer.layout``) at a copy in that layout, made once per
         process for each value."""
         i = self.spec.param_index[v]
+        self._weights[v] = value
         layout = self.spec.buffers[i].layout
         self._bind(i, value if layout is None else laid_out(value, v.aval, layout))
 
@@ -345,8 +352,18 @@ class LLVMProgram(Program):
             self._read_profile(time.perf_counter() - t0)
         for slot, message in enumerate(self.spec.checks):
             if self._status[2 * slot]:
-                raise IndexError(message.format(id=int(self._status[2 * slot + 1])))
+                found = int(self._status[2 * slot + 1])
+                if isinstance(message, tuple):                      # GGRAPH_DEBUG_NANS: (eqn index, output)
+                    raise self._non_finite(*message, found, values)
+                raise IndexError(message.format(id=found))
         return [self._output(plan, dims) for plan in self._outputs[:first]]
+
+    def _non_finite(self, eqn_index: int, output: int, element: int, values: dict):
+        """The error naming the first eqn whose output a check kernel found not finite; its operands that are
+        graph inputs or weights are looked at for the cause (any other was checked finite when made)."""
+        e = self.graph.eqns[eqn_index]
+        given = {**values, **self._weights}
+        return debug_nans.error(e, output, (element, None), [(a, given.get(a)) for a in e.inputs if a in given])
 
     def _read_profile(self, wall: float) -> None:
         """Each call's time is its threads' mean time from the barrier before it to their finish; the

@@ -23,7 +23,7 @@ import numpy as np
 
 from ggraph.ir import dtypes
 from ggraph.ir.dtypes import Aval, DType
-from ggraph.ir.primitive import Primitive, ShapeError, infer, primitives
+from ggraph.ir.primitive import Primitive, ShapeError, infer, known
 
 # ---------------------------------------------------------------------------------------
 # Var, Literal, Eqn, Graph
@@ -240,7 +240,7 @@ def verify(graph: Graph) -> None:
         defined.add(v)
     for i, e in enumerate(graph.eqns):
         where = f"eqn {i} ({eqn_to_str(e)})" + (f" in {e.scope}" if e.scope else "")
-        if primitives.get(e.prim.name) is not e.prim:
+        if not known(e.prim):
             raise VerifyError(f"{where}: unknown op {e.prim.name!r}")
         for a in e.inputs:
             if isinstance(a, Var) and a not in defined:

@@ -27,6 +27,8 @@ Passes and backends ask these entries; none keeps a list of op names.
 """
 from __future__ import annotations
 
+import sys
+import weakref
 from typing import Callable, NamedTuple, Sequence
 
 KINDS = ("elementwise", "reduce", "shape", "matmul", "memory", "composite", "fused", "other")
@@ -50,7 +52,7 @@ class Primitive:
     """An op kind and its rules (see the module docstring)."""
 
     __slots__ = ("name", "kind", "multiple_results", "shape", "impl", "cost", "print", "effects", "aliases",
-                 "fold", "in_place", "simplify", "emit", "emit_vector", "reduce", "decomposition", "doc")
+                 "fold", "in_place", "simplify", "emit", "emit_vector", "reduce", "decomposition", "doc", "__weakref__")
 
     def __init__(self, name: str, *, shape: Callable, impl: Callable | None = None, cost: Callable | None = None,
                  kind: str = "other", multiple_results: bool = False, print: Callable | None = None,
@@ -76,20 +78,59 @@ class Primitive:
     def composite(self) -> bool:
         return self.kind == "composite"
 
+    def __call__(self, *operands, **params):
+        """Apply the op while tracing: ``square_p(x)`` records ``square`` on ``x`` (a composite with its body)."""
+        from ggraph.ir.trace import bind, bind_composite      # trace builds on this module
+        if self.composite and self.decomposition is not None:
+            return bind_composite(self, self.decomposition, operands, params)
+        return bind(self, *operands, **params)
+
     def __repr__(self):
         return self.name
 
 
 primitives: dict[str, Primitive] = {}
+_origins: dict[str, str] = {}          # primitive name -> the module or file that defined it
+superseded: "weakref.WeakSet[Primitive]" = weakref.WeakSet()    # definitions replaced by a later one
 
 
 def register(name: str, **rules) -> Primitive:
-    """Make a primitive with its rules (the keyword arguments of ``Primitive``) and file it by name."""
-    if name in primitives:
-        raise ValueError(f"primitive {name!r} is already registered")
+    """Make a primitive with its rules (the keyword arguments of ``Primitive``) and file it by name.
+
+    Defining a name again from where it was defined before (a notebook cell run twice, a script, the
+    same plugin file) replaces the old entry; from anywhere else it is an error naming both places."""
+    origin = definition_site()
+    if name in primitives and _origins[name] != origin:
+        raise ValueError(f"primitive {name!r} is already registered by {_origins[name]}; {origin} registers "
+                         f"it again: rename one of them")
     p = Primitive(name, **rules)
+    if name in primitives:
+        superseded.add(primitives[name])
     primitives[name] = p
+    _origins[name] = origin
     return p
+
+
+def known(p: Primitive) -> bool:
+    """True if ``p`` is the registered op of its name, or an earlier definition that one replaced (a graph
+    traced before the op was defined again keeps the op it was traced with, as a jaxpr does)."""
+    return primitives.get(p.name) is p or p in superseded
+
+
+def definition_site() -> str:
+    """The module (its file, or ``__main__`` for a notebook, a REPL or a script) that is defining
+    something: the first frame up the stack outside ggraph's functions (ggraph's own modules define
+    their ops in their module bodies)."""
+    frame = sys._getframe(1)
+    while frame.f_back is not None:
+        module = frame.f_globals.get("__name__", "")
+        if not (module == "ggraph" or module.startswith("ggraph.")) or frame.f_code.co_name == "<module>":
+            break
+        frame = frame.f_back
+    module = frame.f_globals.get("__name__", "?")
+    if module == "__main__" or module.startswith("ggraph."):
+        return module
+    return frame.f_globals.get("__file__") or module
 
 
 def get_primitive(name: str) -> Primitive:
