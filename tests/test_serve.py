@@ -141,6 +141,19 @@ def test_bad_requests_get_openai_errors_naming_the_field(server):
     assert complete(server, "Still", 4)[0]                            # and it keeps serving
 
 
+def test_every_sampling_error_names_its_field(server):
+    """Out of range, the sampler's check answered with "param": null; an integer beyond a float's range
+    was a 500."""
+    for field, value in (("temperature", -1), ("temperature", [1]), ("temperature", 10 ** 400), ("top_p", 0),
+                         ("top_p", 1.5), ("top_p", "all"), ("top_k", -1), ("top_k", 2.5), ("top_k", 10 ** 400),
+                         ("min_p", 1), ("repeat_penalty", 0), ("max_completion_tokens", 0)):
+        r = server.post("/v1/completions", {"prompt": "x", field: value})
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, (field, value, r.text)
+        assert field in r.json()["error"]["message"], r.text
+    r = server.post("/v1/embeddings", {"input": [[10 ** 9]]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "input", r.text
+
+
 def test_hostile_requests_are_400s_not_500s(server):
     """Deep JSON raised RecursionError (a 500 and a traceback in the log); "stream": "yes" streamed; a 20 MB
     prompt was encoded (gigabytes of merges, in the event loop) before its length was checked."""

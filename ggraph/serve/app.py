@@ -103,7 +103,7 @@ def create_app(engine: Engine, model_id: str, api_key: str | None = None, poolin
         if isinstance(prompt, str):
             ids = encode(prompt, "prompt")
         elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            ids = _token_ids(prompt, engine.tokenizer.n_vocab)
+            ids = _token_ids(prompt, engine.tokenizer.n_vocab, "prompt")
         else:
             raise APIError(400, "'prompt' must be a string or a list of token ids (one prompt per request)", "prompt")
         return await run(request, body, ids, DEFAULT_MAX_TOKENS, chat=False)
@@ -171,7 +171,7 @@ def create_app(engine: Engine, model_id: str, api_key: str | None = None, poolin
             if isinstance(t, str) and t:
                 ids.append(encode(t, "input"))
             elif isinstance(t, list) and t and all(isinstance(x, int) and not isinstance(x, bool) for x in t):
-                ids.append(_token_ids(t, engine.tokenizer.n_vocab))
+                ids.append(_token_ids(t, engine.tokenizer.n_vocab, "input"))
             else:
                 raise APIError(400, f"input[{i}] must be a non-empty string or list of token ids", "input")
             if len(ids[-1]) > engine.ctx:
@@ -299,22 +299,23 @@ def _options(body: dict, default_max: int | None) -> dict:
         v = body.get(name, default)
         if v is None:
             v = default
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or (typ is int and not float(v).is_integer()) \
-                or not math.isfinite(v):
-            raise APIError(400, f"'{name}' must be a number, got {v!r}", name)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not _finite(v) \
+                or (typ is int and not float(v).is_integer()):
+            raise APIError(400, f"'{name}' must be {'a whole number' if typ is int else 'a number'}, got {v!r}", name)
+        try:
+            Sampler(**{name: typ(v)})                      # this field alone: its range
+        except ValueError as e:
+            raise APIError(400, str(e), name)
         opts[name] = typ(v)
-    try:
-        Sampler(opts["temperature"], opts["top_k"], opts["top_p"], opts["min_p"], opts["repeat_penalty"])
-    except ValueError as e:
-        raise APIError(400, str(e))
     n = body.get("n", 1)
     if n != 1:
         raise APIError(400, f"'n' must be 1 (one choice per request), got {n!r}", "n")
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens", default_max))
+    field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    max_tokens = body.get(field, default_max)
     if max_tokens is None:
         max_tokens = -1                                    # until the end of text or a full context
     elif isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
-        raise APIError(400, f"'max_tokens' must be a whole number >= 1, got {max_tokens!r}", "max_tokens")
+        raise APIError(400, f"'{field}' must be a whole number >= 1, got {max_tokens!r}", field)
     opts["max_tokens"] = max_tokens
     stop = body.get("stop")
     if stop is None:
@@ -362,10 +363,17 @@ def _constraint(body: dict):
     return (lambda tok: Grammar.json_schema(tok, spec["schema"])), "response_format.json_schema"
 
 
-def _token_ids(ids: list[int], n_vocab: int) -> list[int]:
+def _finite(v) -> bool:
+    try:
+        return math.isfinite(v)
+    except OverflowError:                                  # an int beyond a float's range
+        return False
+
+
+def _token_ids(ids: list[int], n_vocab: int, param: str) -> list[int]:
     bad = [t for t in ids if not 0 <= t < n_vocab]
     if bad:
-        raise APIError(400, f"token id {bad[0]} is outside the vocabulary (0..{n_vocab - 1})", "prompt")
+        raise APIError(400, f"token id {bad[0]} is outside the vocabulary (0..{n_vocab - 1})", param)
     return list(ids)
 
 
