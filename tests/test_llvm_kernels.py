@@ -43,19 +43,19 @@ def k_of(dt) -> int:
 def _build(target_name: str) -> jit.Library:
     t = named_target(target_name)
     m = ir.Module()
-    for fmt, K in (("q8_0", 96), ("q8_k", 512)):
+    for fmt, K in (("q8_0", 96), ("q8_1", 96), ("q8_k", 512)):
         kernels.act_quant(m, fmt, K, t)
     for dt in kernels.QUANT_TYPES:
         kernels.qmatmul(m, dt, k_of(dt), N, t)
         kernels.qmatmul(m, dt, k_of(dt), N, t, rows_only=True)
         kernels.get_rows(m, dt, k_of(dt), V, t)
-    for fmt, K in (("q8_0", 96), ("q8_k", 512)):
+    for fmt, K in (("q8_0", 96), ("q8_1", 96), ("q8_k", 512)):
         kernels.act_quant(m, fmt, K, t, rows_only=True)
     for dt, K, n in (*SMALL, (dtypes.q8_0, 64, 256)):
         kernels.qmatmul(m, dt, K, n, t)
     for dt in kernels.QUANT_TYPES:
         kernels.qmatmul(m, dt, LONG_K, LONG_N, t)
-    for fmt in ("q8_0", "q8_k"):
+    for fmt in ("q8_0", "q8_1", "q8_k"):
         kernels.act_quant(m, fmt, LONG_K, t)
     kernels.act_quant(m, "q8_0", 32, t)
     kernels.act_quant(m, "q8_0", 64, t)
@@ -96,14 +96,14 @@ def run(f, args, T, nth, threads=False):
 
 # -- references ---------------------------------------------------------------------------
 def ref_act(x: np.ndarray, fmt: str):
-    """ggml's x86 quantize_row_q8_0 / quantize_row_q8_K: (q int32 [T, K], d f32 [T, K/bs])."""
+    """ggml's x86 quantize_row_q8_0 (q8_1's d and q too) / quantize_row_q8_K: (q int32 [T, K], d f32 [T, K/bs])."""
     T, K = x.shape
     bs = ActLayout(fmt, K).block
     xb = x.reshape(T, K // bs, bs)
     amax = np.abs(xb).max(-1)
     with np.errstate(divide="ignore"):
         inv = np.where(amax != 0, np.float32(127) / amax, np.float32(0)).astype(np.float32)
-        if fmt == "q8_0":
+        if fmt in ("q8_0", "q8_1"):
             d = (amax / np.float32(127)).astype(np.float16).astype(np.float32)
         else:   # ggml: iscale = -127/max, d = 1/iscale; the common sign cancels in d*q
             d = np.where(amax != 0, np.float32(1) / inv, np.float32(0)).astype(np.float32)
@@ -111,9 +111,16 @@ def ref_act(x: np.ndarray, fmt: str):
     return q.reshape(T, K), d
 
 
+def ref_s(x: np.ndarray, q: np.ndarray) -> np.ndarray:
+    """ggml's x86 quantize_row_q8_1's s: (amax/127) * sum(q) in f32, stored as fp16: f32 [T, K/32]."""
+    T, K = x.shape
+    d = np.abs(x.reshape(T, K // 32, 32)).max(-1) / np.float32(127)
+    return (d * q.reshape(T, K // 32, 32).sum(-1).astype(np.float32)).astype(np.float16).astype(np.float32)
+
+
 def unpack_act(buf: np.ndarray, fmt: str, T: int, K: int, target: str):
-    """Our private activation layout (for ``target``) back to (q [T, K], d [T, K/bs], sums [T, K/ss],
-    sums of 32 [T, K/32] or None)."""
+    """Our private activation layout (for ``target``) back to (q [T, K], d [T, K/bs], sums [T, K/ss] (q8_1:
+    its fp16 s), sums of 32 [T, K/32] or None)."""
     lay = ActLayout(fmt, K)
     L = tokens_per_group(T, target=named_target(target))
     G = (T + L - 1) // L
@@ -123,7 +130,7 @@ def unpack_act(buf: np.ndarray, fmt: str, T: int, K: int, target: str):
     at_s32 = at_s + 2 * L * ns
     q = g[:, :L * K].view(np.int8).reshape(G, K // 4, L, 4).transpose(0, 2, 1, 3).reshape(G * L, K)
     d = g[:, L * K:at_s].copy().view(np.float32).reshape(G, nb, L)
-    s = g[:, at_s:at_s32].copy().view(np.int16).reshape(G, ns, L)
+    s = g[:, at_s:at_s32].copy().view(np.float16 if lay.keeps_s else np.int16).reshape(G, ns, L)
     flat = lambda a, n: a.transpose(0, 2, 1).reshape(G * L, n)  # noqa: E731
     end = lay.used_bytes(L)
     s32 = flat(g[:, at_s32:end].copy().view(np.int16).reshape(G, K // 32, L), K // 32) if lay.has_sums32 else None
@@ -140,6 +147,12 @@ def random_blocks(dt, rows: int, K: int, rng) -> np.ndarray:
         v = (rng.uniform(0.01, 0.1, nb) * rng.choice([-1, 1], nb)).astype(np.float16)
         raw[:, off:off + 2] = v.view(np.uint8).reshape(nb, 2)
     return raw.reshape(rows, -1)
+
+
+def mins_of(raw: np.ndarray, dt, rows: int, K: int) -> np.ndarray:
+    """The fp16 m (at byte 2) of each block of a q4_1 / q5_1 matrix: f64 [rows, K/32]."""
+    blocks = raw.reshape(rows * K // 32, dt.type_size)
+    return blocks[:, 2:4].copy().view(np.float16).astype(np.float64).reshape(rows, K // 32)
 
 
 def dequant(raw: np.ndarray, dt, rows: int, K: int) -> np.ndarray:
@@ -160,7 +173,7 @@ def bf16_bits(a: np.ndarray) -> np.ndarray:
 
 
 # -- act_quant ------------------------------------------------------------------------------
-@pytest.mark.parametrize("fmt,K", [("q8_0", 96), ("q8_k", 512)])
+@pytest.mark.parametrize("fmt,K", [("q8_0", 96), ("q8_1", 96), ("q8_k", 512)])
 def test_act_quant_matches_ggml(target, fmt, K):
     rng = np.random.default_rng(0)
     for T in TOKENS:
@@ -175,14 +188,15 @@ def test_act_quant_matches_ggml(target, fmt, K):
         ss = ActLayout(fmt, K).sum_block
         np.testing.assert_array_equal(q[:T], rq, err_msg=f"quants T={T}")
         np.testing.assert_array_equal(d[:T], rd, err_msg=f"scales T={T}")
-        np.testing.assert_array_equal(s[:T], rq.reshape(T, -1, ss).sum(-1), err_msg=f"sums T={T}")
+        sums = ref_s(x, rq) if fmt == "q8_1" else rq.reshape(T, -1, ss).sum(-1)
+        np.testing.assert_array_equal(s[:T], sums, err_msg=f"sums T={T}")
         assert not q[T:].any() and not d[T:].any() and not s[T:].any(), "padding tokens must be zero"
         if fmt == "q8_k":
             np.testing.assert_array_equal(s32[:T], rq.reshape(T, -1, 32).sum(-1), err_msg=f"sums of 32 T={T}")
             assert not s32[T:].any(), "padding tokens must be zero"
 
 
-@pytest.mark.parametrize("fmt,K", [("q8_0", 96), ("q8_k", 512)])
+@pytest.mark.parametrize("fmt,K", [("q8_0", 96), ("q8_1", 96), ("q8_k", 512)])
 def test_act_quant_makes_a_block_with_nan_nan(target, fmt, K):
     """A NaN anywhere in a block (a damaged weight upstream) makes that block's d NaN, so it reaches the
     logits; ggml's quantisers skip NaN in amax and round it to a 0 quant, a silently zeroed feature."""
@@ -216,6 +230,9 @@ def check_qmatmul(target, dt, K: int, n: int, w: np.ndarray, tokens=TOKENS, rng=
         bs = ActLayout(fmt, K).block
         X = (q.reshape(T, -1, bs) * d[..., None].astype(np.float64)).reshape(T, K)
         exact, loose = X @ W.T, x.astype(np.float64) @ W.T          # (T, N)
+        if fmt == "q8_1":                                           # ggml: m * s, s = d*sum(q) as fp16
+            m = mins_of(w, dt, n, K)                                                  # (n, K/32)
+            exact += (ref_s(x, q).astype(np.float64) - X.reshape(T, -1, 32).sum(-1)) @ m.T
         norms = np.linalg.norm(x, axis=1)[:, None] * np.linalg.norm(W, axis=1)[None, :]
         for nth, threads in ((1, False), (2, False), (3, False), (2, True)):
             y = np.full((T, n), np.nan, np.float32)
@@ -483,7 +500,7 @@ def _build_groups(target_name: str) -> jit.Library:
         for K in _group_ks(dt):
             kernels.qmatmul(m, dt, K, N, t)
             kernels.qmatmul(m, dt, K, N, t, rows_only=True)
-    for fmt, K in [("q8_k", K) for K in HEADER_KS] + [("q8_0", K) for K in SMALL_KS]:
+    for fmt, K in [("q8_k", K) for K in HEADER_KS] + [(f, K) for K in SMALL_KS for f in ("q8_0", "q8_1")]:
         kernels.act_quant(m, fmt, K, t)
         kernels.act_quant(m, fmt, K, t, rows_only=True)
     return jit.compile(m, t)

@@ -8,18 +8,22 @@ lanes, else 16; the last group is zero-padded). Per group:
 
     qs   int8 [K/4, L, 4]   the quants, one 4-byte word per token in turn, so a 64-byte
                             load gives the same 4 features of 16 tokens (L = 1: plain row)
-    d    f32  [K/bs, L]     the block scale: bs = 32 (q8_0) or 256 (q8_k)
+    d    f32  [K/bs, L]     the block scale: bs = 32 (q8_0, q8_1) or 256 (q8_k)
     sums i16  [K/ss, L]     sums of quants: ss = 32 (q8_0) or 16 (q8_k, ggml's bsums); at
-                            most 32 * 128 in size, so two sub-blocks' sums share a word
+                            most 32 * 128 in size, so two sub-blocks' sums share a word.
+                            q8_1 keeps ggml's s there instead: fp16 bits of d * sum(q)
     sums32 i16 [K/32, L]    q8_k only: sums of 32 quants (the sub-blocks of q4_k and q5_k), so
                             that one 4-byte word holds the sums of two of them
     (padding)               to the next 64-byte line
 
 q8_0: d = amax/127 rounded to fp16 (as ggml stores it), q = round_even(x * 127/amax).
+q8_1 (for q4_1 and q5_1): q8_0's d and q, and s = (amax/127) * sum(q) rounded to fp16, as
+ggml's x86 quantize_row_q8_1 keeps it (d unrounded in the product). Its vec_dot adds m * s,
+which differs from the exact m * d * sum(q) by s's fp16 rounding: large where a block holds an
+outlier activation.
 q8_k: ggml's quantize_row_q8_K with the sign of d made positive (iscale = 127/amax,
 d = 1/iscale); ggml's (d, q) differ from ours by one common sign, so every product d*q
-is bit-identical. ggml's q8_1 `s` is not stored: the integer sums carry it exactly,
-so q4_1 and q5_1 use the q8_0 layout.
+is bit-identical.
 
 A NaN anywhere in a block makes its amax and d NaN (ggml's quantisers skip it, and its quant
 rounds to 0), so damaged activations reach the logits as NaN, which the runtime reports,
@@ -38,7 +42,7 @@ from ggraph.backends.llvm.target import Target
 GROUP = 16                      # tokens per group when T > 1 (not rows_only)
 
 #           fmt:  (block, sum block)
-_FORMATS = {"q8_0": (32, 32), "q8_k": (256, 16)}
+_FORMATS = {"q8_0": (32, 32), "q8_1": (32, 32), "q8_k": (256, 16)}
 
 
 def rows_gemm(target: Target) -> bool:
@@ -76,6 +80,11 @@ class ActLayout:
     def has_sums32(self) -> bool:
         return self.sum_block < 32
 
+    @property
+    def keeps_s(self) -> bool:
+        """True if the sums' words hold ggml's fp16 s = d * sum(q) (q8_1), not integer sums."""
+        return self.fmt == "q8_1"
+
     def used_bytes(self, L: int) -> int:
         """Bytes of a group that hold quants, scales and sums."""
         return L * (self.K + 4 * (self.K // self.block) + 2 * (self.K // self.sum_block)
@@ -105,8 +114,16 @@ class ActLayout:
 
     def load_sums(self, k: Kernel, base, L, sblock, n: int | None = None, lane=0) -> ir.Value:
         """The sum at ``sums(sblock, lane)`` as i32, or the n consecutive ones there as <n x i32>."""
+        if self.keeps_s:
+            raise ValueError(f"act_quant {self.fmt}: keeps s = d*sum(q) as fp16, not integer sums (load_s)")
         typ = i16 if n is None else vec(i16, n)
         return k.b.sext(k.load(typ, base, self.sums(k, L, sblock, lane)), i32 if n is None else vec(i32, n))
+
+    def load_s(self, k: Kernel, isa: Isa, base, L, block, n: int | None = None, lane=0) -> ir.Value:
+        """q8_1's s of ``block`` (token ``lane``) as float, or the n consecutive ones there as <n x float>."""
+        if not self.keeps_s:
+            raise ValueError(f"act_quant {self.fmt}: keeps integer sums, not q8_1's s (load_sums)")
+        return isa.f16_to_f32(k.load(i16 if n is None else vec(i16, n), base, self.sums(k, L, block, lane)))
 
 
 def act_bytes(fmt: str, T: int, K: int, rows_only: bool = False) -> int:
@@ -163,11 +180,18 @@ def _scales(k: Kernel, lay: ActLayout, amax: ir.Value, isa: Isa) -> tuple[ir.Val
     zero = ir.Constant(f32, 0.0)
     nonzero = b.fcmp_unordered("!=", amax, zero)                          # NaN too: d stays NaN
     inv = b.fdiv(ir.Constant(f32, 127.0), amax)
-    if lay.fmt == "q8_0":
+    if lay.fmt in ("q8_0", "q8_1"):
         d = isa.round_f16(b.fdiv(amax, ir.Constant(f32, 127.0)))
     else:
         d = b.select(nonzero, b.fdiv(ir.Constant(f32, 1.0), inv), zero)
     return d, b.select(nonzero, inv, zero)
+
+
+def _sum_word(k: Kernel, isa: Isa, lay: ActLayout, amax: ir.Value, total: ir.Value) -> ir.Value:
+    """The i16 word a sum block stores: its sum of quants, or q8_1's s = (amax/127) * sum as fp16 bits."""
+    if not lay.keeps_s:
+        return k.b.trunc(total, i16)
+    return isa.f32_to_f16(k.b.fmul(k.b.fdiv(amax, ir.Constant(f32, 127.0)), k.b.sitofp(total, f32)))
 
 
 def _fabs(k: Kernel, v: ir.Value) -> ir.Value:
@@ -180,7 +204,8 @@ def _quant_row_vector(k: Kernel, isa: Isa, lay: ActLayout, L: int, x, base, lane
     bs, ss = lay.block, lay.sum_block
     with k.loop(0, lay.K // bs, name="blk") as blk:
         v = k.load(vec(f32, bs), x, k.mul(blk, 4 * bs))                        # (bs,) f32
-        d, mult = _scales(k, lay, isa.hmax(_fabs(k, v), nan=True), isa)
+        amax = isa.hmax(_fabs(k, v), nan=True)
+        d, mult = _scales(k, lay, amax, isa)
         q = isa.round_even(k.b.fmul(v, k.splat(mult, bs)))                       # (bs,) i32
         qb = k.b.trunc(q, vec(i8, bs))
         if L == 1:
@@ -193,7 +218,7 @@ def _quant_row_vector(k: Kernel, isa: Isa, lay: ActLayout, L: int, x, base, lane
         k.store(d, base, lay.d(k, L, blk, lane))
         totals = [isa.hsum(k.shuffle(q, range(s * ss, (s + 1) * ss))) for s in range(bs // ss)]
         for s, total in enumerate(totals):
-            k.store(k.b.trunc(total, i16), base, lay.sums(k, L, k.add(k.mul(blk, bs // ss), s), lane))
+            k.store(_sum_word(k, isa, lay, amax, total), base, lay.sums(k, L, k.add(k.mul(blk, bs // ss), s), lane))
         if lay.has_sums32:
             _store_sums32(k, lay, L, base, lane, blk, totals)
 
@@ -217,7 +242,8 @@ def _quant_row_scalar(k: Kernel, isa: Isa, lay: ActLayout, L: int, x, base, lane
                 offset = k.add(lay.qs(k, L, word, lane), b.srem(e, k.i64(4)))
                 k.store(b.trunc(q, i8), base, offset)
                 total.set(b.add(total.get(), q))
-            k.store(b.trunc(total.get(), i16), base, lay.sums(k, L, k.add(k.mul(blk, bs // ss), s), lane))
+            k.store(_sum_word(k, isa, lay, amax.get(), total.get()), base,
+                    lay.sums(k, L, k.add(k.mul(blk, bs // ss), s), lane))
         k.store(d, base, lay.d(k, L, blk, lane))
         if lay.has_sums32:
             totals = [b.sext(k.load(i16, base, lay.sums(k, L, k.add(k.mul(blk, bs // ss), s), lane)), i32)

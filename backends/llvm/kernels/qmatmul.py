@@ -7,6 +7,7 @@ rows (multiples of 16, of 32 for the rows gemm, about 8 per thread) in turn, cou
 ``counter``, which must be zero when the call starts: a thread that gets more of the machine
 does more rows; a gemv first gives each thread one long run of rows (GEMV_LEAD of them). Per
 sub-block the integer dot is exact; it is then scaled by the weight and activation scales in f32.
+The mins of q4_1 and q5_1 meet ggml's q8_1 s (d * sum(q) as fp16), not the exact integer sums.
 Four drivers share the block decoders:
 
 - gemv (T == 1): one row at a time, 32 weights per step (64 for 256-weight blocks on
@@ -465,11 +466,14 @@ def _gemv_small_group(r: _GemvRow, blk0, G: int) -> None:
     for xt, acc, macc in zip(r.xts, r.accs, r.maccs):
         dx = k.load(vec(f32, G), xt, lay.d(k, 1, blk0))
         ddx = b.fmul(run.d, dx)
-        xs = b.sitofp(lay.load_sums(k, xt, 1, blk0, G), vec(f32, G))              # (G,) activation sums
-        # what the dots leave out, one lane a block: offset x d dx xsum, and min x dx xsum (subtracted)
-        off = b.fmul(ddx, ir.Constant(vec(f32, G), [float(run.offset)] * G)) if run.offset else None
-        own = b.fmul(run.mins, dx) if run.mins is not None else None
-        factor = own if off is None else off if own is None else b.fadd(off, own)
+        if lay.keeps_s:                                # q8_1: min x s, ggml's fp16 s = dx xsum (subtracted)
+            factor, xs = run.mins, lay.load_s(k, isa, xt, 1, blk0, G)
+        else:
+            xs = b.sitofp(lay.load_sums(k, xt, 1, blk0, G), vec(f32, G))          # (G,) activation sums
+            # what the dots leave out, one lane a block: offset x d dx xsum, and min x dx xsum (subtracted)
+            off = b.fmul(ddx, ir.Constant(vec(f32, G), [float(run.offset)] * G)) if run.offset else None
+            own = b.fmul(run.mins, dx) if run.mins is not None else None
+            factor = own if off is None else off if own is None else b.fadd(off, own)
         if factor is not None:
             macc.set(isa.fma(factor, xs, macc.get()) if r.mlanes == G else
                      b.fadd(macc.get(), _widen_lanes(k, b.fmul(factor, xs), r.mlanes)))
@@ -743,7 +747,7 @@ def _gemm_chunk(k: Kernel, isa: Isa, fmt: BlockFormat, lay: ActLayout, decs, blk
     subs = _subs(k, fmt, c)
     words = k.add(k.mul(blk, fmt.dtype.block_size // 4), k.mul(c, 8))
     for si, s in enumerate(subs):
-        xs = [_xsum(k, fmt, lay, L, xg[g], blk, s) for g in range(G)]
+        xs = [None if lay.keeps_s else _xsum(k, fmt, lay, L, xg[g], blk, s) for g in range(G)]
         init = [b.mul(x, ir.Constant(vec(i32, L), [-dec0.offset] * L)) if dec0.offset
                 else ir.Constant(vec(i32, L), [0] * L) for x in xs]
         dots = [[init[g] for g in range(G)] for _ in range(R)]
@@ -770,7 +774,8 @@ def _gemm_chunk(k: Kernel, isa: Isa, fmt: BlockFormat, lay: ActLayout, decs, blk
                     sums[r][g].set(isa.fma(b.sitofp(dots[r][g], v16), iscale, sums[r][g].get()))
             continue
         for g in range(G):
-            xf = b.fmul(b.sitofp(xs[g], v16), dx[g]) if dec0.mins is not None else None
+            xf = None if dec0.mins is None else lay.load_s(k, isa, xg[g], L, blk, L) if lay.keeps_s else \
+                b.fmul(b.sitofp(xs[g], v16), dx[g])                                # dx xsum, or q8_1's s
             for r in range(R):
                 scale = b.fmul(k.splat(decs[r].scale(k, s), L), dx[g])
                 a = isa.fma(b.sitofp(dots[r][g], v16), scale, acc[r][g].get())
@@ -1143,7 +1148,8 @@ def _sub_sum_pairs(k: Kernel, lay: ActLayout, panel: Panel, xt, blk) -> list:
 
 def _plain_block(k: Kernel, isa: Isa, lay: ActLayout, vecs: int, buf, room: int, panel: Panel, dec: Decoded, xs, blk,
                  at, accs: _Accumulators) -> None:
-    """One block of a 32-weight type into the accumulators: acc += dot * d*dx (- xsum * dmin*dx)."""
+    """One block of a 32-weight type into the accumulators: acc += dot * d*dx (- xsum * dmin*dx, or with
+    q8_1 activations - s * dmin)."""
     b = k.b
     v16 = vec(f32, ROWS)
     dots = _sub_dots(k, isa, lay, vecs, buf, room, panel, dec, xs, blk, 0, at)
@@ -1155,7 +1161,9 @@ def _plain_block(k: Kernel, isa: Isa, lay: ActLayout, vecs: int, buf, room: int,
         for t, xt in enumerate(xs):
             dx = k.splat(k.load(f32, xt, lay.d(k, 1, blk)), ROWS)
             a = isa.fma(b.sitofp(dots[t][v], v16), b.fmul(d, dx), accs.get(t, v))
-            if panel.mins:
+            if panel.mins and lay.keeps_s:                # q8_1's s = dx xsum, as ggml rounds it
+                a = isa.fma(k.splat(lay.load_s(k, isa, xt, 1, blk), ROWS), ndmin, a)
+            elif panel.mins:
                 xsum = _sum_of(k, [lay.load_sums(k, xt, 1, k.add(k.mul(blk, per), p)) for p in range(per)])
                 a = isa.fma(b.sitofp(k.splat(xsum, ROWS), v16), b.fmul(ndmin, dx), a)
             accs.set(t, v, a)
@@ -1183,20 +1191,26 @@ def _scalar(k: Kernel, isa: Isa, fmt: BlockFormat, lay: ActLayout, N: int, rows,
             with k.loop(0, lay.K // fmt.dtype.block_size, name="blk") as blk:
                 wblk = _row(k, fmt, lay, n, blk)
                 dx = k.load(f32, x[0], lay.d(k, L, blk, x[1]))
-                for total, (factor, dot) in zip((acc, mins), step(k, isa, fmt, lay, L, x, wblk, blk)):
-                    total.set(isa.fused(b.fmul(factor, dx), b.sitofp(dot, f32), total.get()))
+                for total, (factor, value) in zip((acc, mins), step(k, isa, fmt, lay, L, x, wblk, blk, dx)):
+                    total.set(isa.fused(factor, value, total.get()))
             k.store(b.fsub(acc.get(), mins.get()), k.arg["y"], k.mul(k.add(k.mul(t, N), n), 4))
 
 
-def _block_scalar(k: Kernel, isa: Isa, fmt: BlockFormat, lay: ActLayout, L: int, x, wblk, blk) -> list:
-    """A one-scale block's (scale, sum(q * xq)) and, with a min, (min, sum(xq))."""
+def _block_scalar(k: Kernel, isa: Isa, fmt: BlockFormat, lay: ActLayout, L: int, x, wblk, blk, dx) -> list:
+    """A one-scale block's (scale*dx, sum(q * xq)) and, with a min, (min*dx, sum(xq)), or with q8_1
+    activations (min, s): pairs of floats whose products the caller sums."""
+    b = k.b
     scale, mn = fmt.scale(k, isa, wblk, 0)
-    out = [(scale, _dot_scalar(k, isa, fmt, lay, L, x, wblk, blk, 0))]
-    return out + ([(mn, _xsum_scalar(k, fmt, lay, L, x, blk, 0))] if mn is not None else [])
+    out = [(b.fmul(scale, dx), b.sitofp(_dot_scalar(k, isa, fmt, lay, L, x, wblk, blk, 0), f32))]
+    if mn is None:
+        return out
+    if lay.keeps_s:
+        return out + [(mn, lay.load_s(k, isa, x[0], L, blk, lane=x[1]))]
+    return out + [(b.fmul(mn, dx), b.sitofp(_xsum_scalar(k, fmt, lay, L, x, blk, 0), f32))]
 
 
-def _super_block_scalar(k: Kernel, isa: Isa, fmt: BlockFormat, lay: ActLayout, L: int, x, wblk, blk) -> list:
-    """A super-block's (d, sum_s scale[s] * sum(q * xq)) and, with mins, (dmin, sum_s min[s] * sum(xq))."""
+def _super_block_scalar(k: Kernel, isa: Isa, fmt: BlockFormat, lay: ActLayout, L: int, x, wblk, blk, dx) -> list:
+    """A super-block's (d*dx, sum_s scale[s] * sum(q * xq)) and, with mins, (dmin*dx, sum_s min[s] * sum(xq))."""
     b = k.b
     header = fmt.int_scale(k, isa, wblk, 0)                           # d and dmin (sub-block 0's scales unused)
     isum, msum = k.var(i32, 0), k.var(i32, 0)
@@ -1205,8 +1219,8 @@ def _super_block_scalar(k: Kernel, isa: Isa, fmt: BlockFormat, lay: ActLayout, L
         isum.set(b.add(isum.get(), b.mul(ints.scales, _dot_scalar(k, isa, fmt, lay, L, x, wblk, blk, s))))
         if ints.mins is not None:
             msum.set(b.add(msum.get(), b.mul(ints.mins, _xsum_scalar(k, fmt, lay, L, x, blk, s))))
-    out = [(header.d, isum.get())]
-    return out + ([(header.dmin, msum.get())] if header.mins is not None else [])
+    out = [(b.fmul(header.d, dx), b.sitofp(isum.get(), f32))]
+    return out + ([(b.fmul(header.dmin, dx), b.sitofp(msum.get(), f32))] if header.mins is not None else [])
 
 
 def _dot_scalar(k: Kernel, isa: Isa, fmt: BlockFormat, lay: ActLayout, L: int, x, wblk, blk, s) -> ir.Value:

@@ -210,6 +210,7 @@ _TABLE = [
     (dtypes.q8_0,   _level_q8_0,   _d,    _decode_q8_0),
     (dtypes.iq4_nl, _level_iq4_nl, _d,    _decode_iq4_nl),
 ]
-FORMATS = {dt: BlockFormat(dt, "q8_0", 32, level, scale, decode,
+# ggml's vec_dot_type: q8_1 (whose s the mins meet) for the types with a min, q8_0 for the others
+FORMATS = {dt: BlockFormat(dt, "q8_1" if scale is _d_m else "q8_0", 32, level, scale, decode,
                           run=gathered_run(dt, _FIELDS[dt]) if dt in _FIELDS else None)
            for dt, level, scale, decode in _TABLE}
