@@ -4,7 +4,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from ggraph.cli.common import add_model_arg, model_path, passes_arg, pipeline_names
+from ggraph.cli.common import add_model_arg, context_length, model_path, passes_arg, pipeline_names
 
 NEEDS = "ggraph serve needs starlette and uvicorn: pip install 'ggraph[serve]'"
 
@@ -17,6 +17,7 @@ def cmd_serve(args) -> int:
     try:
         import uvicorn
         from ggraph.serve.app import create_app
+        from ggraph.serve.server import Server
     except ImportError:
         print(f"ggraph serve: error: {NEEDS}", file=sys.stderr)
         return 1
@@ -30,16 +31,18 @@ def cmd_serve(args) -> int:
         raise ValueError(f"--queue must be >= 0 waiting requests, got {args.queue}")
     _check_port(args.host, args.port)                      # before the slow part
     path = model_path(args)
-    engine = Engine(path, parallel=args.parallel, ctx=args.ctx, queue=args.queue, backend=args.backend,
-                    threads=args.threads, passes=passes_arg(args.passes), disabled=args.no_pass,
+    engine = Engine(path, parallel=args.parallel, ctx=context_length(args, path), queue=args.queue,
+                    backend=args.backend, threads=args.threads, passes=passes_arg(args.passes), disabled=args.no_pass,
                     max_memory=args.max_memory, cache_type_k=args.cache_type_k, cache_type_v=args.cache_type_v)
     model_id = args.alias or Path(path).stem
     app = create_app(engine, model_id, api_key=args.api_key, pooling=args.pooling)
     where = f"http://{args.host}:{args.port}"
     print(f"ggraph serve: {model_id} on {where}/v1 ({args.parallel} slot(s) of {engine.ctx} tokens"
           f"{', API key required' if args.api_key else ''}); Ctrl-C stops", file=sys.stderr, flush=True)
+    server = Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                   timeout_graceful_shutdown=2), engine)
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+        server.run()
     finally:
         engine.close()
     return 0

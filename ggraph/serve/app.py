@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import json
 import math
 import time
@@ -89,6 +90,12 @@ def create_app(engine: Engine, model_id: str, api_key: str | None = None, poolin
         except Overloaded as e:
             raise APIError(503, str(e), kind="server_error", code="overloaded")
 
+    def failure(message: str) -> APIError:
+        """The error of a job the engine ended: 503 when the server is shutting down, else 500."""
+        if engine.closed:
+            return APIError(503, message, kind="server_error", code="shutting_down")
+        return APIError(500, message, kind="server_error")
+
     async def models(request: Request) -> Response:
         check(request)
         return JSONResponse({"object": "list", "data": [
@@ -139,17 +146,17 @@ def create_app(engine: Engine, model_id: str, api_key: str | None = None, poolin
             return StreamingResponse(_events(job, queue, rid, stamp, model_id, chat, body), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         text = []
-        try:
+        async with watching(request, job, queue):
             while True:
                 kind, value = await queue.get()
                 if kind == "piece":
                     text.append(value)
                 elif kind == "error":
-                    raise APIError(500, value, kind="server_error")
+                    raise failure(value)
+                elif kind == "gone":
+                    return Response(status_code=499)     # no one reads it: nginx's "client closed request"
                 else:
                     break
-        finally:
-            job.cancel()                                  # a no-op once done; frees the slot if the client left
         usage = _usage(value)
         choice = {"index": 0, "finish_reason": value["finish_reason"], "logprobs": None}
         if chat:
@@ -184,12 +191,12 @@ def create_app(engine: Engine, model_id: str, api_key: str | None = None, poolin
         if body.get("dimensions") not in (None, width):
             raise APIError(400, f"'dimensions' must be this model's {width} (no truncation)", "dimensions")
         job, queue = submit(ids, {"pooling": pooling}, kind="embed")
-        try:
+        async with watching(request, job, queue):
             kind, value = await queue.get()
-        finally:
-            job.cancel()
         if kind == "error":
-            raise APIError(500, value, kind="server_error")
+            raise failure(value)
+        if kind == "gone":
+            return Response(status_code=499)
         data = []
         for i, v in enumerate(value["embeddings"]):
             vec = base64.b64encode(np.asarray(v, dtype="<f4").tobytes()).decode() if fmt == "base64" else \
@@ -224,6 +231,23 @@ def create_app(engine: Engine, model_id: str, api_key: str | None = None, poolin
               Route("/health", health, methods=["GET"]),
               Route("/metrics", metrics, methods=["GET"])]
     return Starlette(routes=routes, exception_handlers={404: not_found, 405: method_not_allowed, APIError: api_error})
+
+
+@contextlib.asynccontextmanager
+async def watching(request: Request, job, queue: asyncio.Queue):
+    """While a non-streamed request waits for ``job``: ("gone", None) on ``queue`` as soon as the client
+    disconnects (its body is read, so the next ASGI message is http.disconnect). On the way out the job
+    is cancelled, which frees its slot if it still runs (a no-op once it is done)."""
+    async def watch():
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        queue.put_nowait(("gone", None))
+    watcher = asyncio.create_task(watch())
+    try:
+        yield
+    finally:
+        watcher.cancel()
+        job.cancel()
 
 
 async def _events(job, queue, rid, stamp, model_id, chat, body):

@@ -90,10 +90,15 @@ class Engine:
         self._ids = itertools.count(1)
         self._waiting: collections.deque[Job] = collections.deque()
         self._active: dict[int, _Running] = {}
+        self._embedding: list[Job] = []                        # embed jobs the scheduler is running now
         self._wake = threading.Condition()
         self._closed = False
         self._thread = threading.Thread(target=self._loop, name="ggraph-scheduler", daemon=True)
         self._thread.start()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
 
     @property
     def tokenizer(self):
@@ -130,11 +135,24 @@ class Engine:
             return {"waiting": len(self._waiting), "active": len(active), "slots": self.parallel,
                     "kv_used": sum(self.batch.n_past[i] for i in active), "kv_capacity": self.parallel * self.ctx}
 
-    def close(self) -> None:
+    def close(self, wait: float = 1.0) -> None:
+        """Refuse new jobs and end every running and waiting one now with an error; then wait up to
+        ``wait`` seconds for the scheduler to finish the step it is in (it emits nothing more)."""
         with self._wake:
-            self._closed = True
-            self._wake.notify()
-        self._thread.join(timeout=30)
+            if not self._closed:
+                self._closed = True
+                for job in [run.job for run in self._active.values()] + self._embedding + list(self._waiting):
+                    job.cancel()
+                    job.emit("error", "the server is shutting down")
+                self._waiting.clear()
+                self._wake.notify()
+        self._thread.join(timeout=wait)
+
+    def _send(self, job: Job, kind: str, value) -> None:
+        """Pass a job's piece, end or error on, unless close() has already ended it."""
+        with self._wake:
+            if not self._closed:
+                job.emit(kind, value)
 
     # -- the scheduler ---------------------------------------------------------------------
     def _loop(self) -> None:
@@ -143,14 +161,12 @@ class Engine:
                 while not self._closed and not self._waiting and not self._active:
                     self._wake.wait()
                 if self._closed:
-                    for run in self._active.values():
-                        run.job.emit("error", "the server is shutting down")
-                    for job in self._waiting:
-                        job.emit("error", "the server is shutting down")
-                    return
-                embeds = self._admit()
+                    return                              # close() has ended every job
+                embeds = self._embedding = self._admit()
             for job in embeds:
                 self._embed(job)
+            with self._wake:
+                self._embedding = []
             self._drop_cancelled()
             if self._active:
                 self._step()
@@ -169,7 +185,7 @@ class Engine:
                     gen = self._generation(job)
                 except Exception as e:                 # a grammar that fails to start, say
                     self.metrics.failed += 1
-                    job.emit("error", f"{type(e).__name__}: {e}")
+                    self._send(job, "error", f"{type(e).__name__}: {e}")
                     continue
                 slot = free.pop(0)
                 self.batch.reset(slot)
@@ -212,6 +228,8 @@ class Engine:
         m.steps += 1
         m.step_tokens += sum(map(len, work.values()))
         for slot, ids in work.items():
+            if self._closed:
+                return                                  # close() has ended every job
             run = self._active[slot]
             if run.pending:
                 run.pending = run.pending[len(ids):]
@@ -228,7 +246,7 @@ class Engine:
                 m.prompt_seconds += now - run.started
                 m.prompt_tokens += len(run.job.ids)
             if piece:
-                run.job.emit("piece", piece)
+                self._send(run.job, "piece", piece)
             if tok is None:
                 self._finish(slot, run, now)
             else:
@@ -241,22 +259,22 @@ class Engine:
         m.finished += 1
         m.generated_tokens += run.gen.generated
         m.generate_seconds += now - run.first
-        run.job.emit("done", {"finish_reason": FINISH[run.gen.stop], "prompt_tokens": len(run.job.ids),
-                              "completion_tokens": run.gen.generated})
+        self._send(run.job, "done", {"finish_reason": FINISH[run.gen.stop], "prompt_tokens": len(run.job.ids),
+                                     "completion_tokens": run.gen.generated})
 
     def _fail(self, slot: int, e: Exception) -> None:
         with self._wake:
             run = self._active.pop(slot, None)
         self.metrics.failed += 1
         if run is not None:
-            run.job.emit("error", f"{type(e).__name__}: {e}")
+            self._send(run.job, "error", f"{type(e).__name__}: {e}")
 
     def _embed(self, job: Job) -> None:
         try:
             vectors = [self.session.embed([ids], **job.options)[0] for ids in job.ids if not job.cancelled]
         except Exception as e:
             self.metrics.failed += 1
-            job.emit("error", f"{type(e).__name__}: {e}")
+            self._send(job, "error", f"{type(e).__name__}: {e}")
             return
         if job.cancelled:
             self.metrics.cancelled += 1
@@ -264,4 +282,4 @@ class Engine:
         n = sum(map(len, job.ids))
         self.metrics.finished += 1
         self.metrics.prompt_tokens += n
-        job.emit("done", {"embeddings": vectors, "prompt_tokens": n})
+        self._send(job, "done", {"embeddings": vectors, "prompt_tokens": n})
