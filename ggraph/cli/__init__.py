@@ -22,8 +22,15 @@ from ggraph.cli.common import plugin_parent
 VERBS = (inspect, run, chat, serve, dump, diff, bench, target, convert, imatrix, quantize, split, perplexity)
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse, its usage errors one line on stderr (exit 2) that points at --help instead of the usage."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="ggraph",
         description="ggraph: trace, fuse and run LLMs from GGUF files on CPUs.",
         epilog="Run 'ggraph COMMAND --help' for each command's options.")
