@@ -291,3 +291,20 @@ def test_the_demo_model_serves_chat(demo_model):
         assert c.usage.completion_tokens <= 4
     finally:
         s.close()
+
+
+@pytest.mark.slow
+def test_a_request_alone_gets_ggraph_runs_greedy_text(demo_model):
+    """The batched step computed a decode token with the rows gemm's arithmetic (rows_only), ``ggraph run``
+    with the gemv's: their roundings differ, and from the 12th token the texts did too ("...It is the
+    capital of the country of" against "...It is the largest city in France.")."""
+    prompt = "The capital of France is"
+    run = subprocess.run([sys.executable, "-m", "ggraph.cli", "run", str(demo_model), "-p", prompt, "-n", "24",
+                          "--temp", "0", "-t", "1", "--ctx", "512"], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr
+    s = Server(demo_model, "--ctx", "512", "--parallel", "2")
+    try:
+        text, _ = complete(s, prompt, 24)
+    finally:
+        s.close()
+    assert prompt + text + "\n" == run.stdout

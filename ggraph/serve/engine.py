@@ -20,9 +20,40 @@ import threading
 import time
 from typing import Callable
 
+import numpy as np
+
+from ggraph.runtime.batch import Batch
 from ggraph.runtime.generation import Generation
 
 FINISH = {"eog": "stop", "stop": "stop", "length": "length", "context": "length"}   # why it ended -> OpenAI
+
+
+class SoloBatch(Batch):
+    """A Batch whose steps of one sequence alone run without ``rows_only``, as a Session's steps do (a
+    decode token through the gemv, a prompt chunk through the gemm), so a request served alone gets
+    ``ggraph run``'s text to the bit. A step that several sequences share keeps ``rows_only``: there a
+    token's result does not depend on which others share it (the gemv and the rows gemm round apart)."""
+    _alone, _solo = False, None
+
+    def step(self, work: dict) -> dict[int, np.ndarray]:
+        self._alone = len(work) == 1
+        return super().step(work)
+
+    def program(self):
+        if not self._alone:
+            return super().program()
+        if self._solo is None:
+            from ggraph.compiler import compile_graph
+            options = {"threads": self.threads, "max_memory": self.max_memory} if self.backend != "numpy" else {}
+            self._solo = compile_graph(self.model.batch_graph(self.slots, self.ctx, self.cache_types),
+                                       backend=self.backend, passes=self.passes, disabled=self.disabled,
+                                       weights=self.model.file, **options)
+        return self._solo
+
+    def compile(self) -> None:
+        """Both programs, before serving."""
+        for self._alone in (True, False):
+            self.program()
 
 
 class Overloaded(RuntimeError):
@@ -76,14 +107,13 @@ class Engine:
     """Slots of one Batch, a bounded queue, and the scheduler thread that steps them together."""
 
     def __init__(self, path, parallel: int = 1, ctx: int = 4096, queue: int | None = None, **options):
-        from ggraph.runtime.batch import Batch
         from ggraph.runtime.session import Session
         if isinstance(parallel, bool) or not isinstance(parallel, int) or parallel < 1:
             raise ValueError(f"parallel must be a whole number of slots >= 1, got {parallel!r}")
         self.session = Session(path, ctx=ctx, **options)          # templates, tokenizer, embeddings
-        self.batch = Batch(path, slots=parallel, ctx=ctx, model=self.session.model, **options)
+        self.batch = SoloBatch(path, slots=parallel, ctx=ctx, model=self.session.model, **options)
         self.batch.tokenizer = self.session.tokenizer             # one tokenizer: grammars compile once
-        self.batch.program()                                       # compiled before serving
+        self.batch.compile()                                       # before serving
         self.parallel, self.ctx = parallel, ctx
         self.queue_limit = 4 * parallel if queue is None else queue    # requests that may wait for a busy slot
         self.metrics = Metrics()
