@@ -40,9 +40,39 @@ def add_compile_args(p: argparse.ArgumentParser) -> None:
                    help="llvm: native code for this CPU (default); numpy: the slow reference interpreter")
     p.add_argument("--threads", "-t", type=int, default=None, help="threads for the llvm backend (default: all cores)")
     add_pass_args(p)
-    p.add_argument("--ctx", type=int, default=4096, help="context length: KV cache rows (default 4096)")
+    add_ctx_arg(p)
     add_cache_type_args(p)
     add_memory_arg(p)
+
+
+DEFAULT_CTX = 4096
+
+
+def add_ctx_arg(p: argparse.ArgumentParser) -> None:
+    """--ctx / -c, as llama.cpp and ggraph perplexity name it."""
+    p.add_argument("--ctx", "-c", type=ctx_length, default=None, metavar="N",
+                   help=f"context length: KV cache rows (default {DEFAULT_CTX}, or the model's trained context "
+                        f"if that is shorter)")
+
+
+def ctx_length(text: str) -> int:
+    """argparse type of --ctx: a whole number of tokens, at least 1."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number of tokens, got {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1 token, got {n}")
+    return n
+
+
+def context_length(args, path: str) -> int:
+    """--ctx as given; else DEFAULT_CTX, or the model's trained context when that is shorter (so that a
+    length nobody asked for is never past what the model was trained on)."""
+    if args.ctx is not None:
+        return args.ctx
+    from ggraph.models import load
+    return min(DEFAULT_CTX, load(path).config.n_ctx_train)
 
 
 def add_cache_type_args(p: argparse.ArgumentParser) -> None:
@@ -62,8 +92,28 @@ def add_sampling_args(p: argparse.ArgumentParser, n_predict: int, n_help: str) -
     p.add_argument("--min-p", type=float, default=0.05,
                    help="drop tokens below min-p × the top probability (default 0.05)")
     p.add_argument("--repeat-penalty", type=float, default=1.0, help="penalty for recent tokens (default 1.0 = off)")
-    p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
-    p.add_argument("--stop", action="append", default=[], help="stop at this text (repeatable)")
+    p.add_argument("--seed", type=seed, default=None,
+                   help="random seed for sampling, >= 0 (default -1: a random seed, as llama.cpp's)")
+    p.add_argument("--stop", action="append", default=[], type=nonempty, metavar="TEXT",
+                   help="stop at this text (repeatable)")
+
+
+def seed(text: str) -> int | None:
+    """argparse type of --seed: a whole number >= 0, or -1 for a random one (None)."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if n < -1:
+        raise argparse.ArgumentTypeError(f"must be >= 0, or -1 for a random seed; got {n}")
+    return None if n == -1 else n
+
+
+def nonempty(text: str) -> str:
+    """argparse type of a text that means nothing when empty (--stop, --prompt)."""
+    if not text:
+        raise argparse.ArgumentTypeError("expected a non-empty text")
+    return text
 
 
 def sampling_options(args) -> dict:
@@ -79,8 +129,9 @@ def sampling_options(args) -> dict:
 def open_session(args):
     """The Session the compile arguments describe, compiled (with its progress bar) before it is returned."""
     from ggraph.runtime.session import Session
-    session = Session(model_path(args), backend=args.backend, threads=args.threads, passes=passes_arg(args.passes),
-                      ctx=args.ctx, disabled=args.no_pass, max_memory=args.max_memory,
+    path = model_path(args)
+    session = Session(path, backend=args.backend, threads=args.threads, passes=passes_arg(args.passes),
+                      ctx=context_length(args, path), disabled=args.no_pass, max_memory=args.max_memory,
                       cache_type_k=args.cache_type_k, cache_type_v=args.cache_type_v)
     session.program(last_only=True)
     return session

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ggraph.cli.common import add_model_arg, model_path, passes_arg, pipeline_names
+from ggraph.cli.common import add_model_arg, model_path, nonempty, passes_arg, pipeline_names
 
 DEFAULT_PROMPT = "The quick brown fox jumps over the lazy dog"
 
@@ -50,11 +50,33 @@ def _tokens(args, model) -> list[int]:
             raise ValueError(f"--tokens must be comma-separated integers, got {args.tokens!r}") from None
     else:
         from ggraph.runtime.tokenizer import Tokenizer
-        ids = Tokenizer.from_metadata(model.file.metadata).encode(args.prompt or DEFAULT_PROMPT)
+        text = DEFAULT_PROMPT if args.prompt is None else args.prompt       # an empty --prompt is refused by argparse
+        ids = Tokenizer.from_metadata(model.file.metadata).encode(text)
     bad = [t for t in ids if not 0 <= t < model.config.n_vocab]
     if not ids or bad:
         raise ValueError(f"diff: need token ids in [0, {model.config.n_vocab}); got {ids if not ids else bad}")
     return ids
+
+
+def blas_threads(n: int) -> None:
+    """Run numpy's BLAS (OpenBLAS), the only part of the numpy backend that runs on several cores, on ``n``
+    threads; an error naming -t where this numpy's BLAS cannot be told."""
+    import ctypes
+    if n < 1:
+        raise ValueError(f"--threads must be at least 1, got {n}")
+    try:
+        with open("/proc/self/maps") as maps:
+            libs = sorted({line.split()[-1] for line in maps if "openblas" in line.lower() and "/" in line})
+    except OSError:
+        libs = []
+    for lib in libs:
+        for name in ("openblas_set_num_threads", "scipy_openblas_set_num_threads64_", "openblas_set_num_threads64_",
+                     "scipy_openblas_set_num_threads"):
+            setter = getattr(ctypes.CDLL(lib), name, None)
+            if setter is not None:
+                setter(ctypes.c_int(n))
+                return
+    raise ValueError("--threads: cannot set the threads of this numpy's BLAS (only OpenBLAS, on Linux, is known)")
 
 
 def _check_memory(model, T: int) -> None:
@@ -73,6 +95,8 @@ def cmd_diff(args) -> int:
     from ggraph.models import load
     for text in (args.passes, args.vs):
         pipeline_names(args, text)                             # validate names before the slow part
+    if args.threads is not None:
+        blas_threads(args.threads)
     model = load(model_path(args))
     tokens = _tokens(args, model)
     _check_memory(model, len(tokens))
@@ -104,7 +128,9 @@ def add_parser(sub, parents) -> None:
     p.add_argument("--passes", default="default", help="the pipeline to check (default: default)")
     p.add_argument("--vs", default="none", help="the reference pipeline (default: none, the unfused graph)")
     p.add_argument("--no-pass", action="append", default=[], metavar="NAME", help="switch off one pass in both")
+    p.add_argument("--threads", "-t", type=int, default=None,
+                   help="threads of numpy's BLAS, where the numpy backend spends its time (default: its own)")
     what = p.add_mutually_exclusive_group()
-    what.add_argument("--prompt", help=f"text to run (default {DEFAULT_PROMPT!r})")
+    what.add_argument("--prompt", type=nonempty, help=f"text to run (default {DEFAULT_PROMPT!r})")
     what.add_argument("--tokens", help="token ids to run, e.g. 2,818,5279")
     p.set_defaults(fn=cmd_diff)

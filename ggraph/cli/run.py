@@ -9,16 +9,18 @@ from ggraph.cli.common import (add_compile_args, add_model_arg, add_sampling_arg
 
 def cmd_run(args) -> int:
     """Generate text from a GGUF model, streaming it as it comes."""
+    from ggraph.runtime.session import ContextFullError
     pipeline_names(args)                                  # every argument checked before anything slow or printed
     options = dict(sampling_options(args), max_tokens=args.n_predict, stream=True)
     constraint = _read_constraint(args)
     session = open_session(args)                          # compiled before any text prints
     if constraint is not None:
         options["grammar"] = constraint(session.tokenizer)
-    if args.chat:
-        pieces = session.chat([{"role": "user", "content": args.prompt}], **options)
-    else:
-        pieces = session.generate(args.prompt, **options)
+    messages = [{"role": "user", "content": args.prompt}]
+    try:
+        pieces = session.chat(messages, **options) if args.chat else session.generate(args.prompt, **options)
+    except ContextFullError:
+        raise ValueError(_too_long(session, messages if args.chat else args.prompt)) from None
     started = False
     try:
         for piece in pieces:
@@ -35,12 +37,25 @@ def cmd_run(args) -> int:
         print(flush=True)
     st = session.stats
     if st.get("stop") == "context":
-        print(f"ggraph run: note: the context is full (--ctx {args.ctx}): generation stopped", file=sys.stderr)
+        print(f"ggraph run: note: the context is full (--ctx {session.ctx}): generation stopped", file=sys.stderr)
     pp = st["prompt_tokens"] / st["prompt_s"] if st.get("prompt_s") else 0.0
     tg = st["generated_tokens"] / st["generate_s"] if st.get("generate_s") else 0.0
     print(f"[{args.backend}] prompt: {st['prompt_tokens']} tokens, {pp:.1f} tok/s | "
           f"generated: {st['generated_tokens']} tokens, {tg:.1f} tok/s", file=sys.stderr)
     return 0
+
+
+def _too_long(session, prompt) -> str:
+    """The prompt-longer-than-the-context error in the command line's words (the Session's are the API's)."""
+    ctx, tok = session.ctx, session.tokenizer
+    if isinstance(prompt, str):
+        try:
+            tok.check_fits(prompt, ctx)
+        except ValueError:
+            return (f"the prompt is {len(prompt)} characters, more than a context of {ctx} tokens (--ctx/-c) "
+                    f"holds: give a larger -c")
+    n = len(session.chat_ids(prompt) if isinstance(prompt, list) else tok.encode(prompt))
+    return f"the prompt is {n} tokens but the context is {ctx} (--ctx/-c): give a larger -c"
 
 
 def _read_constraint(args):

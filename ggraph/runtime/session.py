@@ -55,15 +55,15 @@ class Session:
             raise ValueError(f"the tokenizer has {self.tokenizer.n_vocab} tokens but the model's vocabulary has "
                              f"{self.config.n_vocab}")
         self.ctx, self.ubatch = int(ctx), int(ubatch)
-        if self.ctx > self.config.n_ctx_train:
-            from ggraph.progress import warn
-            warn(f"ctx {self.ctx} is beyond the {self.config.n_ctx_train} tokens this model was trained on "
-                 f"({self.config.arch}.context_length): positions past it may give poor text")
         self.backend, self.passes, self.disabled = backend, passes, tuple(disabled)
         self.profile = profile
         self._programs: dict[bool, object] = {}
         self.k_cache, self.v_cache = kv_caches(self.model, self.ctx, self.cache_types, self.max_memory,
                                                f"ctx {self.ctx}")
+        if self.ctx > self.config.n_ctx_train:             # once the caches fit: an error stands alone
+            from ggraph.progress import warn
+            warn(f"ctx {self.ctx} is beyond the {self.config.n_ctx_train} tokens this model was trained on "
+                 f"({self.config.arch}.context_length): positions past it may give poor text")
         self._n_past = 0
         self._cached: list[int] = []                      # the ids whose keys and values the cache holds
         self.stats: dict[str, float] = {}
