@@ -76,6 +76,21 @@ FOREIGN = ("Q1_0", "Q2_0", "MXFP4_MOE", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ2_M", "
            "TQ2_0", "IQ3_XXS", "IQ3_S", "IQ3_M", "IQ3_XS", "COPY")
 
 
+# the types a tensor of a quantised file may be given (--output-tensor-type, --token-embedding-type): every
+# file type's default, not the activation-only q8_1 and q8_k nor integer types
+TENSOR_TYPES = tuple(dict.fromkeys(ft.default for ft in FILE_TYPES.values()))
+
+
+def tensor_type(name, what: str = "") -> DType:
+    """The TENSOR_TYPES entry called ``name`` (any case); a ValueError (naming ``what``) lists them."""
+    t = {t.name: t for t in TENSOR_TYPES}.get(str(getattr(name, "name", name)).lower())
+    if t is None:
+        where = f"{what}: " if what else ""
+        raise ValueError(f"{where}{name!r} is not a type quantize gives a tensor; choose one of "
+                         f"{', '.join(t.name for t in TENSOR_TYPES)}")
+    return t
+
+
 def file_type(name: str) -> FileType:
     """The file type called ``name`` (any case, llama.cpp's aliases too); ValueError listing the known ones."""
     key = str(name).upper()
@@ -273,8 +288,8 @@ def plan(f: GGUFFile, ftype: str | FileType, *, has_imatrix: bool = False, pure:
     ``leave_output``: output.weight keeps its type. ``output_type`` / ``token_embedding_type``:
     those tensors get this type instead of the mix's choice."""
     ft = ftype if isinstance(ftype, FileType) else file_type(ftype)
-    out_t = dtypes.from_name(output_type) if output_type is not None else None
-    emb_t = dtypes.from_name(token_embedding_type) if token_embedding_type is not None else None
+    out_t = tensor_type(output_type, "output_type") if output_type is not None else None
+    emb_t = tensor_type(token_embedding_type, "token_embedding_type") if token_embedding_type is not None else None
     names = sorted(f.tensors, key=_layer_order)
     m = _model(f, names, has_imatrix)
     types = {}

@@ -252,7 +252,7 @@ def test_bad_prefixes_and_folders(model, tmp_path, capsys):
     assert ggraph("split", model, tmp_path / "m.gguf") == 1
     assert "ends in .gguf: the files would be named" in capsys.readouterr().err
     assert ggraph("split", model, tmp_path / "nowhere" / "m") == 1
-    assert f"the folder {tmp_path / 'nowhere'} does not exist" in capsys.readouterr().err
+    assert f"no such directory {tmp_path / 'nowhere'}" in capsys.readouterr().err        # as every verb says it
     assert list(tmp_path.iterdir()) == []
 
 

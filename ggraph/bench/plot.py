@@ -248,6 +248,8 @@ def plot_path(text: str) -> str:
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
     parent = Path(text).expanduser().parent
+    if parent.exists() and not parent.is_dir():
+        raise argparse.ArgumentTypeError(f"{text}: {str(parent)!r} is not a directory")
     if not parent.is_dir():
         raise argparse.ArgumentTypeError(f"{text}: directory {str(parent)!r} does not exist")
     return text

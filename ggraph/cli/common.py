@@ -14,14 +14,32 @@ def model_path(args) -> str:
     return args.model
 
 
-def check_output(path: str) -> None:
-    """Refuse an output path that cannot be written, before any work (not after it)."""
+def check_output(path: str, force: bool, what: str, source: str | None = None) -> None:
+    """Refuse an output before any work (not after it): one in a folder that cannot be written, the ``source``
+    itself, and one that exists unless --force. A FIFO or a device (/dev/stdout) is written to, not replaced.
+    ``what`` names the output as the command line does: '-o', '--plot', 'output'."""
     import os
+    import tempfile
     if os.path.isdir(path):
-        raise ValueError(f"{path}: is a directory; give the output file's name")
+        raise ValueError(f"{what} {path}: is a directory; give the output file's name")
+    if os.path.exists(path) and not os.path.isfile(path):
+        return
     folder = os.path.dirname(path) or "."
     if not os.path.isdir(folder):
-        raise ValueError(f"{path}: no such directory {folder}")
+        raise ValueError(f"{what} {path}: {folder} is not a directory" if os.path.exists(folder) else
+                         f"{what} {path}: no such directory {folder}")
+    try:                                          # only creating a file says whether one can be created
+        tempfile.NamedTemporaryFile(dir=folder, prefix=".ggraph-check-").close()
+    except OSError as e:
+        raise ValueError(f"{what} {path}: cannot write in {folder} ({e.strerror})") from None
+    if source is not None and os.path.exists(path) and os.path.exists(source) and os.path.samefile(path, source):
+        raise ValueError(f"{what} {path}: input and output are the same file")
+    if os.path.exists(path) and not force:
+        raise ValueError(f"{path} already exists: remove it or give --force to overwrite it")
+
+
+def add_force_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--force", action="store_true", help="overwrite an output file that already exists")
 
 
 def add_model_arg(p: argparse.ArgumentParser) -> None:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import sys
 
-from ggraph.cli.common import check_output
+from ggraph.cli.common import add_force_arg, check_output
 
 
 def cmd_convert(args) -> int:
@@ -14,7 +14,7 @@ def cmd_convert(args) -> int:
     stay f32."""
     from ggraph.convert import convert
     from ggraph.units import fmt_bytes
-    check_output(args.out)
+    check_output(args.out, args.force, "output")
     path = convert(args.folder, args.out, args.outtype, name=args.name, tokenizer_pre=args.tokenizer_pre)
     print(f"ggraph convert: wrote {path} ({fmt_bytes(path.stat().st_size)}, {args.outtype})", file=sys.stderr)
     return 0
@@ -37,4 +37,5 @@ def add_parser(sub, parents) -> None:
     p.add_argument("--tokenizer-pre", default=None, metavar="NAME",
                    help="llama.cpp's BPE pre-tokenizer name (e.g. llama-bpe, qwen2, gpt-2), for a tokenizer.json "
                         "whose pre-tokenizer convert does not recognise")
+    add_force_arg(p)
     p.set_defaults(fn=cmd_convert)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import sys
 
-from ggraph.cli.common import add_model_arg, check_output, model_path
+from ggraph.cli.common import add_force_arg, add_model_arg, check_output, model_path
 from ggraph.cli.perplexity import add_chunk_args, read_text
 
 
@@ -16,7 +16,7 @@ def cmd_imatrix(args) -> int:
     'llama-quantize --imatrix' both read it (and ggraph reads llama-imatrix's files, GGUF or .dat).
     """
     from ggraph import imatrix
-    check_output(args.output)
+    check_output(args.output, args.force, "-o")
     text = read_text(args.file)
     imx, _ = imatrix.collect(model_path(args), text, n_ctx=args.ctx, n_chunks=args.chunks, threads=args.threads,
                              batch=args.batch, process_output=args.process_output, ppl=not args.no_ppl,
@@ -40,4 +40,5 @@ def add_parser(sub, parents) -> None:
                    help="record output.weight too (skipped by default, as llama-imatrix does; a model whose "
                         "output head is its token embedding has no output.weight)")
     p.add_argument("--no-ppl", action="store_true", help="do not compute the running perplexity")
+    add_force_arg(p)
     p.set_defaults(fn=cmd_imatrix)

@@ -5,7 +5,7 @@ import argparse
 import os
 from collections import Counter
 
-from ggraph.cli.common import check_output
+from ggraph.cli.common import add_force_arg, check_output
 from ggraph.units import fmt_bytes
 
 EXAMPLES = """\
@@ -24,6 +24,15 @@ def _types_help() -> str:
     from ggraph.quantize import ALIASES, FILE_TYPES
     rows = [f"  {ft.name:<8} {ft.about}" for ft in FILE_TYPES.values()]
     return EXAMPLES + "\n".join(rows) + "\n  aliases: " + ", ".join(f"{a} = {b}" for a, b in ALIASES.items())
+
+
+def _tensor_type(text: str) -> str:
+    """argparse type of --output-tensor-type and --token-embedding-type: one of quantize.TENSOR_TYPES."""
+    from ggraph.quantize import tensor_type
+    try:
+        return tensor_type(text).name
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _load_imatrix(path: str):
@@ -49,6 +58,8 @@ def cmd_quantize(args) -> int:
     if not os.path.isfile(args.input):            # a FIFO or a folder would get a confusing error later
         raise ValueError(f"{args.input}: no such file" if not os.path.exists(args.input) else
                          f"{args.input}: not a regular file")
+    if not args.dry_run:
+        check_output(args.output, args.force, "output", source=args.input)
     weights, meta = _load_imatrix(args.imatrix) if args.imatrix else (None, None)
     options = dict(pure=args.pure, leave_output=args.leave_output_tensor, output_type=args.output_tensor_type,
                    token_embedding_type=args.token_embedding_type)
@@ -57,7 +68,6 @@ def cmd_quantize(args) -> int:
             plan = Q.plan(f, ft, has_imatrix=weights is not None, **options)
             _print_plan(f, plan)
         return 0
-    check_output(args.output)
     plan = Q.quantize_file(args.input, args.output, ft, imatrix=weights, imatrix_meta=meta,
                            allow_requantize=args.allow_requantize, threads=args.threads, **options)
     _note_fallbacks(plan)
@@ -101,12 +111,15 @@ def add_parser(sub, parents) -> None:
     p.add_argument("output", help="the quantised file to write ('-' with --dry-run)")
     p.add_argument("type", help="llama.cpp's file type name: Q4_K_M, Q5_K_S, Q6_K, Q8_0, IQ4_XS, ... (see below)")
     p.add_argument("--imatrix", metavar="FILE", help="importance matrix (imatrix.gguf or legacy .dat)")
-    p.add_argument("--leave-output-tensor", action="store_true", help="keep output.weight as it is")
+    output = p.add_mutually_exclusive_group()
+    output.add_argument("--leave-output-tensor", action="store_true", help="keep output.weight as it is")
+    output.add_argument("--output-tensor-type", metavar="TYPE", type=_tensor_type,
+                        help="the type of output.weight (e.g. q8_0)")
     p.add_argument("--pure", action="store_true", help="no mix: every quantisable tensor gets the type's default")
-    p.add_argument("--output-tensor-type", metavar="TYPE", help="the type of output.weight (e.g. q8_0)")
-    p.add_argument("--token-embedding-type", metavar="TYPE", help="the type of token_embd.weight")
+    p.add_argument("--token-embedding-type", metavar="TYPE", type=_tensor_type, help="the type of token_embd.weight")
     p.add_argument("--allow-requantize", action="store_true",
                    help="requantise tensors that are already quantised (loses quality)")
     p.add_argument("--dry-run", action="store_true", help="print each tensor's new type and size; write nothing")
     p.add_argument("--threads", "-t", type=int, default=None, help="quantising threads (default: all cores)")
+    add_force_arg(p)
     p.set_defaults(fn=cmd_quantize)

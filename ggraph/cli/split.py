@@ -38,6 +38,7 @@ def cmd_split(args) -> int:
     with GGUFFile(args.input) as model:
         parts = plan_split(model, args.prefix, max_size=max_size, max_tensors=args.max_tensors,
                            no_tensor_first_split=args.no_tensor_first_split)
+        _check_outputs(args, parts)
         _print_plan(f"{args.input}: {len(model.tensors)} tensors into {len(parts)} files", parts)
         if not args.dry_run:
             write_parts(parts, inputs=model.paths, force=args.force, label="splitting")
@@ -59,10 +60,19 @@ def cmd_merge(args) -> int:
     from ggraph.split import plan_merge, write_parts
     with GGUFFile(args.input) as model:
         parts = plan_merge(model, args.output)
+        _check_outputs(args, parts)
         _print_plan(f"{args.input}: {len(model.paths)} files, {len(model.tensors)} tensors into one", parts)
         if not args.dry_run:
             write_parts(parts, inputs=model.paths, force=args.force, label="merging")
     return 0
+
+
+def _check_outputs(args, parts) -> None:
+    """Every file to write checked before the plan prints: its folder writable, and not there without --force."""
+    from ggraph.cli.common import check_output
+    if not args.dry_run:
+        for part in parts:
+            check_output(part.path, args.force, "output")
 
 
 def _print_plan(title: str, parts) -> None:
