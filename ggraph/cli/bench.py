@@ -7,7 +7,8 @@ import importlib.util
 import json
 import sys
 
-from ggraph.cli.common import add_memory_arg, add_model_arg, model_path, passes_arg, pipeline_names
+from ggraph.cli.common import (add_force_arg, add_memory_arg, add_model_arg, check_output, model_path, passes_arg,
+                               pipeline_names)
 
 NAMED_PASSES = {"fused": "default", "unfused": "none"}
 FLASH_ATTN = {"on": [True], "off": [False], "both": [True, False]}       # --flash-attn: llama.cpp's -fa settings
@@ -67,6 +68,8 @@ def cmd_bench(args) -> int:
     from ggraph.backends.llvm.team import check_threads
     from ggraph.bench.measure import LLAMA_NEEDS_FA
     path = model_path(args)
+    if args.plot:
+        check_output(args.plot, args.force, "--plot")
     threads = _int_list(args.threads, "--threads")
     for t in threads:
         check_threads(t)
@@ -317,17 +320,18 @@ def add_parser(sub, parents) -> None:
                    help="tokens already in the KV cache before the timed prefill and decode; a comma list sweeps "
                         "(default 0)")
     p.add_argument("-t", "--threads", default="1", help="threads; a comma list sweeps (default 1)")
-    p.add_argument("--ctx", default=None,
+    p.add_argument("--ctx", "-c", default=None,
                    help="context length (default: depth + pp + tg); with --memory, the comma list of context "
                         "lengths to measure (default 512,4096)")
     p.add_argument("-ctk", "--cache-type-k", default="f16", metavar="TYPE",
                    help="K cache type: f32, f16, bf16, q8_0 or q4_0 (default f16), for ggraph and llama.cpp")
     p.add_argument("-ctv", "--cache-type-v", default="f16", metavar="TYPE", help="V cache type (default f16)")
     p.add_argument("--backend", choices=["numpy", "llvm"], default="llvm", help="backend (default llvm)")
-    p.add_argument("--passes", default="default", help="pipeline: default, none, or pass,pass,...")
+    pipelines = p.add_mutually_exclusive_group()
+    pipelines.add_argument("--passes", default="default", help="pipeline: default, none, or pass,pass,...")
+    pipelines.add_argument("--compare", help="comma list of pipelines to compare, e.g. fused,unfused")
     p.add_argument("--no-pass", action="append", default=[], metavar="NAME",
                    help="switch off one pass in every pipeline (repeatable)")
-    p.add_argument("--compare", help="comma list of pipelines to compare, e.g. fused,unfused")
     p.add_argument("--vs-llama-cpp", action="store_true",
                    help="also run llama.cpp (llama-cpp-python) on the same file, depth and cache types")
     p.add_argument("--flash-attn", choices=["on", "off", "both"], default="both",
@@ -340,8 +344,9 @@ def add_parser(sub, parents) -> None:
                    help="with --memory: comma list of cache types, each for K and V (default: -ctk/-ctv)")
     p.add_argument("--fill", type=int, default=None, metavar="N",
                    help="with --memory: prompt tokens to prefill (default: the whole context minus 4 decode steps)")
-    p.add_argument("--json", action="store_true", help="print JSON (one object for one configuration)")
-    p.add_argument("--csv", action="store_true", help="print CSV rows")
+    rows = p.add_mutually_exclusive_group()
+    rows.add_argument("--json", action="store_true", help="print JSON (one object for one configuration)")
+    rows.add_argument("--csv", action="store_true", help="print CSV rows")
     p.add_argument("--roofline", action="store_true",
                    help="measure this run's compute peaks, and its memory bandwidth in every round beside the "
                         "engines, and show every result (ggraph and llama.cpp) as a fraction of the fastest the "
@@ -352,5 +357,6 @@ def add_parser(sub, parents) -> None:
     p.add_argument("--plot", metavar="FILE.png", type=plot_path,
                    help="also draw tok/s bars with ratios (and a roofline with a profile); with --memory, bytes "
                         "against context length")
+    add_force_arg(p)
     add_memory_arg(p)
     p.set_defaults(fn=cmd_bench)

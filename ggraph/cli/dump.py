@@ -13,7 +13,8 @@ import os
 import stat
 import sys
 
-from ggraph.cli.common import add_cache_type_args, add_model_arg, add_pass_args, model_path, pipeline_names
+from ggraph.cli.common import (DEFAULT_CTX, add_cache_type_args, add_ctx_arg, add_force_arg, add_model_arg,
+                               add_pass_args, check_output, model_path, pipeline_names)
 from ggraph.units import fmt_bytes
 
 
@@ -27,8 +28,8 @@ def cmd_dump(args) -> int:
     names = pipeline_names(args)
     if args.format in ("png", "svg") and not args.output:
         raise ValueError(f"--format {args.format} writes a picture: give -o FILE")
-    if args.ctx < 1:
-        raise ValueError(f"--ctx must be at least 1, got {args.ctx}")
+    if args.output:
+        check_output(args.output, args.force, "-o")
     held = _fifo_reader(args.output) if args.output else None
     try:
         return _dump(args, names, load(model_path(args)))
@@ -62,7 +63,8 @@ def _dump(args, names, model) -> int:
     log = RewriteLog()
     from ggraph.runtime.session import cache_dtype
     cache_types = (cache_dtype(args.cache_type_k, "--cache-type-k"), cache_dtype(args.cache_type_v, "--cache-type-v"))
-    graph = run(model.graph(ctx=args.ctx, cache_types=cache_types), names, log=log)
+    ctx = args.ctx or min(DEFAULT_CTX, model.config.n_ctx_train)
+    graph = run(model.graph(ctx=ctx, cache_types=cache_types), names, log=log)
     reports = []
     if args.explain:
         reports.append(explain(log, args.layer))
@@ -156,10 +158,13 @@ def add_parser(sub, parents) -> None:
     p.add_argument("--format", choices=("text", "dot", "png", "svg"), default="text", help="output format")
     add_pass_args(p)
     p.add_argument("--expand", action="store_true", help="print composite and fused bodies too")
-    p.add_argument("--show-buffers", action="store_true", help="print the memory plan instead of the graph")
-    p.add_argument("--explain", action="store_true",
-                   help="print every fusion made and every candidate left alone, with reasons, instead of the graph")
-    p.add_argument("--ctx", type=int, default=4096, help="context length: KV cache rows (default 4096)")
+    report = p.add_mutually_exclusive_group()
+    report.add_argument("--show-buffers", action="store_true", help="print the memory plan instead of the graph")
+    report.add_argument("--explain", action="store_true",
+                        help="print every fusion made and every candidate left alone, with reasons, instead of the "
+                             "graph")
+    add_ctx_arg(p)
     add_cache_type_args(p)
     p.add_argument("-o", "--output", metavar="FILE", help="write the graph here (needed for png and svg)")
+    add_force_arg(p)
     p.set_defaults(fn=cmd_dump)
