@@ -1,6 +1,7 @@
 """fuse_dequant_matmul: let matmul and take read stored weights directly, never as f32 copies.
 
-    b = matmul x (dequant w)   ->   b = qmatmul x w        (also matmul x w for an f32 weight param)
+    b = matmul x (dequant w)   ->   b = qmatmul x w        (also matmul x w for an f32 weight param;
+                                                             a [1, N, K] w is viewed as [N, K])
     c = take (dequant w) ids   ->   c = take w ids
 
 A dequant is removed only when every one of its users can read the blocks; if any other
@@ -17,10 +18,24 @@ from ggraph.passes.rewrite import Rewriter
 
 
 def _reads_blocks(e: Eqn, d: Var) -> bool:
-    """True if eqn ``e`` can read weight value ``d`` as stored: as a matmul's 2-D right operand or a take table."""
+    """True if eqn ``e`` can read weight value ``d`` as stored: as a matmul's right operand holding one
+    matrix ([N, K], or [1, N, K] as a slice of experts leaves it), or a take table."""
+    return not _why_f32(e, d)
+
+
+def _why_f32(e: Eqn, d: Var) -> str:
+    """Why eqn ``e`` needs the f32 value of ``d`` ('' if it can read the stored blocks)."""
+    where = f" in {e.scope}" if e.scope else ""
+    if e.prim is P.matmul_p and e.inputs[1] is d and e.inputs[0] is not d:
+        if all(n == 1 for n in d.aval.shape[:-2]):
+            return ""
+        return (f"{e.prim.name}{where} reads it as a batch of matrices {d.aval} (qmatmul takes one matrix; slice or "
+                f"take the one it needs first)")
+    if e.prim is P.take_p and e.inputs[0] is d and e.inputs[1] is not d:
+        return ""
     if e.prim is P.matmul_p:
-        return e.inputs[1] is d and e.inputs[0] is not d and d.aval.ndim == 2
-    return e.prim is P.take_p and e.inputs[0] is d and e.inputs[1] is not d
+        return f"{e.prim.name}{where} reads it as its left operand (qmatmul reads a stored weight on the right)"
+    return f"the dequant has another user: {e.prim.name}{where}"
 
 
 def _source(w) -> str:
@@ -36,16 +51,21 @@ def _droppable_dequants(graph: Graph) -> dict[Var, Var]:
         if e.prim is not P.dequant_p:
             continue
         d, w = e.outputs[0], e.inputs[0]
-        needs_f32 = [u for u in users.get(d, []) if not _reads_blocks(u, d)]
+        needs_f32 = [why for u in users.get(d, []) if (why := _why_f32(u, d))]
         if d in outputs:
             skip(f"dequant of {_source(w)} kept: its f32 value is a graph output", e.scope)
         elif needs_f32:
-            u = needs_f32[0]
-            skip(f"dequant of {_source(w)} kept: the dequant has another user: {u.prim.name}"
-                 f"{' in ' + u.scope if u.scope else ''}", e.scope)
+            skip(f"dequant of {_source(w)} kept: {needs_f32[0]}", e.scope)
         elif isinstance(w, Var):
             out[d] = w
     return out
+
+
+def _view(rw: Rewriter, w: Var, shape: tuple, scope) -> Var:
+    """``w`` reshaped to ``shape`` (a view: no data moves)."""
+    v = Var(w.aval.update(shape=tuple(shape)))
+    rw.emit(Eqn(P.reshape_p, (w,), (v,), {"shape": tuple(shape)}, scope))
+    return v
 
 
 def _f32_weights(graph: Graph) -> set[Var]:
@@ -66,8 +86,14 @@ def fuse_dequant_matmul(graph: Graph) -> Graph:
             continue                                            # every user now reads the weight itself
         if prim is P.matmul_p and (ins[1] in weight_of or ins[1] in f32_weights):
             w = weight_of.get(ins[1], ins[1])
-            rw.emit(Eqn(qmatmul_p, (ins[0], w), e.outputs, {}, e.scope))
             what = f"dequant({_source(w)})" if ins[1] in weight_of else _source(w)
+            if w.aval.ndim > 2:                                 # [1, N, K]: one matrix, viewed as [N, K]
+                w = _view(rw, w, w.aval.shape[-2:], e.scope)
+            out = e.outputs[0]
+            y = Var(out.aval.update(shape=ins[0].aval.shape[:-1] + (w.aval.shape[0],)))
+            rw.emit(Eqn(qmatmul_p, (ins[0], w), (y,) if y.aval != out.aval else e.outputs, {}, e.scope))
+            if y.aval != out.aval:                              # [M, N] -> [1, M, N], as the matmul gave
+                rw.emit(Eqn(P.reshape_p, (y,), (out,), {"shape": out.aval.shape}, e.scope))
             note(f"matmul · {what} -> qmatmul on {w.aval.dtype}", e.scope)
         elif prim is P.take_p and ins[0] in weight_of:
             w = weight_of[ins[0]]

@@ -34,9 +34,12 @@ class PlanError(ValueError):
 # ---------------------------------------------------------------------------------------
 
 def size_of(aval) -> Poly:
-    """Bytes of a plain-typed value as a polynomial in its symbolic dims."""
+    """Bytes of a value as a polynomial in its symbolic dims (a block-typed one, a copy of some of a weight's
+    rows, has a static shape)."""
+    if aval.dtype.is_quantized and all(isinstance(d, int) for d in aval.shape):
+        return {(): aval.dtype.nbytes(aval.shape)}
     if aval.dtype.is_quantized or aval.dtype.np_dtype is None:
-        raise PlanError(f"cannot plan a buffer for {aval}: activations must be plain types")
+        raise PlanError(f"cannot plan a buffer for {aval}: activations must be plain types or static block types")
     return {m: c * aval.dtype.type_size for m, c in dim_product(aval.shape).items()}
 
 

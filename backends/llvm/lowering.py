@@ -171,9 +171,10 @@ class Lowering:
     def scratch(self, size: Bytes, name: str) -> Ref:
         return Ref(self._add(Buffer("scratch", name, size)))
 
-    def status(self, message: str) -> Ref:
+    def status(self, message) -> Ref:
         """A status slot (i64 {flag, value}) a kernel sets on bad input; the run raises ``message``
-        (with ``{id}`` filled in from the value) when it is set."""
+        (with ``{id}`` filled in from the value) when it is set, or, for an (eqn index, output) pair,
+        GGRAPH_DEBUG_NANS's error naming that eqn."""
         if self._status is None:
             self._status = self._add(Buffer("status", "status", Bytes("fixed", (0,))))
         self.checks.append(message)
@@ -218,12 +219,16 @@ class Lowering:
         """Append a kernel call; ``writes`` are the Refs it writes (the rest it only reads)."""
         self.calls.append(Call(kernel, tuple(args), frozenset(r.buf for r in writes), self.current))
 
-    def weight_layout(self, w: Ref, layout: str, kernel: Callable[[], str], file_kernel: Callable[[], str]) -> str:
-        """The kernel of the call about to be appended, which reads weight ``w``: ``kernel()``, for weights
-        in ``layout``, if ``w`` is a whole weight buffer; else ``file_kernel()``, for the file's layout.
-        The buffer keeps the layout if every call that reads it asks for the same (``settle_layouts``)."""
+    def weight_layout(self, w: Ref, aval: Aval, layout: str, kernel: Callable[[], str],
+                      file_kernel: Callable[[], str]) -> str:
+        """The kernel of the call about to be appended, which reads weight ``w`` as ``aval``: ``kernel()``, for
+        weights in ``layout``, if ``w`` is a whole weight buffer of that shape (not a slice or a reshape of
+        one); else ``file_kernel()``, for the file's layout. The buffer keeps the layout if every call that
+        reads it asks for the same (``settle_layouts``)."""
         buf = self.buffers[w.buf]
-        if buf.kind != "param" or w.offset != 0 or self._layouts.get(w.buf, (layout,))[0] != layout:
+        whole = buf.kind == "param" and w.offset == 0 and any(
+            b == w.buf and v.aval.shape == aval.shape for v, b in self.param_index.items())
+        if not whole or self._layouts.get(w.buf, (layout,))[0] != layout:
             return file_kernel()
         self._layouts.setdefault(w.buf, (layout, []))[1].append((len(self.calls), file_kernel))
         name = kernel()

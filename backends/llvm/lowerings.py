@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from ggraph.ir import prims as P
 from ggraph.ir.dims import Sym, product
-from ggraph.ir.dtypes import DimAval
+from ggraph.ir.dtypes import DimAval, i8
 from ggraph.ir.composites import rope_angles_p
 from ggraph.ir.fused import qmatmul_p, rope_attention_p
 from ggraph.ir.graph import Eqn, Graph, Literal, Var
@@ -35,24 +35,42 @@ def _slice(lw, e):
     if not P.leading_slice(e):
         return _lower_copy(lw, e)
     axis = e.params["axis"] % x.aval.ndim
-    step_bytes = product(x.aval.shape[axis + 1:]) * x.aval.dtype.type_size
-    lw.alias(out, lw.ref(x).plus(e.params["start"] * step_bytes))
+    lw.alias(out, lw.ref(x).plus(e.params["start"] * stride_bytes(x.aval, axis)))
+
+
+def stride_bytes(aval, axis: int):
+    """Bytes from one index of ``axis`` to the next in a row-major ``aval``; a block type's last axis is
+    whole rows of blocks, so the dims after ``axis`` count as rows of blocks, not elements."""
+    inner = aval.shape[axis + 1:]
+    if aval.dtype.is_quantized:
+        return aval.dtype.nbytes(inner)
+    return product(inner) * aval.dtype.type_size
+
+
+def block_bytes(aval):
+    """A block-typed aval seen as its bytes: i8[..., row bytes], for the kernels that only move data."""
+    return aval.update(shape=aval.shape[:-1] + (aval.dtype.row_bytes(aval.shape[-1]),), dtype=i8)
 
 
 @lowering(P.take_p)
 def _take(lw, e):
-    """The gather kernel; an id outside the table sets a status slot that the run turns into an error."""
+    """The gather kernel over entries of D values (a row, or the matrix of a [E, N, K] table: the rows of an
+    entry lie one after another, blocks included); an id outside the table sets a status slot that the run
+    turns into an error."""
     table, ids = e.inputs
-    V, D = table.aval.shape
+    V, D = table.aval.shape[0], product(table.aval.shape[1:])
+    if not isinstance(D, int):
+        raise LoweringError(f"llvm backend: take at {e.scope or 'top'}: the table's entries need a static "
+                            f"shape, got {table.aval}")
     out = lw.output(e.outputs[0])
     status = lw.status(f"take at {e.scope or 'top'}: id {{id}} is out of range for a table of {V} rows "
                        f"({table.aval})")
     if isinstance(V, int):
         name = lw.kernel(K.get_rows, table.aval.dtype, D, V, lw.target)
-        lw.call(name, lw.ref(table), lw.ref(ids), out, status, rows(e.outputs[0].aval), writes=(out, status))
+        lw.call(name, lw.ref(table), lw.ref(ids), out, status, product(ids.aval.shape), writes=(out, status))
     else:                                                  # rows of this step's activations (T of them)
         name = lw.kernel(K.get_rows, table.aval.dtype, D, None, lw.target)
-        lw.call(name, lw.ref(table), lw.ref(ids), out, status, V, rows(e.outputs[0].aval), writes=(out, status))
+        lw.call(name, lw.ref(table), lw.ref(ids), out, status, V, product(ids.aval.shape), writes=(out, status))
 
 
 @lowering(qmatmul_p)
@@ -76,7 +94,7 @@ def _qmatmul(lw, e):
     def qmatmul(layout=None):
         return lw.kernel(K.qmatmul, dt, Kdim, N, lw.target, lw.rows_only, layout)
     # q4_k, q5_k and q6_k weights interleaved 16 rows at a time, where every call that reads them can take that
-    name = lw.weight_layout(lw.ref(w), rows16.LAYOUT, lambda: qmatmul(rows16.LAYOUT), qmatmul) \
+    name = lw.weight_layout(lw.ref(w), w.aval, rows16.LAYOUT, lambda: qmatmul(rows16.LAYOUT), qmatmul) \
         if rows16.takes(dt, N, lw.target) else qmatmul()
     lw.call(name, lw.ref(w), xq, out, lw.counter(), R, writes=(out,))
 
@@ -146,6 +164,8 @@ def _lower_copy(lw, e):
     """Ops that move data into a new layout: one copy kernel each."""
     x, y = e.inputs[0].aval, e.outputs[0].aval
     p = e.params
+    if x.dtype.is_quantized:                   # whole rows of blocks move as bytes
+        x, y = block_bytes(x), block_bytes(y)
     if e.prim is P.transpose_p:
         name, avals = lw.kernel(E.emit_transpose, lw.target, x, p["perm"]), (x,)
     elif e.prim is P.slice_p:

@@ -295,8 +295,9 @@ reduce_max_p = register("reduce_max", shape=_reduce_shape("reduce_max"), cost=_r
 
 def _reshape_shape(x, *, shape):
     new = Aval(shape, x.dtype)
-    if x.dtype.is_quantized:
-        raise ShapeError(f"reshape: cannot reshape quantised {x}")
+    if x.dtype.is_quantized and (not new.shape or new.shape[-1] != x.shape[-1]):
+        raise ShapeError(f"reshape: quantised {x} reshapes only on its leading axes (rows of blocks): the last "
+                         f"dim must stay {x.shape[-1]}, got [{','.join(map(str, new.shape))}]")
     n_old, n_new = dim_product(x.shape), dim_product(new.shape)
     if n_old != n_new:
         raise ShapeError(f"reshape: {x} has {poly_str(n_old)} elements but [{','.join(map(str, new.shape))}] "
@@ -309,7 +310,13 @@ def _compose_reshape(e, prod, x):
     return e.replace(inputs=inner.inputs) if inner is not None and inner.prim is e.prim else None
 
 
-reshape_p = register("reshape", shape=_reshape_shape, impl=lambda x, *, shape: np.reshape(x, shape),
+def _reshape_impl(x, *, shape):
+    if isinstance(x, Blocks):                              # the same rows of blocks, counted another way
+        return Blocks(x.data, x.dtype, shape)
+    return np.reshape(x, shape)
+
+
+reshape_p = register("reshape", shape=_reshape_shape, impl=_reshape_impl,
                      cost=_move_cost, kind="shape", aliases={0: 0}, simplify=(
                          _compose_reshape,
                          lambda e, prod, x: _same(e, x)))                        # reshape(x, x.shape) -> x
@@ -412,12 +419,14 @@ concat_p = register("concat", shape=_concat_shape, impl=lambda *xs, axis: np.con
 # ---------------------------------------------------------------------------------------
 
 def _take_shape(table, ids):
-    if table.ndim != 2:
-        raise ShapeError(f"take: the table must be 2-D [rows, dim], got {table}")
+    if table.ndim < 2:
+        raise ShapeError(f"take: the table must be at least 2-D [rows, ...], got {table}")
     if ids.dtype is not i32:
         raise ShapeError(f"take: ids must be i32, got {ids}")
+    if table.dtype.is_quantized and not all(isinstance(d, int) for d in table.shape[1:]):
+        raise ShapeError(f"take: a quantised table's entries must have a static shape, got {table}")
     table.check_blocks()
-    return Aval(ids.shape + (table.shape[1],), f32)
+    return Aval(ids.shape + table.shape[1:], f32)
 
 
 def _take_impl(table, ids):
@@ -425,17 +434,19 @@ def _take_impl(table, ids):
     bad = (ids < 0) | (ids >= n)
     if bad.any():
         raise IndexError(f"take: id {int(ids[bad].reshape(-1)[0])} is out of range for a table of {n} rows")
-    if isinstance(table, Blocks):  # gather the block rows first: only T rows get dequantised
-        rows = table.data[ids.reshape(-1)]
-        return Blocks(rows, table.dtype, (rows.shape[0], table.shape[1])).dequantize().reshape(ids.shape + (-1,))
+    if isinstance(table, Blocks):  # gather the entries' blocks first: only those get dequantised
+        entry = table.shape[1:]
+        per_entry = table.data.reshape(n, -1)                             # one entry's rows of blocks a row
+        picked = per_entry[ids.reshape(-1)].reshape(-1, table.data.shape[1])
+        return Blocks(picked, table.dtype, (ids.size,) + entry).dequantize().reshape(ids.shape + entry)
     return table[ids].astype(np.float32, copy=False)
 
 
 def _take_cost(eqn, dims):
-    """Only the gathered rows of the table are read, not the whole table."""
+    """Only the gathered entries of the table are read, not the whole table."""
     table, ids = (a.aval for a in eqn.inputs)
-    return 0, ids.numel(dims) * table.dtype.row_bytes(table.shape[1]) + ids.nbytes(dims) + \
-        eqn.outputs[0].aval.nbytes(dims)
+    entry = table.update(shape=table.shape[1:])
+    return 0, ids.numel(dims) * entry.nbytes(dims) + ids.nbytes(dims) + eqn.outputs[0].aval.nbytes(dims)
 
 
 take_p = register("take", shape=_take_shape, impl=_take_impl, cost=_take_cost, kind="memory", fold=False)
@@ -557,10 +568,16 @@ def cache_update(cache, x, pos): return bind(cache_update_p, cache, x, pos)
 
 
 def where(cond, x, y):
-    """x where cond (an i8 mask) is nonzero, else y; constants take the other branch's dtype."""
+    """x where cond (an i8 mask) is nonzero, else y; a constant takes the other branch's dtype, and two
+    constants their own (a Python float is f32, an int i32), never the mask's."""
     like = x if isinstance(x, Tracer) else y
     if isinstance(like, Tracer):
-        x, y = (Tracer(to_atom(a, like.aval)) for a in (x, y))
+        like = like.aval
+    elif any(isinstance(a, float) for a in (x, y)):
+        like = Aval((), f32)                                 # where(m, 0, 1.5): both f32
+    else:
+        like = None
+    x, y = (Tracer(to_atom(a, like)) for a in (x, y))
     return bind(where_p, cond, x, y)
 
 
@@ -594,7 +611,9 @@ def iota(n, dtype=i32):
 
 
 def take(table, ids):
-    """Rows of ``table`` [V, D] at ``ids`` i32[...] -> f32[..., D]. A quantised table is dequantised first."""
+    """Entries of ``table`` [V, ...] at ``ids`` i32[...] -> f32[..., ...]: the rows of an embedding, or the
+    matrices of chosen experts from [E, N, K]. A quantised table is dequantised first (and fusion then
+    reads only the chosen entries' blocks)."""
     if isinstance(table, Tracer) and table.dtype is not f32:
         table = dequant(table)
     return bind(take_p, table, ids)
