@@ -64,6 +64,20 @@ def llama_logits(path, tokens, n_ctx: int = 512, cache: tuple[str, str] = F32, f
     return np.array(llm.scores[:len(tokens)], dtype=np.float32)  # copy: the buffer is reused
 
 
+def llama_logits_stepwise(path, tokens, n_ctx: int = 512, cache: tuple[str, str] = F32) -> np.ndarray:
+    """Logits at every position from llama.cpp decoding ``tokens`` one at a time against its KV cache
+    (its token-by-token run, beside ``llama_logits``' one prefill): f32 [T, n_vocab]."""
+    tokens = [int(t) for t in tokens]
+    if not 0 < len(tokens) <= n_ctx:
+        raise ValueError(f"oracle: {len(tokens)} tokens do not fit n_ctx={n_ctx}")
+    llm = model(path, n_ctx, cache)
+    rows = []
+    for tok in tokens:
+        llm.eval([tok])
+        rows.append(np.array(llm.scores[llm.n_tokens - 1], dtype=np.float32))
+    return np.stack(rows)
+
+
 def llama_greedy(path, prompt_tokens, n: int, n_ctx: int = 512, cache: tuple[str, str] = F32) -> list[int]:
     """``n`` tokens of greedy (temperature 0) decoding after a prefill of ``prompt_tokens``."""
     prompt = [int(t) for t in prompt_tokens]

@@ -400,8 +400,9 @@ def write_model(path, arch: str, *, mix: str = "f32", seed: int = 0, **overrides
     return path
 
 
-def _write_gguf(path: Path, hp: dict, seed: int, matrix_dtype) -> None:
-    """Write metadata, tokenizer and weights; matrices in ``matrix_dtype``, 1-D tensors f32."""
+def _write_gguf(path: Path, hp: dict, seed: int, matrix_dtype, tensors: dict | None = None) -> None:
+    """Write metadata, tokenizer and weights (``tensors``, or those of ``seed``); matrices in
+    ``matrix_dtype``, 1-D tensors f32."""
     from gguf import GGUFValueType, GGUFWriter
     w = GGUFWriter(str(path), hp["arch"])
     w.add_name("ggraph zoo")  # not the arch: a general.name containing "phi3" makes llama.cpp
@@ -414,7 +415,7 @@ def _write_gguf(path: Path, hp: dict, seed: int, matrix_dtype) -> None:
             w.add_key_value(key, value, GGUFValueType[kind])
     for key, value, kind, sub in tokenizer_kv(hp["vocab"]):
         w.add_key_value(key, value, kind, sub)
-    for name, x in weights(hp, seed).items():
+    for name, x in (tensors if tensors is not None else weights(hp, seed)).items():
         w.add_tensor(name, x.astype(matrix_dtype) if x.ndim == 2 else x)
     w.write_header_to_file()
     w.write_kv_data_to_file()
@@ -432,6 +433,66 @@ def llama_quantize(src, dst, ftype: int, what: str = "", nthread: int = 2) -> Pa
     if rc != 0:
         raise RuntimeError(f"zoo: llama_model_quantize failed for {what or src} (ftype {ftype}) with code {rc}")
     return Path(dst)
+
+
+# --- outlier activations, as trained models have them ----------------------------------------
+
+# llama.cpp ftypes (LLAMA_FTYPE_MOSTLY_Q4_1, _Q5_1): the types whose activations ggml quantises to q8_1
+OUTLIER_MIXES = {"q4_1": 3, "q5_1": 9}
+# SmolLM2-135M narrowed to 4 of its 30 layers: width 576 (18 blocks of 32, no 256-blocks), 9 heads of
+# 64 over 3 KV heads, FFN 1536, rope base 100000; untied, so that the outlier channels of token_embd
+# do not dominate the logits
+SMOLLM2_DIMS = dict(n_embd=576, n_head=9, n_head_kv=3, head_dim=64, n_ff=1536, n_layer=4, rope_base=100000.0)
+OUTLIER_CHANNELS = (17, 230, 451)        # residual channels: one in each of three blocks of 32
+OUTLIER_FEATURES = (5, 700, 1201)        # FFN features
+
+
+def outlier_weights(hp: dict, seed: int, gain: float = 50.0) -> dict[str, np.ndarray]:
+    """``weights`` with the massive activations of trained models: OUTLIER_CHANNELS of the residual
+    stream ``gain`` times the others (those columns of token_embd, and the rows of every ffn_down that
+    write them), OUTLIER_FEATURES of every FFN gain/5 times the others (rows of ffn_gate and ffn_up),
+    and output_norm taking the channels back down, as trained final norms do."""
+    w = weights(hp, seed)
+    ch, ff = list(OUTLIER_CHANNELS), list(OUTLIER_FEATURES)
+    w["token_embd.weight"][:, ch] *= np.float32(gain)
+    w["output_norm.weight"][ch] /= np.float32(gain)
+    for i in range(hp["n_layer"]):
+        w[f"blk.{i}.ffn_down.weight"][ch, :] *= np.float32(gain)
+        for name in ("ffn_gate", "ffn_up"):
+            w[f"blk.{i}.{name}.weight"][ff, :] *= np.float32(gain / 5)
+    return w
+
+
+def write_outlier_model(path, mix: str, *, seed: int = 0, gain: float = 50.0, **overrides) -> Path:
+    """A llama of SMOLLM2_DIMS (and ``overrides``) with ``outlier_weights``, quantised by llama.cpp to
+    ``mix`` (an OUTLIER_MIXES key)."""
+    if mix not in OUTLIER_MIXES:
+        raise ValueError(f"zoo: unknown outlier mix {mix!r}; known: {', '.join(OUTLIER_MIXES)}")
+    hp = config("llama", **{**SMOLLM2_DIMS, **overrides})
+    path = Path(path)
+    src = path.with_name(path.name + ".f32.gguf")
+    try:
+        _write_gguf(src, hp, seed, np.float32, outlier_weights(hp, seed, gain))
+        llama_quantize(src, path, OUTLIER_MIXES[mix], what=f"outlier llama {mix}")
+    finally:
+        src.unlink(missing_ok=True)
+    return path
+
+
+def cached_outlier_model(mix: str, *, seed: int = 0, gain: float = 50.0, **overrides) -> Path:
+    """``write_outlier_model`` once per distinct arguments (as ``cached_model``)."""
+    import pytest
+    pytest.importorskip("llama_cpp", reason="quantised zoo models need llama-cpp-python")
+    key = cache_key("llama", "q4_1", seed, {**SMOLLM2_DIMS, **overrides})        # a llama.cpp mix: its version counts
+    folder = Path(tempfile.gettempdir()) / f"ggraph-zoo-outliers-{mix}-gain{gain:g}-{key}"
+    path = folder / f"llama-outliers-{mix}.gguf"
+    if path.exists():
+        return path
+    folder.mkdir(parents=True, exist_ok=True)
+    tmp = folder / f".{os.getpid()}-{path.name}"
+    write_outlier_model(tmp, mix, seed=seed, gain=gain, **overrides)
+    os.replace(tmp, path)
+    return path
 
 
 # --- cache ------------------------------------------------------------------------------
