@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ggraph.backends import debug_nans
 from ggraph.backends.values import Program, bind_symbols
 from ggraph.ir.dims import Sym
 from ggraph.ir.graph import Graph, Var, evaluate
@@ -29,6 +30,7 @@ class NumpyProgram(Program):
 
     def __init__(self, graph: Graph, weights=None):
         self.graph = graph
+        self.debug_nans = debug_nans.enabled()
         self._dequant_cache: dict[Var, tuple[object, np.ndarray]] = {}
         self.weights: dict[str, object] = {}        # by source name
         if weights is not None:
@@ -53,8 +55,12 @@ class NumpyProgram(Program):
 
         def apply(e, vals):
             if e.prim is dequant_p and e.inputs[0] in params:
-                return self._cached_dequant(e.inputs[0], vals[0])
-            return eval_eqn(e, vals, dims)
+                out = self._cached_dequant(e.inputs[0], vals[0])
+            else:
+                out = eval_eqn(e, vals, dims)
+            if self.debug_nans:
+                check_finite(e, vals, out)
+            return out
         return evaluate(g, [values[v] for v in g.invars] + [self.weights[v.aval.source] for v in g.params], apply)[:first]
 
     def _cached_dequant(self, v: Var, blocks):
@@ -64,6 +70,13 @@ class NumpyProgram(Program):
         out = dequant_p.impl(blocks)
         self._dequant_cache[v] = (blocks, out)
         return out
+
+
+def check_finite(e, vals: list, out) -> None:
+    """Raise ``NonFiniteError`` naming ``e`` if one of its f32 outputs holds NaN or an infinity."""
+    for i, (o, val) in enumerate(zip(e.outputs, out if isinstance(out, tuple) else (out,))):
+        if debug_nans.checked(o.aval) and (where := debug_nans.first_non_finite(val)) is not None:
+            raise debug_nans.error(e, i, where, list(zip(e.inputs, vals)))
 
 
 def eval_eqn(e, vals: list, dims: dict[str, int]):

@@ -21,9 +21,12 @@ import dataclasses
 import numpy as np
 from llvmlite import ir
 
-from ggraph.ir.dims import Sym
+from ggraph.backends.debug_nans import checked
+from ggraph.ir.dims import Sym, product
 from ggraph.ir.graph import Graph, Literal
+from ggraph.ir.primitive import aliases
 from ggraph.backends.llvm import jit
+from ggraph.backends.llvm.kernels import generic_ops as G
 from ggraph.backends.llvm.lowerings import lower_eqn
 from ggraph.backends.llvm.lowering import SYMBOLS, Buffer, Bytes, Call, Lowering, LoweringError, Ref
 from ggraph.backends.llvm.target import Target
@@ -42,21 +45,25 @@ class ProgramSpec:
     input_index: dict
     param_index: dict
     units: list[jit.Unit]
-    checks: list[str]                      # what each status slot reports when a kernel sets it
+    checks: list                           # what each status slot reports when a kernel sets it: a message,
+                                           # or (eqn index, output) for a GGRAPH_DEBUG_NANS check
     bounds: list[tuple]                    # (rows, capacity, what) checked before every run
     name: str = "ggraph_program"
     ranges: list = dataclasses.field(default_factory=list)   # (invar index, lo, hi, what): lo <= x < hi per run
 
 
 def lower(graph: Graph, target: Target, profile: bool = False, compiler: jit.Compiler | None = None,
-          progress=None, rows_only: bool = False) -> ProgramSpec:
+          progress=None, rows_only: bool = False, debug_nans: bool = False) -> ProgramSpec:
     """Lower every eqn, then emit the program function that calls the kernels in order; new kernels go
     to ``compiler`` as they are built (without one they keep their IR, uncompiled). ``progress``
-    (a ``ggraph.progress.Progress``) advances once per eqn."""
+    (a ``ggraph.progress.Progress``) advances once per eqn. With ``debug_nans`` a check follows every
+    eqn with an f32 output of its own (GGRAPH_DEBUG_NANS)."""
     lw = Lowering(graph, target, compiler, rows_only)
-    for e in graph.eqns:
+    for i, e in enumerate(graph.eqns):
         lw.current = None
         lower_eqn(lw, e)
+        if debug_nans:
+            _check_finite(lw, i, e)
         if progress is not None:
             progress.advance()
     lw.settle_layouts()
@@ -68,6 +75,17 @@ def lower(graph: Graph, target: Target, profile: bool = False, compiler: jit.Com
                        lw.param_index, list(lw.units.values()), lw.checks, lw.bounds, ranges=lw.ranges)
     emit_program(spec, target, profile)
     return spec
+
+
+def _check_finite(lw: Lowering, index: int, e) -> None:
+    """A check kernel after eqn ``e`` (number ``index``) for each f32 output it writes itself (a view or a
+    cache update aliases memory checked where it was written)."""
+    views = aliases(e)
+    for j, o in enumerate(e.outputs):
+        if j in views or not checked(o.aval) or o not in lw.where:
+            continue
+        status = lw.status((index, j))
+        lw.call(lw.kernel(G.check_finite), lw.where[o], status, product(o.aval.shape), writes=(status,))
 
 
 def emit_program(spec: ProgramSpec, target: Target, profile: bool = False) -> None:

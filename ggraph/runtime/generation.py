@@ -12,7 +12,7 @@ from ggraph.runtime.tokenizer import Detokenizer
 
 
 class NonFiniteLogits(ValueError):
-    """A step gave NaN or infinite logits: there is no token to sample (a damaged or lying file)."""
+    """A step gave NaN or infinite logits: there is no token to sample (GGRAPH_DEBUG_NANS=1 finds the op)."""
 
 
 class Generation:
@@ -36,7 +36,8 @@ class Generation:
             return self._finish("length")
         if not np.isfinite(logits).all():              # before the grammar mask, which writes -inf
             raise NonFiniteLogits(f"the model's logits are not finite (NaN or infinite) at generated token "
-                                  f"{self.generated}: the file's weights hold numbers out of range")
+                                  f"{self.generated}; run again with GGRAPH_DEBUG_NANS=1 to name the op that made "
+                                  f"them (and the weight, if one holds them)")
         if self.matcher is not None:
             logits = self.matcher.mask(logits)
         tok = self.sampler(logits, self.history, self.rng)

@@ -6,6 +6,7 @@ needs them, the unfused baseline always does.
         y[z, m, n] = sum_k a[z*, m, k] b[z*, n, k]     (ggml's layout: both contract the last axis)
     iota_<dtype>(y, i64 n, ith, nth)                    y[i] = i
     copy_bytes(x, y, i64 nbytes, ith, nth)              y[0:nbytes] = x[0:nbytes]
+    check_finite_f32(x, status, i64 n, ith, nth)        status = {1, i} at the first non-finite x[i]
     rope_angles_*(positions, [freq_factors,] y, i64 T, ith, nth)   y[t, i]: ggml's f32 angle chain
 """
 from __future__ import annotations
@@ -79,6 +80,27 @@ def copy_bytes(module: ir.Module) -> str:
     start, end = _share(k, k.arg["nbytes"])
     with k.loop(start, end, name="i") as i:
         k.store(k.load(i8, k.arg["x"], i), k.arg["y"], i)
+    return k.finish()
+
+
+def check_finite(module: ir.Module) -> str:
+    """status = {1, i} for the first i < n where x[i] is NaN or infinite (GGRAPH_DEBUG_NANS); thread 0
+    scans it all, so the index is the first."""
+    name = "check_finite_f32"
+    if Kernel.exists(module, name):
+        return name
+    k = Kernel(module, name, ("x", "status"), ("n",), noalias=True)
+    b = k.b
+    first = k.var(i64, -1)
+    with k.if_then(b.icmp_signed("==", k.arg["ith"], ir.Constant(i32, 0))):
+        with k.loop(0, k.arg["n"], name="i") as i:
+            x = k.load(f32, k.arg["x"], b.mul(i, ir.Constant(i64, 4)))
+            finite = b.fcmp_ordered("<", k.intrinsic("llvm.fabs.f32", f32, [x]), ir.Constant(f32, float("inf")))
+            missing = b.icmp_signed("<", first.get(), ir.Constant(i64, 0))
+            first.set(b.select(b.and_(b.not_(finite), missing), i, first.get()))
+        with k.if_then(b.icmp_signed(">=", first.get(), ir.Constant(i64, 0))):
+            k.store(ir.Constant(i64, 1), k.arg["status"])
+            k.store(first.get(), k.arg["status"], 8)
     return k.finish()
 
 
