@@ -142,3 +142,18 @@ def test_where_of_two_float_constants_is_f32():
     x = np.linspace(-1, 1, 8, dtype=np.float32)
     for backend in ("numpy", "llvm"):
         np.testing.assert_array_equal(ggraph.compile(g, backend=backend)(x), np.where(x < 0, 0, x))
+
+
+def test_a_notebook_cell_run_twice_defines_its_op_and_architecture_again():
+    cell = textwrap.dedent('''
+        import numpy as np
+        from ggraph import ops
+        from ggraph.models import register_architecture
+        cell_op_p = ops.elementwise("cell_op", lambda x: x * np.float32(GAIN), emit=lambda ev, x: ev.b.fmul(x, ev.const(x, GAIN)))
+        register_architecture("cell_lm", lambda key, names, n_layer: {})
+    ''')
+    for gain in (2.0, 3.0):                     # a notebook's cells run in the namespace of __main__
+        namespace = {"__name__": "__main__", "GAIN": gain}
+        exec(compile(cell, "<ipython-input-1>", "exec"), namespace)
+    g = ggraph.trace(lambda x: namespace["cell_op_p"](x), f32[4])
+    np.testing.assert_array_equal(ggraph.compile(g, backend="llvm")(np.ones(4, np.float32)), 3.0)
