@@ -1,9 +1,11 @@
-"""The serving engine: a request queue, a Batch of ``parallel`` sequence slots (slotted KV caches
-and one compiled batched step), and one scheduler thread: continuous batching.
+"""The serving engine: a request queue, a Batch of ``parallel`` sequence slots (slotted KV caches and
+two compiled batched steps: one for steps slots share, one for a slot alone, as a Session's), and one
+scheduler thread: continuous batching.
 
     engine = Engine(path, parallel=4, ctx=4096, threads=2)
     job = engine.submit(ids, dict(max_tokens=64, temperature=0), emit)   # emit(kind, value), any thread
     job.cancel()                                                           # e.g. the client went away
+    engine.close()                  # every job still running or waiting ends with an error, now
 
 Between steps the scheduler admits waiting jobs into free slots and drops finished or cancelled
 ones. Each step then runs, in one native call, every active slot's new tokens: a chunk of a
