@@ -30,7 +30,7 @@ def describe(target: Target) -> dict[str, str]:
     """Which kernel variant each op gets on `target`, e.g. {"qmatmul q4_k": "vpdpbusd-512: ..."}."""
     how = "vector" if vector_path(target) else "scalar (generic twin)"
     layout = "one row per token" if rows_gemm(target) else f"tokens in groups of {GROUP}"
-    out = {f"act_quant {fmt}": f"{how}; {layout}" for fmt in ("q8_0", "q8_k")}
+    out = {f"act_quant {fmt}": f"{how}; {layout}" for fmt in ("q8_0", "q8_1", "q8_k")}
     out.update({f"qmatmul {dt.name}": _qmatmul.variant(dt, target) for dt in QUANT_TYPES})
     out.update({f"fmatmul {dt.name}": _fmatmul.variant(dt, target) for dt in FLOAT_TYPES})
     out.update({f"get_rows {dt.name}": how for dt in QUANT_TYPES + FLOAT_TYPES})

@@ -108,7 +108,7 @@ class BlockFormat:
     """A weight block type: its activation format, and its scalar and vector decoders."""
 
     dtype: DType
-    act: str                                      # "q8_0" or "q8_k"
+    act: str                                      # "q8_0", "q8_1" (q4_1, q5_1: ggml's fp16 s) or "q8_k"
     sub: int                                      # weights per scale: 16 or 32
     level: Callable[[Kernel, Isa, ir.Value, ir.Value], ir.Value]    # (blk, i) -> i32 q
     scale: Callable[[Kernel, Isa, ir.Value, ir.Value], tuple]       # (blk, s) -> (scale, min)
