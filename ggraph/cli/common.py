@@ -68,20 +68,9 @@ DEFAULT_CTX = 4096
 
 def add_ctx_arg(p: argparse.ArgumentParser) -> None:
     """--ctx / -c, as llama.cpp and ggraph perplexity name it."""
-    p.add_argument("--ctx", "-c", type=ctx_length, default=None, metavar="N",
+    p.add_argument("--ctx", "-c", type=int, default=None, metavar="N",
                    help=f"context length: KV cache rows (default {DEFAULT_CTX}, or the model's trained context "
                         f"if that is shorter)")
-
-
-def ctx_length(text: str) -> int:
-    """argparse type of --ctx: a whole number of tokens, at least 1."""
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number of tokens, got {text!r}") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1 token, got {n}")
-    return n
 
 
 def context_length(args, path: str) -> int:

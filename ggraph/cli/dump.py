@@ -28,6 +28,8 @@ def cmd_dump(args) -> int:
     names = pipeline_names(args)
     if args.format in ("png", "svg") and not args.output:
         raise ValueError(f"--format {args.format} writes a picture: give -o FILE")
+    if args.ctx is not None and args.ctx < 1:
+        raise ValueError(f"--ctx must be at least 1, got {args.ctx}")
     if args.output:
         check_output(args.output, args.force, "-o")
     held = _fifo_reader(args.output) if args.output else None
@@ -63,7 +65,7 @@ def _dump(args, names, model) -> int:
     log = RewriteLog()
     from ggraph.runtime.session import cache_dtype
     cache_types = (cache_dtype(args.cache_type_k, "--cache-type-k"), cache_dtype(args.cache_type_v, "--cache-type-v"))
-    ctx = args.ctx or min(DEFAULT_CTX, model.config.n_ctx_train)
+    ctx = args.ctx if args.ctx is not None else min(DEFAULT_CTX, model.config.n_ctx_train)
     graph = run(model.graph(ctx=ctx, cache_types=cache_types), names, log=log)
     reports = []
     if args.explain:
