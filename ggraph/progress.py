@@ -2,6 +2,7 @@
 and one-line warnings."""
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 
@@ -57,6 +58,7 @@ class Progress:
 
 
 _warned: set[str] = set()
+_held: list[list[str]] = []            # warnings held back by `held_warnings`, innermost last
 
 
 def warn(message: str, once: bool = True) -> None:
@@ -64,4 +66,22 @@ def warn(message: str, once: bool = True) -> None:
     if once and message in _warned:
         return
     _warned.add(message)
+    if _held:
+        _held[-1].append(message)
+        return
     print(f"ggraph: warning: {message}", file=sys.stderr, flush=True)
+
+
+@contextlib.contextmanager
+def held_warnings():
+    """Warnings given inside are shown when the block succeeds and dropped when it raises, so that an
+    error stands alone (a KV cache that fits, then a second one that does not)."""
+    _held.append([])
+    try:
+        yield
+    except BaseException:
+        _held.pop()
+        raise
+    for message in _held.pop():
+        _warned.discard(message)
+        warn(message)

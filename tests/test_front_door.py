@@ -233,3 +233,11 @@ def test_a_usage_error_is_one_line_from_the_real_command(tmp_path):
                            "--seed", "-5"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and done.stdout == ""
     one_line(done.stderr, "ggraph run: error: argument --seed")
+
+
+def test_serve_whose_slots_do_not_fit_says_only_that(capsys, model):
+    """The session's cache fits (with a warning: ctx beyond the trained 512), the slots' do not: the error
+    stands alone."""
+    code, _, err = cli(capsys, "serve", model, "-c", 1024, "--parallel", 8, "--max-memory", "1M")
+    assert code == 1
+    one_line(err, "the KV cache", "--max-memory limit of 1.00 MiB")

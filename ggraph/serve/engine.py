@@ -24,6 +24,7 @@ from typing import Callable
 
 import numpy as np
 
+from ggraph.progress import held_warnings
 from ggraph.runtime.batch import Batch
 from ggraph.runtime.generation import Generation
 
@@ -112,8 +113,9 @@ class Engine:
         from ggraph.runtime.session import Session
         if isinstance(parallel, bool) or not isinstance(parallel, int) or parallel < 1:
             raise ValueError(f"parallel must be a whole number of slots >= 1, got {parallel!r}")
-        self.session = Session(path, ctx=ctx, **options)          # templates, tokenizer, embeddings
-        self.batch = SoloBatch(path, slots=parallel, ctx=ctx, model=self.session.model, **options)
+        with held_warnings():                                      # an error (the slots' caches) stands alone
+            self.session = Session(path, ctx=ctx, **options)      # templates, tokenizer, embeddings
+            self.batch = SoloBatch(path, slots=parallel, ctx=ctx, model=self.session.model, **options)
         self.batch.tokenizer = self.session.tokenizer             # one tokenizer: grammars compile once
         self.batch.compile()                                       # before serving
         self.parallel, self.ctx = parallel, ctx
