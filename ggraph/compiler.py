@@ -21,9 +21,9 @@ BACKENDS = {
 
 
 def optimize(graph: Graph, passes="default", disabled=(), log=None, dump_after=None) -> Graph:
-    """Run a named pipeline (or list of pass names) over ``graph``."""
+    """Run a pipeline over ``graph``: a name, pass names, or passes resolved already (``ggraph.passes.resolve``)."""
     from ggraph import passes as P
-    return P.run(graph, P.pipeline(passes, disabled), log=log, dump_after=dump_after)
+    return P.run(graph, P.resolve(passes, disabled), log=log, dump_after=dump_after)
 
 
 def compile_graph(graph: Graph, backend: str = "numpy", passes="default", disabled=(), log=None, **options):

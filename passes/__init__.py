@@ -2,7 +2,8 @@
 from ggraph.passes import cse, dce, fold, inline_composites  # noqa: F401  (registration)
 from ggraph.passes import fuse_dequant_matmul, fuse_elementwise, fuse_rope_attention, plan_memory  # noqa: F401
 from ggraph.passes import instrument_imatrix  # noqa: F401  (only in the "imatrix" pipeline)
-from ggraph.passes.manager import PASSES, PassError, RewriteLog, graph_pass, note, run, skip
-from ggraph.passes.pipeline import PIPELINES, pipeline
+from ggraph.passes.manager import PASSES, PassError, PipelineError, RewriteLog, graph_pass, note, resolve, run, skip
+from ggraph.passes.pipeline import PIPELINES
 
-__all__ = ["PASSES", "PIPELINES", "PassError", "RewriteLog", "graph_pass", "note", "pipeline", "run", "skip"]
+__all__ = ["PASSES", "PIPELINES", "PassError", "PipelineError", "RewriteLog", "graph_pass", "note", "resolve", "run",
+           "skip"]

@@ -1,6 +1,7 @@
 """The pass manager: named Graph -> Graph passes, run in a straight list, verified after each.
 
-    graph = run(graph, ["dce", "cse", "fold"], dump_after={"fold"}, log=RewriteLog())
+    passes = resolve("default", disabled=["fuse_elementwise"])    # checked once, at the edge: Pass objects
+    graph = run(graph, passes, dump_after={"fold"}, log=RewriteLog())
 
 A pass is a function ``Graph -> Graph`` registered with ``@graph_pass``; its docstring's
 first line says what it rewrites and why. While a pass runs, ``note()`` records a rewrite
@@ -14,6 +15,7 @@ from typing import Callable, Iterable
 
 from ggraph.ir.graph import Graph, VerifyError
 from ggraph.ir.primitive import definition_site
+from ggraph.passes.pipeline import PIPELINES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,40 +108,57 @@ class PassError(RuntimeError):
     """A pass failed or left an invalid graph; names the pass, the eqn and the passes before it."""
 
 
-def resolve(names: Iterable[str]) -> list[Pass]:
-    out = []
-    for n in names:
-        if n not in PASSES:
-            raise KeyError(f"unknown pass {n!r}; available passes: {', '.join(PASSES)}")
-        out.append(PASSES[n])
-    return out
+class PipelineError(ValueError):
+    """A passes spec or a disabled name that names no pipeline or pass; one line naming the flag."""
 
 
-def run(graph: Graph, pipeline: Iterable[str], *, verify: bool = True,
+def resolve(passes="default", disabled: Iterable[str] = (), flags: tuple[str, str] = ("passes", "disabled"),
+            ) -> tuple[Pass, ...]:
+    """The passes to run, in order: ``passes`` is a pipeline name, pass names (a comma list or a list) or
+    Pass objects; the ``disabled`` pass names are left out. ``flags`` name the two in errors."""
+    passes_flag, disabled_flag = flags
+    if isinstance(passes, str):
+        names = list(PIPELINES[passes]) if passes in PIPELINES else [n.strip() for n in passes.split(",") if n.strip()]
+        if "," not in passes and passes not in PIPELINES and passes not in PASSES:
+            raise PipelineError(f"{passes_flag}: unknown pipeline or pass {passes!r} ({_known()})")
+    elif hasattr(passes, "__iter__"):
+        names = list(passes)
+    else:
+        raise PipelineError(f"{passes_flag} must be a pipeline name ({', '.join(PIPELINES)}) or a list of pass "
+                            f"names, got {passes!r}"[:300])
+    if isinstance(disabled, str) or not hasattr(disabled, "__iter__"):
+        raise PipelineError(f"{disabled_flag} must be a list of pass names, got {disabled!r}"[:300])
+    disabled = list(disabled)
+    for flag, given in ((passes_flag, [n for n in names if not isinstance(n, Pass)]), (disabled_flag, disabled)):
+        unknown = [str(n) for n in given if not isinstance(n, str) or n not in PASSES]
+        if unknown:
+            raise PipelineError(f"{flag}: unknown pass(es) {', '.join(unknown)} ({_known()})"[:2000])
+    return tuple(p for p in (n if isinstance(n, Pass) else PASSES[n] for n in names) if p.name not in disabled)
+
+
+def _known() -> str:
+    return f"pipelines: {', '.join(PIPELINES)}; passes: {', '.join(PASSES)}"
+
+
+def run(graph: Graph, pipeline, *, verify: bool = True,
         dump_after: Iterable[str] | Callable[[str, Graph], None] | None = None,
-        disabled: Iterable[str] = (), log: RewriteLog | None = None) -> Graph:
-    """Run the named passes in order, skipping ``disabled``; verify the graph after each.
+        log: RewriteLog | None = None) -> Graph:
+    """Run ``pipeline`` (passes from ``resolve``, or anything it takes) in order; verify the graph after each.
 
     ``dump_after`` is a set of pass names (the graph is printed after each, or after every
-    pass with "all") or a callable ``(pass_name, graph)`` called after every pass.
+    pass with "all") or a callable ``(pass_name, graph)`` called after every pass. Anything a
+    pass raises comes out as a PassError naming it and the passes run before it.
     """
     log = log if log is not None else RewriteLog()
-    disabled = set(disabled)
-    passes = resolve(pipeline)
-    unknown = disabled - set(PASSES)
-    if unknown:
-        raise KeyError(f"cannot disable unknown pass(es) {sorted(unknown)}; available: {', '.join(PASSES)}")
-    for p in passes:
-        if p.name in disabled:
-            continue
+    for p in resolve(pipeline):
         before = ", ".join(log.ran) or "none"
         if graph.meta:                      # annotations (e.g. a memory plan) describe the graph as it was
             graph = graph.replace(meta={})
         token = _active.set((log, p.name))
         try:
             graph = p(graph)
-        except VerifyError as e:
-            raise PassError(f"pass {p.name!r} failed: {e} (passes run before: {before})") from e
+        except Exception as e:
+            raise PassError(f"pass {p.name!r} failed: {type(e).__name__}: {e} (passes run before: {before})") from e
         finally:
             _active.reset(token)
         if not isinstance(graph, Graph):

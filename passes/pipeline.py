@@ -1,7 +1,5 @@
-"""Named pipelines: one straight list of pass names each."""
+"""Named pipelines: one straight list of pass names each (``ggraph.passes.resolve`` turns one into passes)."""
 from __future__ import annotations
-
-from typing import Iterable, Sequence
 
 PIPELINES: dict[str, tuple[str, ...]] = {
     # the optimising pipeline
@@ -18,16 +16,3 @@ PIPELINES: dict[str, tuple[str, ...]] = {
 # instrument_imatrix right after fuse_dequant_matmul, so that fuse_elementwise fuses what it adds
 _fused = PIPELINES["default"].index("fuse_dequant_matmul") + 1
 PIPELINES["imatrix"] = PIPELINES["default"][:_fused] + ("instrument_imatrix",) + PIPELINES["default"][_fused:]
-
-
-def pipeline(passes: str | Sequence[str] = "default", disabled: Iterable[str] = ()) -> list[str]:
-    """Pass names for a pipeline name or an explicit list, minus ``disabled``."""
-    if isinstance(passes, str):
-        if passes not in PIPELINES:
-            raise KeyError(f"unknown pipeline {passes!r}; named pipelines: {', '.join(PIPELINES)} "
-                           f"(or give a list of pass names)")
-        names = list(PIPELINES[passes])
-    else:
-        names = list(passes)
-    disabled = set(disabled)
-    return [n for n in names if n not in disabled]

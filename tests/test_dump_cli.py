@@ -78,9 +78,9 @@ def test_dump_dot_png_svg(model, capsys, tmp_path):
 
 def fused_graph(path):
     from ggraph.models import load
-    from ggraph.passes import pipeline, run
+    from ggraph.passes import resolve, run
     from ggraph.ir.dtypes import f16
-    return run(load(path).graph(ctx=64, cache_types=(f16, f16)), pipeline("default"))    # as dump's default
+    return run(load(path).graph(ctx=64, cache_types=(f16, f16)), resolve("default"))    # as dump's default
 
 
 def test_collapsed_view_has_one_box_per_layer(model):

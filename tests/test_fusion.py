@@ -13,7 +13,7 @@ from ggraph.compiler import compile_graph
 from ggraph.ir.graph import VerifyError
 from ggraph.ir.primitive import get_primitive
 from ggraph.ir.text import parse
-from ggraph.passes import PIPELINES, RewriteLog, pipeline, run
+from ggraph.passes import PIPELINES, RewriteLog, resolve, run
 from ggraph.ir.graph import in_layer
 from test_composites import attention_ref, rope_ref
 
@@ -336,7 +336,7 @@ def weight_matrices(graph, tied: bool) -> set[str]:
 def check_structure(model, ctx=32):
     graph = model.graph(ctx)
     log = RewriteLog()
-    g = run(graph, pipeline("default"), log=log)
+    g = run(graph, resolve("default"), log=log)
     n = model.config.n_layer
     assert g.count("dequant", expand=True) == 0
     qm = [e for e in g.eqns if e.prim.name == "qmatmul"]
@@ -398,7 +398,7 @@ def test_every_arch_fused_like_unfused(arch, mix, over, ctx):
 def test_none_pipeline_is_plain_primitives_with_dequant():
     from ggraph.models import load
     model = load(zoo.cached_model("gemma3", "q8_0"))
-    g = run(model.graph(32), pipeline("none"))
+    g = run(model.graph(32), resolve("none"))
     assert not any(e.body is not None for e in g.eqns)
     assert g.count("dequant") > 0 and g.count("qmatmul") == g.count("fused") == g.count("rope_attention") == 0
     assert PIPELINES["default"] == ("dce", "cse", "fold", "fuse_rope_attention", "inline_unfusable",
@@ -410,9 +410,9 @@ def test_each_pass_can_be_switched_off():
     model = load(zoo.cached_model("llama", "q8_0"))
     for off, gone in [("fuse_dequant_matmul", "qmatmul"), ("fuse_rope_attention", "rope_attention"),
                       ("fuse_elementwise", "fused")]:
-        g = run(model.graph(32), pipeline("default", disabled=[off]))
+        g = run(model.graph(32), resolve("default", disabled=[off]))
         assert g.count(gone) == 0, off
-    g = run(model.graph(32), pipeline("default", disabled=["plan_memory"]))
+    g = run(model.graph(32), resolve("default", disabled=["plan_memory"]))
     assert "memory_plan" not in g.meta
 
 

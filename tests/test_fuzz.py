@@ -426,8 +426,9 @@ def test_session_arguments_are_checked(base):
     """)
     rc, out, err = run([snippet], python=True, timeout=60)
     assert rc == 0 and "Traceback" not in err, err[-2000:]
-    for expect in ("stops: () ('ab',)", "TypeError: passes must be a pipeline name", "ValueError: unknown pipeline 'nope'",
-                   "ValueError: unknown pass(es) nope", "TypeError: disabled must be a list of pass names",
+    for expect in ("stops: () ('ab',)", "PipelineError: passes must be a pipeline name",
+                   "PipelineError: passes: unknown pipeline or pass 'nope'", "PipelineError: disabled: unknown pass(es) nope",
+                   "PipelineError: disabled must be a list of pass names",
                    "TypeError: a model is a GGUF file's path (str or os.PathLike), got NoneType"):
         assert expect in out, (expect, out)
 

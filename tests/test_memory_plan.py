@@ -12,7 +12,7 @@ from ggraph.compiler import compile_graph
 from ggraph.ir.graph import Literal
 from ggraph.cli.dump import show_buffers
 from ggraph.ir.text import parse
-from ggraph.passes import RewriteLog, pipeline, run
+from ggraph.passes import PIPELINES, RewriteLog, resolve, run
 from ggraph.passes.plan_memory import MemoryPlan, PlanError, covers, lifetimes, plan, size_of
 
 SMALL = """
@@ -175,7 +175,7 @@ def steps(model, ctx=32):
 
 
 @pytest.mark.parametrize("arch, passes", [("llama", "default"), ("gemma2", "default"), ("phi3", "default"),
-                                          ("qwen2", pipeline("none") + ["plan_memory"])])
+                                          ("qwen2", [*PIPELINES["none"], "plan_memory"])])
 def test_model_runs_inside_its_plan(arch, passes):
     from ggraph.models import load
     model = load(zoo.cached_model(arch, "q8_0"))
@@ -218,7 +218,7 @@ def test_gemma3_270m_plan_lowers_peak():
     from ggraph.models import load
     model = load(demo.assemble())
     for last_only in (False, True):
-        g = run(model.graph(512, last_only=last_only), pipeline("default"))
+        g = run(model.graph(512, last_only=last_only), resolve("default"))
         mplan = g.meta["memory_plan"]
         mplan.check(g)
         for T in (1, 64):

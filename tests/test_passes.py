@@ -7,12 +7,14 @@ import ggraph
 from ggraph import f32, ops
 from ggraph.ir.graph import Var
 from ggraph.ir.text import ParseError, parse
-from ggraph.passes import PASSES, PassError, RewriteLog, graph_pass, run
+from ggraph.cli import main
+from ggraph.ir.primitive import ShapeError
+from ggraph.passes import PASSES, PassError, PipelineError, RewriteLog, graph_pass, resolve, run
 
 
 def check(pass_names, before, after, expand=False):
     log = RewriteLog()
-    g = run(parse(textwrap.dedent(before)), pass_names, log=log)
+    g = run(parse(textwrap.dedent(before)), resolve(pass_names), log=log)
     assert g.pretty(expand=expand) == textwrap.dedent(after).strip("\n")
     return log
 
@@ -114,22 +116,49 @@ def test_inline_composites():
 
 def test_inline_is_recursive():
     g = ggraph.trace(lambda g_, u: ops.swiglu(g_, u), f32["T", 4], f32["T", 4])
-    out = run(g, ["inline_composites"])
+    out = run(g, resolve("inline_composites"))
     assert all(not e.prim.composite for e in out.eqns) and out.count("exp") == 1
 
 
 def test_unknown_pass_and_pipeline():
     g = parse("{ lambda ; x:f32[4]. let\n  in (x) }")
-    with pytest.raises(KeyError, match="unknown pass 'fuse_everything'; available passes: .*dce"):
-        run(g, ["fuse_everything"])
-    with pytest.raises(KeyError, match="unknown pipeline 'fast'"):
+    with pytest.raises(PipelineError, match=r"passes: unknown pass\(es\) fuse_everything \(pipelines: default, .*"
+                                            r"passes: .*dce"):
+        resolve(["dce", "fuse_everything"])
+    with pytest.raises(PipelineError, match="passes: unknown pipeline or pass 'fast'"):
         ggraph.compile(g, passes="fast")
+    with pytest.raises(PipelineError, match=r"disabled: unknown pass\(es\) nope"):
+        resolve("default", disabled=["nope"])
+    with pytest.raises(PipelineError, match=r"passes: unknown pass\(es\) fuse_everything"):
+        run(g, ["fuse_everything"])
+
+
+def test_resolve_spells_a_pipeline_three_ways():
+    dce, cse = PASSES["dce"], PASSES["cse"]
+    assert resolve("dce,cse") == resolve(["dce", "cse"]) == resolve((dce, cse)) == (dce, cse)
+    assert resolve("dce") == (dce,)
+    assert [p.name for p in resolve("default", disabled=["dce", "plan_memory"])][:2] == ["cse", "fold"]
+    assert resolve("none", disabled=["inline_composites"]) == (dce, cse, PASSES["fold"])
+
+
+def test_bad_passes_flags_are_one_line_naming_the_flag(capsys):
+    """Found before the model is read (none is given): one line naming the flag and the unknown pass."""
+    for argv, words in ((["run", "-p", "hi", "--passes", "dce,fuze"], ("--passes: unknown pass(es) fuze", "fold")),
+                        (["dump", "--passes", "fast"], ("--passes: unknown pipeline or pass 'fast'", "imatrix")),
+                        (["run", "-p", "hi", "--no-pass", "fuse_everything"],
+                         ("--no-pass: unknown pass(es) fuse_everything", "plan_memory")),
+                        (["diff", "--vs", "dce,nope"], ("--vs: unknown pass(es) nope",))):
+        assert main(argv) == 1
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith(f"ggraph {argv[0]}: error: "), err
+        for w in words:
+            assert w in err, (w, err)
 
 
 def test_disabled_pass_is_skipped():
     g = parse("{ lambda ; x:f32[4]. let\n a:f32[4] = exp x\n  in (x) }")
     log = RewriteLog()
-    assert len(run(g, ["dce"], disabled=["dce"], log=log).eqns) == 1 and log.ran == []
+    assert len(run(g, resolve("dce", disabled=["dce"]), log=log).eqns) == 1 and log.ran == []
 
 
 def test_verify_failure_names_pass_eqn_and_history():
@@ -142,9 +171,24 @@ def test_verify_failure_names_pass_eqn_and_history():
         g = parse("{ lambda ; x:f32[4]. let\n a:f32[4] = exp x\n b:f32[4] = neg a\n  in (b) }")
         with pytest.raises(PassError, match=r"pass 'test_break_shapes' left an invalid graph: eqn 0 \(.*exp x\): "
                                             r"declares outputs f32\[3\].*passes run before: dce, cse"):
-            run(g, ["dce", "cse", "test_break_shapes"])
+            run(g, resolve("dce,cse,test_break_shapes"))
     finally:
         del PASSES["test_break_shapes"]
+
+
+def test_any_error_in_a_pass_names_it_and_the_passes_before():
+    @graph_pass("test_raise_shape_error")
+    def raise_shape_error(graph):
+        """Raise a ShapeError (a deliberately broken pass for this test)."""
+        raise ShapeError("add: shapes (4,) and (3,) do not broadcast")
+    try:
+        g = parse("{ lambda ; x:f32[4]. let\n a:f32[4] = exp x\n  in (a) }")
+        with pytest.raises(PassError, match=r"pass 'test_raise_shape_error' failed: ShapeError: add: shapes .* "
+                                            r"\(passes run before: dce, cse\)") as info:
+            run(g, resolve("dce,cse,test_raise_shape_error"))
+        assert isinstance(info.value.__cause__, ShapeError)
+    finally:
+        del PASSES["test_raise_shape_error"]
 
 
 def test_every_pass_has_a_one_line_doc():
@@ -162,5 +206,5 @@ def test_parse_errors_name_the_line():
 def test_dump_after():
     g = ggraph.trace(lambda x: ops.silu(x) * 1.0, f32["T", 4])
     seen = []
-    run(g, ["inline_composites", "fold"], dump_after=lambda name, gr: seen.append((name, gr.count("mul"))))
+    run(g, resolve("inline_composites,fold"), dump_after=lambda name, gr: seen.append((name, gr.count("mul"))))
     assert seen == [("inline_composites", 1), ("fold", 0)]

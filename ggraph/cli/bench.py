@@ -7,8 +7,8 @@ import importlib.util
 import json
 import sys
 
-from ggraph.cli.common import (add_force_arg, add_memory_arg, add_model_arg, check_output, model_path, passes_arg,
-                               pipeline_names)
+from ggraph.cli.common import (add_force_arg, add_memory_arg, add_model_arg, check_output, model_path,
+                               resolved_passes)
 
 NAMED_PASSES = {"fused": "default", "unfused": "none"}
 FLASH_ATTN = {"on": [True], "off": [False], "both": [True, False]}       # --flash-attn: llama.cpp's -fa settings
@@ -90,14 +90,14 @@ def cmd_bench(args) -> int:
         raise ValueError("--profile times the native program: use --backend llvm")
     pipelines = [NAMED_PASSES.get(p, p) for p in (args.compare.split(",") if args.compare else [args.passes])]
     for pipe in pipelines:
-        pipeline_names(args, pipe)                       # every argument checked before the slow part
+        resolved_passes(args, pipe, "--compare" if args.compare else "--passes")   # checked before the slow part
     ctx = _bench_ctx(args, path, max(depths) + max(pps) + max(tgs))
     fas = [fa for fa in _flash_attn(args, [cache_v]) if fa or cache_v not in LLAMA_NEEDS_FA]
     results = bench_speed(args, path, threads, depths, pps, tgs, pipelines, ctx, cache_k, cache_v, fas)
     if args.profile:
         from ggraph import bench
         for pp, t, d, pipe in sorted({(pp, t, d, p) for pp in pps for t in threads for d in depths for p in pipelines}):
-            prof = bench.profile_ggraph(path, pp, t, passes=passes_arg(pipe), disabled=args.no_pass, depth=d)
+            prof = bench.profile_ggraph(path, pp, t, passes=pipe, disabled=args.no_pass, depth=d)
             for r in results:
                 if r["engine"] == "ggraph" and (r["pp"], r["threads"], r["passes"], r["depth"]) == (pp, t, pipe, d):
                     r["profile"], r["roofline"] = prof, prof["roofline"]
@@ -126,7 +126,7 @@ def bench_speed(args, path, threads, depths, pps, tgs, pipelines, ctx, cache_k, 
             runners = []
             try:
                 for pipe in pipelines:
-                    runners.append(GGraphRunner(path, t, ctx, args.backend, passes_arg(pipe), cache_k, cache_v,
+                    runners.append(GGraphRunner(path, t, ctx, args.backend, pipe, cache_k, cache_v,
                                                 args.no_pass, args.max_memory))
                 for fa in fas if args.vs_llama_cpp else ():
                     runners.append(LlamaCppRunner(path, t, ctx, cache_k, cache_v, fa))

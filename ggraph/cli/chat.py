@@ -5,7 +5,7 @@ import argparse
 import inspect
 import sys
 
-from ggraph.cli.common import (add_compile_args, add_model_arg, add_sampling_args, open_session, pipeline_names,
+from ggraph.cli.common import (add_compile_args, add_model_arg, add_sampling_args, open_session, resolved_passes,
                                sampling_options)
 
 HELP = """\
@@ -27,9 +27,9 @@ def cmd_chat(args) -> int:
     from ggraph.runtime.chat import ChatTemplateError
     from ggraph.runtime.conversation import Conversation
     from ggraph.runtime.session import ContextFullError
-    pipeline_names(args)                                  # every argument checked before anything slow
+    passes = resolved_passes(args)                        # every argument checked before anything slow
     options = sampling_options(args)
-    session = open_session(args)
+    session = open_session(args, passes)
     conv = Conversation(session, max_tokens=args.n_predict, notes=note, **options)
     if args.system:
         conv.set_system(args.system)

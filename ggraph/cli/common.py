@@ -133,12 +133,13 @@ def sampling_options(args) -> dict:
                 repeat_penalty=args.repeat_penalty, seed=args.seed, stop=args.stop)
 
 
-def open_session(args):
-    """The Session the compile arguments describe, compiled (with its progress bar) before it is returned."""
+def open_session(args, passes):
+    """The Session the compile arguments describe, with ``passes`` (resolved_passes(args)), compiled (with its
+    progress bar) before it is returned."""
     from ggraph.runtime.session import Session
     path = model_path(args)
-    session = Session(path, backend=args.backend, threads=args.threads, passes=passes_arg(args.passes),
-                      ctx=context_length(args, path), disabled=args.no_pass, max_memory=args.max_memory,
+    session = Session(path, backend=args.backend, threads=args.threads, passes=passes,
+                      ctx=context_length(args, path), max_memory=args.max_memory,
                       cache_type_k=args.cache_type_k, cache_type_v=args.cache_type_v)
     session.program(last_only=True)
     return session
@@ -159,22 +160,15 @@ def plugin_parent() -> argparse.ArgumentParser:
     return p
 
 
-def passes_arg(text: str):
-    """A named pipeline ('default', 'none', 'imatrix', ...) or a comma-separated list of pass names."""
-    from ggraph.passes.pipeline import PIPELINES
-    return text if text in PIPELINES else [p.strip() for p in text.split(",") if p.strip()]
-
-
-def pipeline_names(args, passes_text: str | None = None) -> list[str]:
-    """The pass names a --passes / --no-pass / --after combination runs, every name checked."""
-    from ggraph.passes import PASSES, pipeline
-    names = pipeline(passes_arg(passes_text or args.passes), args.no_pass)
-    unknown = sorted(set(args.no_pass) - set(PASSES)) + sorted(set(names) - set(PASSES))
-    if unknown:
-        raise KeyError(f"unknown pass(es) {', '.join(unknown)}; available: {', '.join(PASSES)}")
+def resolved_passes(args, text: str | None = None, flag: str = "--passes") -> tuple:
+    """The passes ``flag`` (--passes unless ``text`` is another flag's value) and --no-pass name, resolved once
+    and every name checked; --after, where the command has it, ends the pipeline at that pass."""
+    from ggraph.passes import resolve
+    passes = resolve(args.passes if text is None else text, args.no_pass, flags=(flag, "--no-pass"))
     after = getattr(args, "after", None)
     if after:
+        names = [p.name for p in passes]
         if after not in names:
             raise ValueError(f"--after {after}: that pass is not in the pipeline ({', '.join(names) or 'empty'})")
-        names = names[:names.index(after) + 1]
-    return names
+        passes = passes[:names.index(after) + 1]
+    return passes

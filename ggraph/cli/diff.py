@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ggraph.cli.common import add_model_arg, model_path, nonempty, passes_arg, pipeline_names
+from ggraph.cli.common import add_model_arg, model_path, nonempty, resolved_passes
 
 DEFAULT_PROMPT = "The quick brown fox jumps over the lazy dog"
 
@@ -24,10 +24,10 @@ def layer_outputs(graph, n_layer: int) -> list:
     return outs
 
 
-def run_marked(model, graph, ctx: int, passes, disabled, tokens) -> list[np.ndarray]:
+def run_marked(model, graph, ctx: int, passes, tokens) -> list[np.ndarray]:
     """Compile ``graph`` with ``passes`` on the numpy backend and run it on ``tokens`` from an empty cache."""
     from ggraph.compiler import compile_graph
-    prog = compile_graph(graph, passes=passes, disabled=disabled, weights=model.file)
+    prog = compile_graph(graph, passes=passes, weights=model.file)
     kshape, vshape = model.kv_shapes(ctx)
     n = model.config.n_layer
     caches = [np.zeros(kshape, np.float32) for _ in range(n)] + [np.zeros(vshape, np.float32) for _ in range(n)]
@@ -93,8 +93,7 @@ def _check_memory(model, T: int) -> None:
 def cmd_diff(args) -> int:
     """Run two pipelines on the numpy backend and print the max relative error per layer and for the logits."""
     from ggraph.models import load
-    for text in (args.passes, args.vs):
-        pipeline_names(args, text)                             # validate names before the slow part
+    pipelines = [resolved_passes(args, args.passes), resolved_passes(args, args.vs, "--vs")]   # before the slow part
     if args.threads is not None:
         blas_threads(args.threads)
     model = load(model_path(args))
@@ -104,8 +103,8 @@ def cmd_diff(args) -> int:
     n = model.config.n_layer
     marked = graph.replace(outvars=graph.outvars + tuple(layer_outputs(graph, n)), out_tree=None)
     runs = []
-    for text in (args.passes, args.vs):
-        outs = run_marked(model, marked, len(tokens), passes_arg(text), args.no_pass, tokens)
+    for passes in pipelines:
+        outs = run_marked(model, marked, len(tokens), passes, tokens)
         runs.append((outs[0], outs[len(outs) - n:]))
     (logits_a, layers_a), (logits_b, layers_b) = runs
     print(f"ggraph diff: --passes {args.passes} vs --vs {args.vs}, {len(tokens)} tokens, numpy backend")

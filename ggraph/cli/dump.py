@@ -14,7 +14,7 @@ import stat
 import sys
 
 from ggraph.cli.common import (DEFAULT_CTX, add_cache_type_args, add_ctx_arg, add_force_arg, add_model_arg,
-                               add_pass_args, check_output, model_path, pipeline_names)
+                               add_pass_args, check_output, model_path, resolved_passes)
 from ggraph.units import fmt_bytes
 
 
@@ -25,7 +25,7 @@ from ggraph.units import fmt_bytes
 def cmd_dump(args) -> int:
     """Print a model's graph after the passes, as text, DOT, PNG or SVG; or explain the fusions and buffers."""
     from ggraph.models import load
-    names = pipeline_names(args)
+    passes = resolved_passes(args)
     if args.format in ("png", "svg") and not args.output:
         raise ValueError(f"--format {args.format} writes a picture: give -o FILE")
     if args.ctx is not None and args.ctx < 1:
@@ -34,7 +34,7 @@ def cmd_dump(args) -> int:
         check_output(args.output, args.force, "-o")
     held = _fifo_reader(args.output) if args.output else None
     try:
-        return _dump(args, names, load(model_path(args)))
+        return _dump(args, passes, load(model_path(args)))
     finally:
         if held is not None:
             os.close(held)
@@ -57,7 +57,7 @@ def _fifo_reader(path: str) -> int | None:
         raise
 
 
-def _dump(args, names, model) -> int:
+def _dump(args, passes, model) -> int:
     from ggraph.passes import RewriteLog, run
     n = model.config.n_layer
     if args.layer is not None and not 0 <= args.layer < n:
@@ -66,7 +66,7 @@ def _dump(args, names, model) -> int:
     from ggraph.runtime.session import cache_dtype
     cache_types = (cache_dtype(args.cache_type_k, "--cache-type-k"), cache_dtype(args.cache_type_v, "--cache-type-v"))
     ctx = args.ctx if args.ctx is not None else min(DEFAULT_CTX, model.config.n_ctx_train)
-    graph = run(model.graph(ctx=ctx, cache_types=cache_types), names, log=log)
+    graph = run(model.graph(ctx=ctx, cache_types=cache_types), passes, log=log)
     reports = []
     if args.explain:
         reports.append(explain(log, args.layer))

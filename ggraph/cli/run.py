@@ -3,17 +3,17 @@ from __future__ import annotations
 
 import sys
 
-from ggraph.cli.common import (add_compile_args, add_model_arg, add_sampling_args, open_session, pipeline_names,
+from ggraph.cli.common import (add_compile_args, add_model_arg, add_sampling_args, open_session, resolved_passes,
                                sampling_options)
 
 
 def cmd_run(args) -> int:
     """Generate text from a GGUF model, streaming it as it comes."""
     from ggraph.runtime.session import ContextFullError
-    pipeline_names(args)                                  # every argument checked before anything slow or printed
+    passes = resolved_passes(args)                        # every argument checked before anything slow or printed
     options = dict(sampling_options(args), max_tokens=args.n_predict, stream=True)
     constraint = _read_constraint(args)
-    session = open_session(args)                          # compiled before any text prints
+    session = open_session(args, passes)                          # compiled before any text prints
     if constraint is not None:
         options["grammar"] = constraint(session.tokenizer)
     messages = [{"role": "user", "content": args.prompt}]

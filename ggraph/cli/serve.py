@@ -4,7 +4,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from ggraph.cli.common import add_model_arg, context_length, model_path, passes_arg, pipeline_names
+from ggraph.cli.common import add_model_arg, context_length, model_path, resolved_passes
 
 NEEDS = "ggraph serve needs starlette and uvicorn: pip install 'ggraph[serve]'"
 
@@ -22,7 +22,7 @@ def cmd_serve(args) -> int:
         print(f"ggraph serve: error: {NEEDS}", file=sys.stderr)
         return 1
     from ggraph.serve.engine import Engine
-    pipeline_names(args)
+    passes = resolved_passes(args)
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in 0..65535, got {args.port}")
     if args.parallel < 1:
@@ -32,7 +32,7 @@ def cmd_serve(args) -> int:
     _check_port(args.host, args.port)                      # before the slow part
     path = model_path(args)
     engine = Engine(path, parallel=args.parallel, ctx=context_length(args, path), queue=args.queue,
-                    backend=args.backend, threads=args.threads, passes=passes_arg(args.passes), disabled=args.no_pass,
+                    backend=args.backend, threads=args.threads, passes=passes,
                     max_memory=args.max_memory, cache_type_k=args.cache_type_k, cache_type_v=args.cache_type_v)
     model_id = args.alias or Path(path).stem
     app = create_app(engine, model_id, api_key=args.api_key, pooling=args.pooling)

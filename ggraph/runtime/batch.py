@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 
 from ggraph.backends.llvm.team import check_threads
-from ggraph.runtime.session import UBATCH, cache_dtype, check_passes, kv_caches, token_ids
+from ggraph.runtime.session import UBATCH, cache_dtype, kv_caches, token_ids
 
 
 class Batch:
@@ -26,18 +26,19 @@ class Batch:
                  cache_type_v: str = "f16", ubatch: int = UBATCH, model=None):
         from ggraph import memory
         from ggraph.models import load
+        from ggraph.passes import resolve
         from ggraph.runtime.tokenizer import Tokenizer
         for name, v in (("slots", slots), ("ctx", ctx), ("ubatch", ubatch)):
             if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
                 raise ValueError(f"{name} must be a positive whole number, got {v!r}")
         self.threads = check_threads(threads)
-        passes, disabled = check_passes(passes, disabled)
+        self.passes = resolve(passes, disabled)             # a tuple of Pass, checked once
         self.max_memory = memory.parse_size(max_memory) if max_memory is not None else None
         self.model = model or load(path)
         self.config = self.model.config
         self.tokenizer = Tokenizer.from_metadata(self.model.file.metadata)
         self.slots, self.ctx, self.ubatch = int(slots), int(ctx), int(ubatch)
-        self.backend, self.passes, self.disabled = backend, passes, tuple(disabled)
+        self.backend = backend
         self.cache_types = (cache_dtype(cache_type_k, "cache_type_k"), cache_dtype(cache_type_v, "cache_type_v"))
         self.k_cache, self.v_cache = kv_caches(self.model, self.slots * self.ctx, self.cache_types, self.max_memory,
                                                f"{self.slots} slots × ctx {self.ctx}")
@@ -56,7 +57,7 @@ class Batch:
             options = {"threads": self.threads, "max_memory": self.max_memory, "rows_only": True} \
                 if self.backend != "numpy" else {}
             graph = self.model.batch_graph(self.slots, self.ctx, self.cache_types)
-            self._program = compile_graph(graph, backend=self.backend, passes=self.passes, disabled=self.disabled,
+            self._program = compile_graph(graph, backend=self.backend, passes=self.passes,
                                           weights=self.model.file, **options)
         return self._program
 

@@ -36,6 +36,7 @@ class Session:
         from ggraph import memory
         from ggraph.compiler import BACKENDS
         from ggraph.models import load
+        from ggraph.passes import resolve
         if backend not in BACKENDS:
             raise ValueError(f"unknown backend {backend!r}; available: {', '.join(BACKENDS)}")
         if isinstance(ctx, bool) or not isinstance(ctx, (int, np.integer)) or ctx < 1:
@@ -45,7 +46,7 @@ class Session:
         if profile and backend != "llvm":
             raise ValueError("profile=True needs backend='llvm' (it times the native program's kernels)")
         self.threads = check_threads(threads)             # before any slow work
-        passes, disabled = check_passes(passes, disabled)
+        self.passes = resolve(passes, disabled)             # a tuple of Pass, checked once
         self.max_memory = memory.parse_size(max_memory) if max_memory is not None else None
         self.cache_types = (cache_dtype(cache_type_k, "cache_type_k"), cache_dtype(cache_type_v, "cache_type_v"))
         self.model = load(path)
@@ -55,7 +56,7 @@ class Session:
             raise ValueError(f"the tokenizer has {self.tokenizer.n_vocab} tokens but the model's vocabulary has "
                              f"{self.config.n_vocab}")
         self.ctx, self.ubatch = int(ctx), int(ubatch)
-        self.backend, self.passes, self.disabled = backend, passes, tuple(disabled)
+        self.backend = backend
         self.profile = profile
         self._programs: dict[bool, object] = {}
         self.k_cache, self.v_cache = kv_caches(self.model, self.ctx, self.cache_types, self.max_memory,
@@ -100,7 +101,7 @@ class Session:
                 if self.backend != "numpy" else {}
             graph = self.model.graph(self.ctx, last_only=last_only, cache_types=self.cache_types, output=output)
             self._programs[key] = compile_graph(graph, backend=self.backend, passes=self.passes,
-                                                disabled=self.disabled, weights=self.model.file, **options)
+                                                weights=self.model.file, **options)
         return self._programs[key]
 
     def reset(self) -> None:
@@ -320,30 +321,6 @@ def stop_strings(stop) -> tuple[str, ...]:
     if not hasattr(stop, "__iter__") or not all(isinstance(x, str) for x in stop):
         raise TypeError(f"stop must be a string or a list of strings, got {stop!r}"[:200])
     return tuple(stop)
-
-
-def check_passes(passes, disabled) -> tuple:
-    """``passes`` (a pipeline name or a list of pass names) and ``disabled`` (pass names), every name known."""
-    from ggraph.passes import PASSES
-    from ggraph.passes.pipeline import PIPELINES
-    if isinstance(disabled, str) or not hasattr(disabled, "__iter__"):
-        raise TypeError(f"disabled must be a list of pass names, got {disabled!r}")
-    disabled = tuple(disabled)
-    if isinstance(passes, str):
-        if passes not in PIPELINES:
-            raise ValueError(f"unknown pipeline {passes!r}; named pipelines: {', '.join(PIPELINES)} (or give a list "
-                             f"of pass names)")
-        names = []
-    elif hasattr(passes, "__iter__"):
-        passes = list(passes)
-        names = passes
-    else:
-        raise TypeError(f"passes must be a pipeline name ({', '.join(PIPELINES)}) or a list of pass names, "
-                        f"got {passes!r}")
-    unknown = [n for n in (*names, *disabled) if not isinstance(n, str) or n not in PASSES]
-    if unknown:
-        raise ValueError(f"unknown pass(es) {', '.join(map(str, unknown))}; available: {', '.join(PASSES)}")
-    return passes, disabled
 
 
 def _starts_with_bos(text: str, tok) -> bool:

@@ -49,7 +49,7 @@ class SoloBatch(Batch):
             from ggraph.compiler import compile_graph
             options = {"threads": self.threads, "max_memory": self.max_memory} if self.backend != "numpy" else {}
             self._solo = compile_graph(self.model.batch_graph(self.slots, self.ctx, self.cache_types),
-                                       backend=self.backend, passes=self.passes, disabled=self.disabled,
+                                       backend=self.backend, passes=self.passes,
                                        weights=self.model.file, **options)
         return self._solo
 
