@@ -8,7 +8,8 @@ from __future__ import annotations
 import numpy as np
 
 from ggraph.backends import debug_nans
-from ggraph.backends.values import Program, bind_symbols
+from ggraph.backends.inputs import bind_symbols
+from ggraph.backends.program import Program
 from ggraph.ir.dims import Sym
 from ggraph.ir.graph import Graph, Var, evaluate
 from ggraph.ir.prims import dequant_p

@@ -7,7 +7,7 @@ import pytest
 
 import zoo
 from ggraph.backends.numpy_ref import eval_eqn
-from ggraph.backends.values import as_value, bind_symbols
+from ggraph.backends.inputs import as_value, bind_symbols
 from ggraph.compiler import compile_graph
 from ggraph.ir.graph import Literal
 from ggraph.cli.dump import show_buffers

@@ -34,7 +34,8 @@ from ggraph.backends.llvm.codegen import Call, ProgramSpec, barriers_needed, low
 from ggraph.backends.llvm.lowering import Ref
 from ggraph.backends.llvm.target import host_target
 from ggraph.backends.llvm.team import RUN, SERVE, Team, check_threads
-from ggraph.backends.values import Program, bind_symbols
+from ggraph.backends.inputs import bind_symbols
+from ggraph.backends.program import Program
 from ggraph import memory
 from ggraph.ir.dims import eval_dim
 from ggraph.ir.graph import Literal, Var
