@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from ggraph.runtime import chat
-from ggraph.runtime.chat import CHATML_TEMPLATE, GEMMA_TEMPLATE, ChatTemplateError, render
+from ggraph.runtime import chat_template
+from ggraph.runtime.chat_template import CHATML_TEMPLATE, GEMMA_TEMPLATE, ChatTemplateError, render
 
 MESSAGES = [{"role": "user", "content": "Hello"}, {"role": "assistant", "content": "Hi there"}]
 LIMIT_S = 0.5                   # a small time limit keeps the suite fast
@@ -98,7 +98,7 @@ def test_numbers_and_nesting_have_limits_too(template, message):
 def test_out_of_memory_is_a_chat_template_error(monkeypatch):
     def no_memory(fmt):
         raise MemoryError
-    monkeypatch.setattr(chat, "_strftime_now", no_memory)
+    monkeypatch.setattr(chat_template, "_strftime_now", no_memory)
     with pytest.raises(ChatTemplateError, match=r"ran out of memory \(the memory limit\)"):
         render("{{ strftime_now('%Y') }}{# a template of its own, compiled with no_memory #}", MESSAGES)
 
@@ -116,8 +116,8 @@ def test_limits_are_arguments():
 
 
 def test_limits_default_to_the_module_constants(monkeypatch):
-    monkeypatch.setattr(chat, "OUTPUT_LIMIT", 5)
-    monkeypatch.setattr(chat, "TIME_LIMIT_S", 0.2)
+    monkeypatch.setattr(chat_template, "OUTPUT_LIMIT", 5)
+    monkeypatch.setattr(chat_template, "TIME_LIMIT_S", 0.2)
     with pytest.raises(ChatTemplateError, match=r"output exceeds 5 characters"):
         render("{{ 'abcdef' }}", MESSAGES)
     spin = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}{# 2 #}"

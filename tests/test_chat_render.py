@@ -15,8 +15,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ggraph.runtime import chat
-from ggraph.runtime.chat import ChatTemplateError, render
+from ggraph.runtime import chat_template
+from ggraph.runtime.chat_template import ChatTemplateError, render
 
 pytest.importorskip("transformers", reason="transformers is the reference renderer")
 from transformers.utils import chat_template_utils  # noqa: E402
@@ -85,7 +85,7 @@ def frozen_clock(monkeypatch):
         @classmethod
         def now(cls, tz=None):
             return NOW
-    monkeypatch.setattr(chat, "datetime", types.SimpleNamespace(datetime=Frozen))
+    monkeypatch.setattr(chat_template, "datetime", types.SimpleNamespace(datetime=Frozen))
     monkeypatch.setattr(chat_template_utils, "datetime", Frozen)
 
 

@@ -83,7 +83,7 @@ def test_an_interrupted_reply_stays_as_far_as_it_went(path):
 
 def test_a_system_message_the_template_refuses_is_not_set(tmp_path):
     from gguf_edit import edited
-    from ggraph.runtime.chat import ChatTemplateError
+    from ggraph.runtime.chat_template import ChatTemplateError
     refusing = "{% if messages[0].role == 'system' %}{{ raise_exception('no system role') }}{% endif %}" \
                "{% for m in messages %}{{ m.content }}{% endfor %}"
     model = edited(zoo.cached_model("llama", "f32"), tmp_path / "m.gguf", keys={"tokenizer.chat_template": refusing})

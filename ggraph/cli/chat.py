@@ -24,7 +24,7 @@ def cmd_chat(args) -> int:
     Each reply streams as it is made. The conversation stays in the KV cache, so a turn prefills only
     what is new; when the context fills, the oldest exchanges are dropped, the cache is rebuilt, and a
     note says so."""
-    from ggraph.runtime.chat import ChatTemplateError
+    from ggraph.runtime.chat_template import ChatTemplateError
     from ggraph.runtime.conversation import Conversation
     from ggraph.runtime.session import ContextFullError
     passes = resolved_passes(args)                        # every argument checked before anything slow
