@@ -16,8 +16,9 @@ import pytest
 
 import gguf_edit
 from ggraph import gguf
-from ggraph.runtime.chat import CHATML_TEMPLATE, GEMMA_TEMPLATE, ChatTemplateError, render
-from ggraph.runtime.tokenizer import BYTE, CONTROL, NORMAL, PRE_TOKENIZERS, Detokenizer, Tokenizer, split_words
+from ggraph.runtime.chat_template import CHATML_TEMPLATE, GEMMA_TEMPLATE, ChatTemplateError, render
+from ggraph.runtime.pretokenizer import PRE_TOKENIZERS, split_words
+from ggraph.runtime.tokenizer import BYTE, CONTROL, NORMAL, Detokenizer, Tokenizer
 
 DATA = Path(__file__).parent / "data" / "vocab"
 VOCABS = ("llama-spm", "qwen2", "gpt-2", "deepseek-llm", "falcon", "mpt", "refact", "qwen35", "gemma-4")
@@ -165,10 +166,10 @@ def test_pretokenizers_split_words(pre, text, words):
 
 def test_every_pretokenizer_cuts_text_into_words():
     assert len(PRE_TOKENIZERS) == 91                 # every name llama.cpp 0.3.36's llama-vocab.cpp maps
-    from ggraph.runtime.tokenizer import _BPE_OPTIONS
+    from ggraph.runtime.pretokenizer import BPE_OPTIONS
     text = "".join(PROMPTS)
     for pre, (_, options) in PRE_TOKENIZERS.items():
-        assert set(options) <= set(_BPE_OPTIONS), (pre, options)
+        assert set(options) <= set(BPE_OPTIONS), (pre, options)
         words = split_words(pre, text)
         assert "".join(words) == text and "" not in words, pre
     with pytest.raises(ValueError, match="tokenizer.ggml.pre 'klingon' is not supported; supported: .*smollm"):

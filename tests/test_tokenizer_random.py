@@ -16,7 +16,8 @@ import pytest
 
 from test_tokenizer import small_vocab, vocab_path
 
-from ggraph.runtime.tokenizer import CONTROL, PRE_TOKENIZERS, UNKNOWN, USER_DEFINED, Tokenizer, split_words
+from ggraph.runtime.pretokenizer import PRE_TOKENIZERS, split_words
+from ggraph.runtime.tokenizer import CONTROL, UNKNOWN, USER_DEFINED, Tokenizer
 
 llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is the oracle")
 pytestmark = pytest.mark.slow

@@ -30,7 +30,7 @@ from pathlib import Path
 
 from ggraph.gguf.writer import Typed
 from ggraph.progress import warn
-from ggraph.runtime.tokenizer import PRE_TOKENIZERS
+from ggraph.runtime.pretokenizer import PRE_TOKENIZERS
 
 # llama.cpp's token types (the same numbers as SentencePiece's piece types)
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
