@@ -37,10 +37,6 @@ class DType:
     def is_float(self) -> bool:
         return self.name in ("f32", "f16", "bf16")
 
-    @property
-    def bits_per_weight(self) -> float:
-        return 8.0 * self.type_size / self.block_size
-
     def row_bytes(self, n: int) -> int:
         """Bytes of a row of ``n`` elements; ``n`` must be a whole number of blocks."""
         if n % self.block_size:

@@ -143,9 +143,6 @@ class Graph:
     def symbols(self) -> set[str]:
         return {s for v in self.invars for s in v.aval.symbols}
 
-    def params_by_source(self) -> dict[str, Var]:
-        return {v.aval.source: v for v in self.params}
-
     def users(self) -> dict[Var, list[Eqn]]:
         """Map each var to the eqns that read it (graph outputs are not counted)."""
         out: dict[Var, list[Eqn]] = {}
