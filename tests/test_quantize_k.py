@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from ggraph import dtypes
-from ggraph.gguf import quantize_k, quants
+from ggraph.gguf import block_bits, quantize_k, quants
 
 K_TYPES = ["q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_nl", "iq4_xs"]
 LEGACY = ["q4_0", "q4_1", "q5_0", "q5_1"]
@@ -203,7 +203,7 @@ def test_iq4_nl_zero_block_points_at_level_one():
 def test_q4_k_scale_is_six_bits_under_fp16_d():
     x = np.tile(np.arange(32, dtype=np.float32) / 31, 8)              # every group spans [0, 1] evenly
     b = quants.quantize(x, "q4_k")
-    sc, m = quants._k_scale_min(b[None, 4:16])
+    sc, m = block_bits.k_scale_min(b[None, 4:16])
     assert sc.tolist() == [[63] * 8] and m.tolist() == [[0] * 8]     # the largest scale maps to 63, no min
     assert np.isclose(float(b[0:2].view(np.float16)[0]) * 63, 1 / 15, rtol=0.02)   # about one level step
 

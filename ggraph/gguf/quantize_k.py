@@ -38,7 +38,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from ggraph.gguf.quants import IQ4_VALUES, _k_scale_min, _pack_bit4_u32, _pack_nibbles, _q3_k_scales
+from ggraph.gguf.block_bits import IQ4_VALUES, k_scale_min, pack_bit4_u32, pack_nibbles, q3_k_scales
 from ggraph.ir import dtypes
 from ggraph.ir.dtypes import DType
 
@@ -381,7 +381,7 @@ def _pack_bit_planes(bits: np.ndarray) -> np.ndarray:
 
 
 def _pack_k_scales(ls: np.ndarray, lm: np.ndarray) -> np.ndarray:
-    """(n, 8) 6-bit scales and mins -> the 12 scale bytes of Q4_K/Q5_K (inverse of ``_k_scale_min``)."""
+    """(n, 8) 6-bit scales and mins -> the 12 scale bytes of Q4_K/Q5_K (inverse of ``k_scale_min``)."""
     a = ls[:, :4] | ((ls[:, 4:] >> 4) << 6)
     b = lm[:, :4] | ((lm[:, 4:] >> 4) << 6)
     c = (ls[:, 4:] & 15) | ((lm[:, 4:] & 15) << 4)
@@ -389,7 +389,7 @@ def _pack_k_scales(ls: np.ndarray, lm: np.ndarray) -> np.ndarray:
 
 
 def _pack_q3_scales(l: np.ndarray) -> np.ndarray:
-    """(n, 16) 6-bit values -> the 12 scale bytes of Q3_K (inverse of ``_q3_k_scales``)."""
+    """(n, 16) 6-bit values -> the 12 scale bytes of Q3_K (inverse of ``q3_k_scales``)."""
     low = (l[:, :8] & 15) | ((l[:, 8:] & 15) << 4)
     high = (l >> 4).reshape(-1, 4, 4) << (2 * np.arange(4, dtype=np.uint8))[None, :, None]
     return np.concatenate([low, np.bitwise_or.reduce(high, axis=1)], axis=1)
@@ -457,7 +457,7 @@ def _q45_k(x: np.ndarray, qw: np.ndarray | None, nmax: int, rmin: float, nstep: 
     packed = _pack_k_scales(ls, lm)
     d16, d = _f16_round(d)
     m16, dmin = _f16_round(dmin)
-    sc6, m6 = _k_scale_min(packed)                                     # read back, as the C code does
+    sc6, m6 = k_scale_min(packed)                                      # read back, as the C code does
     dl = (d[:, None] * sc6).reshape(-1)
     ml = (dmin[:, None] * m6).reshape(-1)
     L = _ungroup(_requantize(g, dl, ml, 0, nmax, L), n)
@@ -497,7 +497,7 @@ def _q3_k(x: np.ndarray, qw: np.ndarray | None) -> np.ndarray:
         l = l.T
     scales = _pack_q3_scales(l)
     d16, d = _f16_round(d)
-    dl = (d[:, None] * _q3_k_scales(scales)).reshape(-1)
+    dl = (d[:, None] * q3_k_scales(scales)).reshape(-1)
     L = _ungroup(_requantize(g, dl, None, -4, 3, L), n)
     return np.concatenate([_pack_bit_planes(L >> 2), _pack_crumbs(L & 3), scales, d16], axis=1)
 
@@ -535,7 +535,7 @@ def _iq4_nl(x: np.ndarray, qw: np.ndarray | None) -> np.ndarray:
     g = _groups(x, 32)                                                 # (32, n)
     d = _iq4_search(g, _groups(_iq4_weights(x, qw), 32))
     inv = np.where(d != 0, F32(1) / d, F32(0))
-    return np.concatenate([_f16_round(d)[0], _pack_nibbles(_best_iq4(inv * g).T)], axis=1)
+    return np.concatenate([_f16_round(d)[0], pack_nibbles(_best_iq4(inv * g).T)], axis=1)
 
 
 def _iq4_xs(x: np.ndarray, qw: np.ndarray | None) -> np.ndarray:
@@ -562,21 +562,21 @@ def _iq4_xs(x: np.ndarray, qw: np.ndarray | None) -> np.ndarray:
 def _q4_0_w(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     """(n, 32) -> (n, 18): d from ``_qx_search`` (levels in [-8, 8)) instead of max/-8."""
     d, L = _qx_search(_groups(x, 32), 8, _groups(w, 32))
-    return np.concatenate([_f16_round(d)[0], _pack_nibbles(L.T)], axis=1)
+    return np.concatenate([_f16_round(d)[0], pack_nibbles(L.T)], axis=1)
 
 
 def _q5_0_w(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     """(n, 32) -> (n, 22): d from ``_qx_search`` (levels in [-16, 16))."""
     d, L = _qx_search(_groups(x, 32), 16, _groups(w, 32))
     L = L.T
-    return np.concatenate([_f16_round(d)[0], _pack_bit4_u32(L), _pack_nibbles(L & 15)], axis=1)
+    return np.concatenate([_f16_round(d)[0], pack_bit4_u32(L), pack_nibbles(L & 15)], axis=1)
 
 
 def _q4_1_w(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     """(n, 32) -> (n, 20): d and m from ``_affine_search`` (levels in [0, 15])."""
     d, the_min, L = _affine_search(_groups(x, 32), _groups(w, 32), 15, -0.9, 0.05, 36,
                                    use_mad=False, flat_if_le=True)
-    return np.concatenate([_f16_round(d)[0], _f16_round(-the_min)[0], _pack_nibbles(L.T)], axis=1)
+    return np.concatenate([_f16_round(d)[0], _f16_round(-the_min)[0], pack_nibbles(L.T)], axis=1)
 
 
 def _q5_1_w(x: np.ndarray, w: np.ndarray) -> np.ndarray:
@@ -584,8 +584,8 @@ def _q5_1_w(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     d, the_min, L = _affine_search(_groups(x, 32), _groups(w, 32), 31, -0.9, 0.05, 36,
                                    use_mad=False, flat_if_le=True)
     L = L.T
-    return np.concatenate([_f16_round(d)[0], _f16_round(-the_min)[0], _pack_bit4_u32(L),
-                           _pack_nibbles(L & 15)], axis=1)
+    return np.concatenate([_f16_round(d)[0], _f16_round(-the_min)[0], pack_bit4_u32(L),
+                           pack_nibbles(L & 15)], axis=1)
 
 
 # ---------------------------------------------------------------- tables and the row driver

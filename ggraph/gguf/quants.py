@@ -1,8 +1,8 @@
 """Numpy reference for the GGUF block formats: dequantise every type, quantise every float one.
 
 The simple quantisers (scale from a block's extremes) are here; the k-quants, IQ4_* and
-the imatrix-weighted Q4_0..Q5_1 search for their scales and live in ``quantize_k.py``,
-which builds on the helpers below; ``quantize`` routes to it.
+the imatrix-weighted Q4_0..Q5_1 search for their scales and live in ``quantize_k.py``;
+``quantize`` routes to it. The bit layouts both sides share are in ``block_bits.py``.
 
 This file is the spec the LLVM kernels are tested against, so each format is one small
 function that reads like the layout in ggml-common.h. Conventions:
@@ -21,14 +21,12 @@ from typing import Callable
 
 import numpy as np
 
+from ggraph.gguf import quantize_k
+from ggraph.gguf.block_bits import IQ4_VALUES, k_scale_min, pack_bit4_u32, pack_nibbles, q3_k_scales
 from ggraph.ir import dtypes
 from ggraph.ir.dtypes import DType
 
 QK_K = 256  # elements in a K-quant super-block
-
-# the 16 non-linear levels of IQ4_NL and IQ4_XS (ggml's kvalues_iq4nl)
-IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10,
-                       1, 13, 25, 38, 53, 69, 89, 113], dtype=np.float32)
 
 # byte offsets of each block type's f16 fields (d, and dmin where it has one): what random blocks must
 # hold finite, small values in to be sane weights
@@ -70,32 +68,6 @@ def _bit_planes(h: np.ndarray) -> np.ndarray:
 def _high_bits_u32(qh: np.ndarray) -> np.ndarray:
     """(n, 4) bytes of a little-endian u32 -> (n, 32) bits: element i is bit i (Q5_0, Q5_1)."""
     return np.unpackbits(qh, axis=-1, bitorder="little")
-
-
-def _k_scale_min(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(n, 12) packed 6-bit scales of Q4_K/Q5_K -> (sc, m), each (n, 8) uint8.
-
-    Bytes 0-3 hold sc0-3 (low 6 bits) and the top 2 bits of sc4-7; bytes 4-7 hold m0-3
-    and the top 2 bits of m4-7; bytes 8-11 hold the low 4 bits of sc4-7 (low nibble)
-    and of m4-7 (high nibble).
-    """
-    a, b, c = s[:, 0:4], s[:, 4:8], s[:, 8:12]                       # (n, 4) each
-    sc = np.concatenate([a & 63, (c & 15) | ((a >> 6) << 4)], axis=1)
-    m = np.concatenate([b & 63, (c >> 4) | ((b >> 6) << 4)], axis=1)
-    return sc, m
-
-
-def _q3_k_scales(s: np.ndarray) -> np.ndarray:
-    """(n, 12) packed 6-bit scales of Q3_K -> (n, 16) int8 in [-32, 31].
-
-    Low 4 bits: bytes 0-7, low nibbles for scales 0-7, high nibbles for 8-15.
-    High 2 bits: bytes 8-11, byte 8 + j%4 at shift 2*(j//4).
-    """
-    n = s.shape[0]
-    low = np.concatenate([s[:, :8] & 15, s[:, :8] >> 4], axis=1)      # (n, 16)
-    high = s[:, 8:12].reshape(n, 1, 4) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 4, 1)
-    high = (high & np.uint8(3)).reshape(n, 16)                        # (n, 16)
-    return (low | (high << 4)).astype(np.int8) - np.int8(32)
 
 
 # ---------------------------------------------------------------- dequantisers
@@ -177,7 +149,7 @@ def _deq_q3_k(b):
     """(n, 110) -> (n, 256): hmask[32] @0, qs[64] @32, scales[12] @96, d @108."""
     n = b.shape[0]
     d = _f16(b[:, 108:110])
-    dl = (d * _q3_k_scales(b[:, 96:108]))[:, :, None]                 # (n, 16, 1)
+    dl = (d * q3_k_scales(b[:, 96:108]))[:, :, None]                  # (n, 16, 1)
     low = _crumbs(b[:, 32:96]).astype(np.int8)                        # (n, 256)
     h = _bit_planes(b[:, 0:32]).astype(np.int8)                       # (n, 256)
     q = (low - ((1 - h) << 2)).reshape(n, 16, 16)                     # subtract 4 where the bit is 0
@@ -188,7 +160,7 @@ def _deq_q4_k(b):
     """(n, 144) -> (n, 256): d @0, dmin @2, scales[12] @4, qs[128] @16."""
     n = b.shape[0]
     d, dmin = _f16(b[:, 0:2]), _f16(b[:, 2:4])
-    sc, m = _k_scale_min(b[:, 4:16])
+    sc, m = k_scale_min(b[:, 4:16])
     q = _nibbles(b[:, 16:144], 32).reshape(n, 8, 32)                  # (n, 8, 32)
     return ((d * sc)[:, :, None] * q - (dmin * m)[:, :, None]).reshape(n, QK_K)
 
@@ -197,7 +169,7 @@ def _deq_q5_k(b):
     """(n, 176) -> (n, 256): d @0, dmin @2, scales[12] @4, qh[32] @16, qs[128] @48."""
     n = b.shape[0]
     d, dmin = _f16(b[:, 0:2]), _f16(b[:, 2:4])
-    sc, m = _k_scale_min(b[:, 4:16])
+    sc, m = k_scale_min(b[:, 4:16])
     q = _nibbles(b[:, 48:176], 32) | (_bit_planes(b[:, 16:48]) << 4)
     q = q.reshape(n, 8, 32)                                           # (n, 8, 32)
     return ((d * sc)[:, :, None] * q - (dmin * m)[:, :, None]).reshape(n, QK_K)
@@ -281,16 +253,6 @@ def _first_min_max(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return lo, hi
 
 
-def _pack_nibbles(q: np.ndarray) -> np.ndarray:
-    """(n, 32) values < 16 -> (n, 16) bytes: q[j] in the low nibble, q[j+16] in the high."""
-    return (q[:, :16] & np.uint8(15)) | (q[:, 16:] << np.uint8(4))
-
-
-def _pack_bit4_u32(q: np.ndarray) -> np.ndarray:
-    """(n, 32) 5-bit values -> (n, 4) bytes of a u32 whose bit j is bit 4 of q[j]."""
-    return np.packbits(q >> np.uint8(4), axis=1, bitorder="little")
-
-
 # ---------------------------------------------------------------- quantisers (ggml's *_ref)
 
 def _q_f32(x):
@@ -316,7 +278,7 @@ def _q_q4_0(x):
     """(n, 32) -> (n, 18): d = max/-8 (max signed), q = min(15, trunc(x/d + 8.5))."""
     d = _signed_absmax(x) / np.float32(-8)                            # (n, 1)
     q = np.minimum(np.trunc(x * _inverse(d) + np.float32(8.5)), 15).astype(np.uint8)
-    return np.concatenate([_to_f16_bytes(d), _pack_nibbles(q)], axis=1)
+    return np.concatenate([_to_f16_bytes(d), pack_nibbles(q)], axis=1)
 
 
 def _q_q4_1(x):
@@ -324,14 +286,14 @@ def _q_q4_1(x):
     lo, hi = _first_min_max(x)
     d = (hi - lo) / np.float32(15)
     q = np.minimum(np.trunc((x - lo) * _inverse(d) + np.float32(0.5)), 15).astype(np.uint8)
-    return np.concatenate([_to_f16_bytes(d), _to_f16_bytes(lo), _pack_nibbles(q)], axis=1)
+    return np.concatenate([_to_f16_bytes(d), _to_f16_bytes(lo), pack_nibbles(q)], axis=1)
 
 
 def _q_q5_0(x):
     """(n, 32) -> (n, 22): d = max/-16, q = min(31, trunc(x/d + 16.5))."""
     d = _signed_absmax(x) / np.float32(-16)
     q = np.minimum(np.trunc(x * _inverse(d) + np.float32(16.5)), 31).astype(np.uint8)
-    return np.concatenate([_to_f16_bytes(d), _pack_bit4_u32(q), _pack_nibbles(q)], axis=1)
+    return np.concatenate([_to_f16_bytes(d), pack_bit4_u32(q), pack_nibbles(q)], axis=1)
 
 
 def _q_q5_1(x):
@@ -339,8 +301,8 @@ def _q_q5_1(x):
     lo, hi = _first_min_max(x)
     d = (hi - lo) / np.float32(31)
     q = np.minimum(np.trunc((x - lo) * _inverse(d) + np.float32(0.5)), 31).astype(np.uint8)
-    return np.concatenate([_to_f16_bytes(d), _to_f16_bytes(lo), _pack_bit4_u32(q),
-                           _pack_nibbles(q)], axis=1)
+    return np.concatenate([_to_f16_bytes(d), _to_f16_bytes(lo), pack_bit4_u32(q),
+                           pack_nibbles(q)], axis=1)
 
 
 def _q8_ref(x):
@@ -413,8 +375,7 @@ _QUANT_ACT = {dtypes.q8_0: _qa_q8_0, dtypes.q8_1: _qa_q8_1, dtypes.q8_k: _q_q8_k
 
 # ---------------------------------------------------------------- public API
 
-# quantised by quantize_k.py (its SEARCHED table); imported when first needed, as it imports this file
-_SEARCHED = (dtypes.q2_k, dtypes.q3_k, dtypes.q4_k, dtypes.q5_k, dtypes.q6_k, dtypes.iq4_nl, dtypes.iq4_xs)
+_SEARCHED = tuple(quantize_k.SEARCHED)          # the types whose scales quantize_k.py searches for
 
 DEQUANTIZABLE: tuple[DType, ...] = tuple(_DEQUANT)
 QUANTIZABLE: tuple[DType, ...] = tuple(_QUANT) + _SEARCHED
@@ -511,7 +472,6 @@ def quantize(array, dtype, imatrix=None) -> np.ndarray:
     x = np.asarray(array).astype(np.float32, copy=False)
     _check_row(dt, x.shape, "quantize")
     qw = _check_imatrix(dt, imatrix, x.shape[-1])
-    from ggraph.gguf import quantize_k  # lazy: quantize_k imports this module
     if dt in _SEARCHED or (qw is not None and dt in quantize_k.WEIGHTED_LEGACY):
         rows = np.ascontiguousarray(x).reshape(-1, x.shape[-1])        # (rows, n_per_row)
         return quantize_k.quantize_rows(rows, dt, qw).reshape(*x.shape[:-1], dt.row_bytes(x.shape[-1]))
