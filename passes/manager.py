@@ -129,10 +129,11 @@ def resolve(passes="default", disabled: Iterable[str] = (), flags: tuple[str, st
     if isinstance(disabled, str) or not hasattr(disabled, "__iter__"):
         raise PipelineError(f"{disabled_flag} must be a list of pass names, got {disabled!r}"[:300])
     disabled = list(disabled)
-    for flag, given in ((passes_flag, [n for n in names if not isinstance(n, Pass)]), (disabled_flag, disabled)):
+    for flag, given, known in ((passes_flag, [n for n in names if not isinstance(n, Pass)], _known()),
+                               (disabled_flag, disabled, f"passes: {', '.join(PASSES)}")):
         unknown = [str(n) for n in given if not isinstance(n, str) or n not in PASSES]
         if unknown:
-            raise PipelineError(f"{flag}: unknown pass(es) {', '.join(unknown)} ({_known()})"[:2000])
+            raise PipelineError(f"{flag}: unknown pass(es) {', '.join(unknown)} ({known})"[:2000])
     return tuple(p for p in (n if isinstance(n, Pass) else PASSES[n] for n in names) if p.name not in disabled)
 
 
