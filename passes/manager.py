@@ -119,8 +119,8 @@ def resolve(passes="default", disabled: Iterable[str] = (), flags: tuple[str, st
     passes_flag, disabled_flag = flags
     if isinstance(passes, str):
         names = list(PIPELINES[passes]) if passes in PIPELINES else [n.strip() for n in passes.split(",") if n.strip()]
-        if "," not in passes and passes not in PIPELINES and passes not in PASSES:
-            raise PipelineError(f"{passes_flag}: unknown pipeline or pass {passes!r} ({_known()})")
+        if "," not in passes and names and names[0] not in PASSES:     # one word: a pipeline or a pass
+            raise PipelineError(f"{passes_flag}: unknown pipeline or pass {names[0]!r} ({_known()})")
     elif hasattr(passes, "__iter__"):
         names = list(passes)
     else:
