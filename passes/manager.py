@@ -118,8 +118,9 @@ def resolve(passes="default", disabled: Iterable[str] = (), flags: tuple[str, st
     Pass objects; the ``disabled`` pass names are left out. ``flags`` name the two in errors."""
     passes_flag, disabled_flag = flags
     if isinstance(passes, str):
-        names = list(PIPELINES[passes]) if passes in PIPELINES else [n.strip() for n in passes.split(",") if n.strip()]
-        if "," not in passes and names and names[0] not in PASSES:     # one word: a pipeline or a pass
+        text = passes.strip()
+        names = list(PIPELINES[text]) if text in PIPELINES else [n.strip() for n in text.split(",") if n.strip()]
+        if "," not in text and names and names[0] not in PASSES:       # one word: a pipeline or a pass
             raise PipelineError(f"{passes_flag}: unknown pipeline or pass {names[0]!r} ({_known()})")
     elif hasattr(passes, "__iter__"):
         names = list(passes)

@@ -137,6 +137,7 @@ def test_resolve_spells_a_pipeline_three_ways():
     dce, cse = PASSES["dce"], PASSES["cse"]
     assert resolve("dce,cse") == resolve(["dce", "cse"]) == resolve((dce, cse)) == (dce, cse)
     assert resolve("dce") == resolve(" dce ") == (dce,) and resolve("") == resolve([]) == ()
+    assert resolve(" none") == resolve("none")
     assert [p.name for p in resolve("default", disabled=["dce", "plan_memory"])][:2] == ["cse", "fold"]
     assert resolve("none", disabled=["inline_composites"]) == (dce, cse, PASSES["fold"])
 
