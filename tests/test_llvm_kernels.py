@@ -18,8 +18,10 @@ from gguf import GGMLQuantizationType  # noqa: E402
 from ggraph.ir import dtypes  # noqa: E402
 from ggraph.gguf.quants import F16_FIELDS  # noqa: E402
 from ggraph.backends.llvm import jit, kernels  # noqa: E402
-from ggraph.backends.llvm.kernels.act_quant import ActLayout, rows_gemm, tokens_per_group  # noqa: E402
-from ggraph.backends.llvm.kernels import amx as tiles  # noqa: E402
+from ggraph.backends.llvm.kernels.act_quant import ActLayout, tokens_per_group  # noqa: E402
+from ggraph.backends.llvm.kernels.plan import act_rows as rows_gemm  # noqa: E402
+from ggraph.backends.llvm.kernels import amx as amx_tiles  # noqa: E402
+from ggraph.backends.llvm.kernels.qmatmul import tiles  # noqa: E402
 from ggraph.backends.llvm.kernels import rows16  # noqa: E402
 from ggraph.backends.llvm.kernels.qmatmul import ROWS, block_format  # noqa: E402
 from ggraph.backends.llvm.target import X86_NAMES, named_target, runnable_targets  # noqa: E402
@@ -450,9 +452,10 @@ def test_amx_tiles_give_the_bits_of_the_rows_gemm(dt):
     for name in (amx, vnni):
         runnable_target(name, _AMX_LIBS, _build_amx_bits)
     assert AMX_K // 256 > tiles.PANEL_BLOCKS, "one panel only"
-    assert 600 > tiles.SPAN and 200 > tiles.CHUNK_PAIRS * tiles.MIN_T
-    assert [tiles.tiles_per_group(n) for n in AMX_NS] == [1, 2, 3, tiles.GROUP_TILES] and tiles.GROUP_TILES >= 4
-    assert [tiles.tiles_per_group(n, dtypes.q3_k) for n in AMX_NS] == [1, 2, 2, tiles.GROUP_TILES]
+    assert 600 > tiles.SPAN and 200 > tiles.CHUNK_PAIRS * amx_tiles.MIN_T
+    assert [amx_tiles.tiles_per_group(n) for n in AMX_NS] == [1, 2, 3, amx_tiles.GROUP_TILES] \
+        and amx_tiles.GROUP_TILES >= 4
+    assert [amx_tiles.tiles_per_group(n, dtypes.q3_k) for n in AMX_NS] == [1, 2, 2, amx_tiles.GROUP_TILES]
     rng = np.random.default_rng(6)
     for K, n, lib_of, Ts in ((k_of(dt), N, lambda name: None, (32, 33, 64, 75)),
                              (LONG_K, LONG_N, lambda name: None, (32, 33, 64, 75)),
@@ -591,7 +594,7 @@ def test_unknown_types_are_refused():
     with pytest.raises(ValueError, match="not a float type"):
         kernels.fmatmul(ir.Module(), dtypes.q4_0, 64, 16, t)
     with pytest.raises(ValueError, match="activation format"):
-        kernels.act_quant(ir.Module(), "q8_1", 64, t)
+        kernels.act_quant(ir.Module(), "q8_2", 64, t)
 
 
 # -- the demo model's own tensors ---------------------------------------------------------------

@@ -411,3 +411,37 @@ def test_lljit_links_code_and_constants_that_lie_far_apart():
     if run.stdout.startswith("skip:"):
         pytest.skip(run.stdout.strip())
     assert run.stdout.split() == ["ResourceTracker", str(sum((5 + j) % 64 / 2 for j in range(2000)))]
+
+
+def test_one_plan_decides_each_matmul_kernel():
+    """plan.qmatmul_plan is the one place that picks a quantised matmul's methods: the rows gemm and one
+    activation row per token with AVX-512 VNNI, AMX tiles for super-block types only, rows16 for whole
+    32-row tiles of q4_k / q5_k / q6_k, one method at every T for rows_only, the prefetch by vendor."""
+    from ggraph.backends.llvm.kernels import rows16
+    from ggraph.backends.llvm.kernels.plan import (ROWS16_TYPES, Layout, Method, act_rows, layouts,
+                                                   qmatmul_plan)
+    vnni, amx, avx2, generic = (target.named_target(n) for n in ("avx512_vnni", "amx", "avx2", "generic"))
+    p = qmatmul_plan(dtypes.q4_k, 64, vnni)
+    assert (p.one, p.many, p.tiles, p.act_rows, p.layout) == (Method.GEMV, Method.ROWS_GEMM, None, True, Layout.FILE)
+    assert qmatmul_plan(dtypes.q4_k, 64, amx).tiles.group == 4 and qmatmul_plan(dtypes.q8_0, 64, amx).tiles is None
+    assert qmatmul_plan(dtypes.q4_k, 64, avx2).many is Method.GEMM and not act_rows(avx2)
+    assert qmatmul_plan(dtypes.q4_k, 64, avx2, rows_only=True).many is Method.GEMV_ROWS
+    assert qmatmul_plan(dtypes.q4_k, 64, vnni, rows_only=True).one is Method.ROWS_GEMM
+    assert qmatmul_plan(dtypes.q6_k, 64, generic).one is Method.SCALAR
+    assert layouts(dtypes.q4_k, 64, vnni)[0] is Layout.ROWS16 and layouts(dtypes.q4_k, 48, vnni) == (Layout.FILE,)
+    assert qmatmul_plan(dtypes.q4_k, 64, vnni, layout="rows16").one is Method.ROWS16_GEMV
+    assert set(rows16._KINDS) == set(ROWS16_TYPES)
+    amd = dataclasses.replace(avx2, gemv_prefetch="spread")
+    assert amd.gemv_prefetch is target.Prefetch.SPREAD
+    assert [qmatmul_plan(dt, 64, amd).prefetch for dt in (dtypes.q4_k, dtypes.q6_k, dtypes.q4_0)] == \
+        [target.Prefetch.SPREAD, None, target.Prefetch.SPREAD]
+    assert qmatmul_plan(dtypes.q6_k, 64, avx2).prefetch is target.Prefetch.ROWS
+
+
+def test_tile_instructions_need_amx():
+    """Kernels emit AMX instructions through Isa.tile, which refuses a target without tiles."""
+    k = Kernel(ir.Module(), "no_tiles", ("buf",))
+    with pytest.raises(ValueError, match="needs CPU feature 'amx-tile'"):
+        Isa(k, target.named_target("avx512_vnni")).tile("tilerelease")
+    with pytest.raises(ValueError, match="needs CPU feature 'amx-int8'"):
+        Isa(k, target.named_target("avx512_vnni")).tile("tdpbssd", 0, 4, 6)

@@ -20,7 +20,6 @@ from ggraph.backends.llvm import kernels as K
 from ggraph.backends.llvm.kernels import attention as A
 from ggraph.backends.llvm.kernels import elementwise as E
 from ggraph.backends.llvm.kernels import generic_ops as G
-from ggraph.backends.llvm.kernels import rows16
 from ggraph.backends.llvm.lowering import LOWERINGS, Bytes, Lowering, LoweringError, lowering, rows, symbol_args
 
 
@@ -93,9 +92,10 @@ def _qmatmul(lw, e):
         lw.memo(("act_quant", x, fmt), xq)
     def qmatmul(layout=None):
         return lw.kernel(K.qmatmul, dt, Kdim, N, lw.target, lw.rows_only, layout)
-    # q4_k, q5_k and q6_k weights interleaved 16 rows at a time, where every call that reads them can take that
-    name = lw.weight_layout(lw.ref(w), w.aval, rows16.LAYOUT, lambda: qmatmul(rows16.LAYOUT), qmatmul) \
-        if rows16.takes(dt, N, lw.target) else qmatmul()
+    # the plan's preferred layout (rows16: 16 rows interleaved), where every call that reads the weights takes it
+    best = K.layouts(dt, N, lw.target)[0]
+    name = qmatmul() if best is K.Layout.FILE else \
+        lw.weight_layout(lw.ref(w), w.aval, best, lambda: qmatmul(best), qmatmul)
     lw.call(name, lw.ref(w), xq, out, lw.counter(), R, writes=(out,))
 
 

@@ -7,6 +7,7 @@ look at the host. LLVM is initialised lazily, the first time a machine is needed
 from __future__ import annotations
 
 import dataclasses
+import enum
 import functools
 import os
 import platform
@@ -33,16 +34,26 @@ NAMES = tuple(_SETS)
 X86_NAMES = tuple(n for n, s in _SETS.items() if s[0] == X86)
 _PREFERENCE = ("amx", "avx512_vnni", "avx512", "avx2", "generic")   # best first
 # added when the host has them. GFNI: LLVM shifts bytes with one vgf2p8affineqb instead of a word shift
-# and a mask (nibble splits): q4_k gemv 1.03-1.06x, q5_k 1.06-1.09x on a Zen 4, other types within
-# +-3% (old and new kernels in one process, 15 alternating rounds)
+# and a mask (nibble splits; docs/kernels.md has the measurements)
 _OPTIONAL = {"avx2": ("gfni",), "avx512": ("gfni",), "avx512_vnni": ("avxvnni", "gfni"), "amx": ("avxvnni", "gfni")}
 _TILES = ("amx-tile", "amx-int8")             # usable only once Linux grants the process tile data
 # LLVM tuning flags, not CPU features. fast-dpwssd keeps vpdpwssd whole instead of splitting it into
 # vpmaddwd + vpaddd (which shortens a chain's latency): the AMX gemm's float steps are bound by
 # vector issue, not latency (32 independent tokens a unit), and every AMX CPU runs vpdpwssd as one
-# instruction. 1B-shaped q4_k_m prefill of 512 at one thread, 4 alternating rounds, a process each:
-# 263-281 -> 289-307 tok/s; the AVX-512 VNNI rows gemm, tried the same way, was unchanged.
+# instruction (docs/kernels.md has the measurement).
 _TUNING = {"amx": ("fast-dpwssd",)}
+
+
+class Prefetch(str, enum.Enum):
+    """How gemv asks for weight lines ahead of its reads, by CPU vendor (docs/kernels.md has why)."""
+
+    ROWS = "rows"         # Intel: at each row's start, the lines a few KB on
+    SPREAD = "spread"     # AMD: with each group of some types' blocks, further ahead; nothing else
+
+    def __str__(self) -> str:
+        return self.value
+
+    __format__ = str.__format__
 
 
 @dataclass(frozen=True)
@@ -54,7 +65,10 @@ class Target:
     cpu: str
     features: str        # LLVM's "+a,+b" string
     vector_bits: int
-    gemv_prefetch: str = "rows"   # how gemv asks for weight lines ahead of its reads: "rows" or "spread"
+    gemv_prefetch: Prefetch = Prefetch.ROWS   # how gemv asks for weight lines ahead of its reads
+
+    def __post_init__(self):
+        object.__setattr__(self, "gemv_prefetch", Prefetch(self.gemv_prefetch))   # a name such as "spread" too
 
     @property
     def feature_set(self) -> frozenset:
@@ -183,17 +197,16 @@ def _with_host_extras(name: str, features: frozenset) -> Target:
     return dataclasses.replace(target, gemv_prefetch=host_prefetches())
 
 
-def host_prefetches() -> str:
-    """How gemv should prefetch weights on this host (qmatmul.PREFETCH_AHEAD and SPREAD_AHEAD have
-    the figures): "spread" on AMD CPUs, where prefetches at a row's start cost more than they bring
-    but q4_k, q5_k and the 32-weight types gain from lines asked for further ahead, a few at a time;
-    else "rows"."""
+def host_prefetches() -> Prefetch:
+    """How gemv should prefetch weights on this host: SPREAD on AMD CPUs, where prefetches at a row's
+    start cost more than they bring but q4_k, q5_k and the 32-weight types gain from lines asked for
+    further ahead, a few at a time; else ROWS."""
     return prefetch_kind(_host_cpuinfo())
 
 
-def prefetch_kind(cpuinfo: str) -> str:
-    """"spread" for a /proc/cpuinfo text whose first CPU is AMD's, else "rows"."""
-    return "spread" if _cpuinfo_field(cpuinfo, ("vendor_id",)) == "AuthenticAMD" else "rows"
+def prefetch_kind(cpuinfo: str) -> Prefetch:
+    """SPREAD for a /proc/cpuinfo text whose first CPU is AMD's, else ROWS."""
+    return Prefetch.SPREAD if _cpuinfo_field(cpuinfo, ("vendor_id",)) == "AuthenticAMD" else Prefetch.ROWS
 
 
 def host_target(env: str | None = None) -> Target:

@@ -28,10 +28,18 @@ def target_report() -> dict:
         "runnable": [t.name for t in T.runnable_targets()],
         "chosen": chosen.name,
         "forced": bool(os.environ.get("GGRAPH_TARGET")),
-        "gemv_prefetch": chosen.gemv_prefetch,
+        "gemv_prefetch": chosen.gemv_prefetch.value,
         "linker": jit.system_linker(),
         "kernels": kernels.describe(chosen),
     }
+
+
+def _prefetch_words() -> dict:
+    """What each gemv prefetch does, in words (the plan's Prefetch)."""
+    from ggraph.backends.llvm.target import Prefetch
+    return {Prefetch.ROWS: "each row asks for the lines 2 and 4 KB on at its start",
+            Prefetch.SPREAD: "an AMD CPU: q4_k, q5_k and the 32-weight types ask for the lines 8 KB ahead of "
+                             "each group of blocks; other types leave it to the hardware prefetcher"}
 
 
 def cmd_target(args) -> int:
@@ -49,10 +57,8 @@ def cmd_target(args) -> int:
     print(f"feature sets this host runs: {', '.join(info['runnable'])}")
     print(f"chosen: {info['chosen']}" + (" (forced by GGRAPH_TARGET)" if info["forced"] else
                                          " (best available; GGRAPH_TARGET=<set> forces one)"))
-    print("gemv weight prefetch: " + {
-        "rows": "rows (each row asks for the lines 2 and 4 KB on at its start)",
-        "spread": "spread (an AMD CPU: q4_k, q5_k and the 32-weight types ask for the lines 8 KB ahead of "
-                  "each group of blocks; other types leave it to the hardware prefetcher)"}[info["gemv_prefetch"]])
+    from ggraph.backends.llvm.target import Prefetch
+    print(f"gemv weight prefetch: {info['gemv_prefetch']} ({_prefetch_words()[Prefetch(info['gemv_prefetch'])]})")
     print("programs load: " + (f"as one shared object each, linked by {info['linker']} and cached" if info["linker"]
                                else "through LLVM's JIT linker (JITLink) in the process: no system linker 'ld' found"))
     print("kernels:")

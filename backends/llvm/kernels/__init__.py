@@ -9,17 +9,22 @@ its name; asking twice for the same kernel returns the existing one.
     dequant_rows(module, dtype, K, target)        contiguous rows of any weight type -> f32
     kv_store(module, dtype, n, target)            f32 rows -> f16 / bf16 / q8_0 / q4_0 cache rows
 
+Which kernel runs for a matmul on a target (method, layout, tiles, prefetch) is plan.py's: lowering,
+the kernels and `describe` (what `ggraph target` prints) read it.
+
 Sizing: `act_bytes(act_format(wtype), T, K)` bytes of scratch for the activations.
 """
 from ggraph.ir import dtypes
+from ggraph.backends.llvm.kernels import attention, elementwise
 from ggraph.backends.llvm.kernels import fmatmul as _fmatmul
 from ggraph.backends.llvm.kernels import qmatmul as _qmatmul
-from ggraph.backends.llvm.kernels.act_quant import GROUP, ActLayout, act_bytes, act_quant, rows_gemm
+from ggraph.backends.llvm.kernels.act_quant import GROUP, ActLayout, act_bytes, act_quant
 from ggraph.backends.llvm.kernels.fmatmul import fmatmul, float_weight
 from ggraph.backends.llvm.kernels.get_rows import dequant_rows, get_rows
 from ggraph.backends.llvm.kernels.kv_rows import kv_store
 from ggraph.backends.llvm.kernels.isa import vector_path
-from ggraph.backends.llvm.kernels.qmatmul import FORMATS, act_format, qmatmul
+from ggraph.backends.llvm.kernels.plan import FORMATS, Layout, act_rows, layouts, qmatmul_plan
+from ggraph.backends.llvm.kernels.qmatmul import act_format, qmatmul
 from ggraph.backends.llvm.target import Target
 
 QUANT_TYPES = tuple(FORMATS)
@@ -27,18 +32,19 @@ FLOAT_TYPES = (dtypes.f32, dtypes.f16, dtypes.bf16)
 
 
 def describe(target: Target) -> dict[str, str]:
-    """Which kernel variant each op gets on `target`, e.g. {"qmatmul q4_k": "vpdpbusd-512: ..."}."""
+    """Which kernel variant each op gets on `target`, e.g. {"qmatmul q4_k": "vpdpbusd-512: ..."}: the
+    plan's (plan.py) in words."""
     how = "vector" if vector_path(target) else "scalar (generic twin)"
-    layout = "one row per token" if rows_gemm(target) else f"tokens in groups of {GROUP}"
+    layout = "one row per token" if act_rows(target) else f"tokens in groups of {GROUP}"
     out = {f"act_quant {fmt}": f"{how}; {layout}" for fmt in ("q8_0", "q8_1", "q8_k")}
     out.update({f"qmatmul {dt.name}": _qmatmul.variant(dt, target) for dt in QUANT_TYPES})
     out.update({f"fmatmul {dt.name}": _fmatmul.variant(dt, target) for dt in FLOAT_TYPES})
     out.update({f"get_rows {dt.name}": how for dt in QUANT_TYPES + FLOAT_TYPES})
-    from ggraph.backends.llvm.kernels import attention, elementwise
     out["fused (elementwise)"] = elementwise.variant(target)
     out["rope_attention"] = attention.variant(target)
     return out
 
 
-__all__ = ["ActLayout", "FLOAT_TYPES", "GROUP", "QUANT_TYPES", "act_bytes", "act_format", "act_quant",
-           "dequant_rows", "describe", "float_weight", "fmatmul", "get_rows", "kv_store", "qmatmul"]
+__all__ = ["ActLayout", "FLOAT_TYPES", "GROUP", "Layout", "QUANT_TYPES", "act_bytes", "act_format", "act_quant",
+           "dequant_rows", "describe", "float_weight", "fmatmul", "get_rows", "kv_store", "layouts", "qmatmul",
+           "qmatmul_plan"]

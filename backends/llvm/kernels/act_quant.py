@@ -3,8 +3,8 @@
     act_quant_<fmt>_k<K>_<target>(x: ptr f32 [T, K], xq: ptr u8 [act_bytes], T, ith, nth)
 
 The layout of xq is private to the qmatmul kernels and made for them. Tokens come in
-groups of L (L = 1 when T == 1, for rows_only kernels and on targets whose gemm takes rows as
-lanes, else 16; the last group is zero-padded). Per group:
+groups of L (L = 1 when T == 1, for rows_only kernels and where the plan says act_rows: targets
+whose gemm takes rows as lanes; else 16; the last group is zero-padded). Per group:
 
     qs   int8 [K/4, L, 4]   the quants, one 4-byte word per token in turn, so a 64-byte
                             load gives the same 4 features of 16 tokens (L = 1: plain row)
@@ -37,6 +37,7 @@ from llvmlite import ir
 
 from ggraph.backends.llvm.kernels.builder import Kernel, f32, i8, i16, i32, vec
 from ggraph.backends.llvm.kernels.isa import Isa, vector_path
+from ggraph.backends.llvm.kernels.plan import act_rows
 from ggraph.backends.llvm.target import Target
 
 GROUP = 16                      # tokens per group when T > 1 (not rows_only)
@@ -45,14 +46,9 @@ GROUP = 16                      # tokens per group when T > 1 (not rows_only)
 _FORMATS = {"q8_0": (32, 32), "q8_1": (32, 32), "q8_k": (256, 16)}
 
 
-def rows_gemm(target: Target) -> bool:
-    """True if qmatmul's T > 1 kernel takes rows as lanes (AVX-512 VNNI: its dot product broadcasts
-    a 4-byte activation word from memory), and so wants one row of activations per token."""
-    return target.arch == "x86_64" and target.has("avx512vnni") and target.vector_bits >= 512
-
-
 def tokens_per_group(T: int, rows_only: bool = False, target: Target | None = None) -> int:
-    return 1 if rows_only or T == 1 or (target is not None and rows_gemm(target)) else GROUP
+    """Tokens per group of the activations of T tokens: one row per token, or GROUP (plan.act_rows)."""
+    return 1 if rows_only or T == 1 or (target is not None and act_rows(target)) else GROUP
 
 
 @dataclass(frozen=True)
@@ -146,7 +142,7 @@ def act_quant(module: ir.Module, fmt: str, K: int, target: Target, rows_only: bo
     k = Kernel(module, name, ("x", "xq"))
     isa = Isa(k, target)
     row = _quant_row_vector if vector_path(target) else _quant_row_scalar
-    if rows_only or rows_gemm(target):
+    if rows_only or act_rows(target):
         _groups(k, isa, lay, 1, row)
         return k.finish()
     T = k.arg["T"]

@@ -18,7 +18,8 @@ from llvmlite import ir
 
 from ggraph.ir import dtypes
 from ggraph.backends.llvm.kernels.builder import Kernel, f32, i16, vec
-from ggraph.backends.llvm.kernels.isa import PORTABLE_LANES, Isa, vector_path
+from ggraph.backends.llvm.kernels.isa import PORTABLE_LANES, Isa
+from ggraph.backends.llvm.kernels.plan import fmatmul_plan
 from ggraph.backends.llvm.target import Target
 
 #  dtype: (bytes, bits -> f32) for one element or a vector of them
@@ -27,25 +28,18 @@ FLOAT_LOADERS = {
     dtypes.f16: (2, Isa.f16_to_f32),
     dtypes.bf16: (2, Isa.bf16_to_f32),
 }
-#  x86 vector bits: (rows R, tokens C) of the gemm tile (32 registers with AVX-512, 16 with AVX2)
-_TILES = {512: (4, 4), 256: (2, 4)}
-_DEFAULT_TILE = (2, 2)
-
-
-def _tile_shape(target: Target) -> tuple[int, int]:
-    return _TILES.get(target.vector_bits, _DEFAULT_TILE) if target.arch == "x86_64" else _DEFAULT_TILE
-
-
 def float_weight(dtype) -> bool:
     """True for the weight types fmatmul takes."""
     return dtypes.from_name(dtype) in FLOAT_LOADERS
 
 
 def variant(dtype, target: Target) -> str:
-    if not vector_path(target):
+    """A one-line description of the kernel `fmatmul` emits on ``target``, from its plan."""
+    plan = fmatmul_plan(target)
+    if not plan.vector:
         return f"portable {PORTABLE_LANES} f32 lanes (generic twin), FMA rounded once"
-    R, C = _tile_shape(target)
-    gemv = f"gemv {R} rows at a time" + (", the next rows' weights asked for ahead" if target.gemv_prefetch == "rows" else "")
+    R, C = plan.tile
+    gemv = f"gemv {R} rows at a time" + (", the next rows' weights asked for ahead" if plan.prefetch else "")
     return f"fma-{target.vector_bits}: gemm {R} rows x {C} tokens, {gemv}; f32 activations"
 
 
@@ -60,12 +54,13 @@ def fmatmul(module: ir.Module, dtype, K: int, N: int, target: Target) -> str:
         return name
     k = Kernel(module, name, ("w", "x", "y", "counter"))
     isa = Isa(k, target)
-    lanes = target.vector_bits // 32 if vector_path(target) else PORTABLE_LANES
-    R, C = _tile_shape(target)
+    plan = fmatmul_plan(target)
+    lanes = target.vector_bits // 32 if plan.vector else PORTABLE_LANES
+    R, C = plan.tile
     T = k.arg["T"]
     b = k.b
     full_t = b.mul(b.sdiv(T, k.i64(C)), k.i64(C))
-    ahead = vector_path(target) and target.gemv_prefetch == "rows"
+    ahead = plan.prefetch
     with k.row_chunks(N, k.arg["counter"]) as (start, end):
         full_n = k.add(start, b.mul(b.sdiv(b.sub(end, start), k.i64(R)), k.i64(R)))
         for nlo, nhi, r in ((start, full_n, R), (full_n, end, 1)):
@@ -96,10 +91,8 @@ def _load_x(k: Kernel, K: int, t, kk, lanes: int) -> ir.Value:
 
 
 # A gemv step asks for the same columns of the next R rows, into L2: the R rows it reads side by side
-# are R streams, which the hardware prefetcher alone kept at 79-85% of stream_bandwidth (f16 1B-shaped
-# file, decode, 1 and 2 threads, Xeon); with these prefetches 95-100%, 5.7-5.8 -> 7.0-7.3 tok/s at one
-# thread and 11.1-11.3 -> 14.0-14.1 at two (separate processes alternating). Intel only (Target.gemv_prefetch
-# "rows"): on AMD prefetches far ahead cost qmatmul's gemv (see qmatmul.py), and this was not measured there.
+# are R streams, more than the hardware prefetcher keeps up with. Intel only (Prefetch.ROWS; the plan's
+# FmatmulPlan.prefetch); docs/kernels.md has the measurements.
 
 
 def _tile(k: Kernel, isa: Isa, dt, K: int, N: int, n0, R: int, t0, C: int, lanes: int, ahead: bool = False) -> None:

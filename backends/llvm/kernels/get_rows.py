@@ -19,7 +19,7 @@ from ggraph.ir import dtypes
 from ggraph.backends.llvm.kernels.builder import Kernel, f32, i32, vec
 from ggraph.backends.llvm.kernels.fmatmul import FLOAT_LOADERS
 from ggraph.backends.llvm.kernels.isa import Isa, vector_path
-from ggraph.backends.llvm.kernels.qmatmul import FORMATS
+from ggraph.backends.llvm.kernels.plan import FORMATS
 from ggraph.backends.llvm.target import Target
 
 

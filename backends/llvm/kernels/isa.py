@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from llvmlite import ir
 
+from ggraph.backends.llvm.kernels import amx
 from ggraph.backends.llvm.kernels.builder import Kernel, f16, f32, i1, i8, i16, i32, mangle, splat_const, vec
 from ggraph.backends.llvm.target import Target
 
@@ -69,6 +70,12 @@ class Isa:
     def full_u8_dot(self) -> bool:
         """True if u8 x s8 dots take the whole u8 range (VNNI has no i16 saturation)."""
         return self.t.has("avx512vnni")
+
+    def tile(self, op: str, *args) -> None:
+        """One AMX instruction (``amx.tile_op``: tile registers as ints, addresses), on a target with
+        AMX tiles (tdpbssd: with their int8 multiplies)."""
+        self.t.require("amx-int8" if op.startswith("tdp") else "amx-tile", f"AMX {op}")
+        amx.tile_op(self.k, op, *args)
 
     # -- float helpers ---------------------------------------------------------------
     def fma(self, a: ir.Value, b: ir.Value, c: ir.Value) -> ir.Value:

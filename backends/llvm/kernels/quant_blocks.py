@@ -192,7 +192,7 @@ def gathered_run(dt, fields: Fields):
 
 
 _IQ4_U8 = tuple(v + 128 for v in IQ4_VALUES)
-# q8_0 keeps its per-block loads: gathered the same way, its 34-byte blocks streamed 0.88x as fast
+# q8_0 keeps its per-block loads: gathered the same way, its 34-byte blocks streamed slower (docs/kernels.md)
 _FIELDS = {
     dtypes.q4_0: Fields(qs=2, offset=8, qmax=15),
     dtypes.q4_1: Fields(qs=4, offset=0, qmax=15, m=2),

@@ -21,20 +21,13 @@ sub-block 2p+1 in its high ones; q5_k's qh word j their fifth bits (bit s for su
 step (h, j) (half h, j < 8) holds ql word 16h + j (weights 128h + 4j.. in its low nibbles,
 128h + 64 + 4j.. in its high ones), ql word 16h + 8 + j (128h + 32 + 4j.., 128h + 96 + 4j..), and
 qh word 8h + j (their top two bits, in that order from bit 0); its 3360 bytes take 32 of padding
-so that every block is 64-byte aligned (1% more memory; on a Zen 4, from memory, 1.15-1.25x
-faster than unaligned). Reading the words in the order they lie is what lets the hardware
-prefetcher stream them: from memory, q6_k's ql and qh as runs of their own ran about 3x slower,
-q5_k's qh as a run before the nibbles 2x, and q6_k's d at the front of its block instead of the
-end 0.88-0.98x.
+so that every block is 64-byte aligned (1% more memory, faster than unaligned). Reading the words
+in the order they lie is what lets the hardware prefetcher stream them (docs/kernels.md).
 
 The prefill kernels (qmatmul's rows gemm, and its AMX tiles) decode their panels from this layout
 too (the same bits as from the file's), so a program keeps one copy of each weight; a word vector
-here is already a line of an AMX weight tile. On a Zen 4, one thread, against
-the file's layout (``python benchmarks/kernels.py --shapes q4_k:2048:8192,q6_k:8192:2048 --layouts
-file,rows16``, alternating rounds, with and without ``--hot``): from L3, q4_k 2.0-2.2x (40-55
-GB/s against 20-25), q5_k 2.0x, q6_k 1.35-1.7x; from memory, q4_k 1.0-1.3x (once, for a few
-minutes, 0.5-0.8x), q5_k 1.25-1.35x, q6_k 1.0-1.2x. Two threads share the memory bandwidth, and
-there the layouts run at about what it gives.
+here is already a line of an AMX weight tile. Which matmuls take it is the plan's
+(``plan.layouts``); docs/kernels.md has the measurements against the file's layout.
 """
 from __future__ import annotations
 
@@ -44,9 +37,10 @@ from llvmlite import ir
 from ggraph.backends.llvm.kernels.blocks import Decoded
 from ggraph.backends.llvm.kernels.builder import Kernel, f32, i8, i16, i32, vec
 from ggraph.backends.llvm.kernels.isa import Isa
-from ggraph.backends.llvm.target import Target
+from ggraph.backends.llvm.kernels.plan import ROWS16_TYPES, Layout, layouts
+from ggraph.backends.llvm.target import Prefetch, Target
 
-LAYOUT = "rows16"
+LAYOUT = Layout.ROWS16
 ROWS = 16
 BLOCK = 256                     # weights per block of either type
 _U16, _U32 = np.dtype(np.uint16), np.dtype(np.uint32)
@@ -206,15 +200,13 @@ class _Q6K:
         return [(b.sub(isum, b.shl(msum, _splat(5))), self.d)]
 
 
-_KINDS = {"q4_k": _Q4K, "q5_k": _Q5K, "q6_k": _Q6K}
-TYPES = tuple(_KINDS)
+_KINDS = {"q4_k": _Q4K, "q5_k": _Q5K, "q6_k": _Q6K}      # one per plan.ROWS16_TYPES
+TYPES = ROWS16_TYPES
 
 
 def takes(dtype, N: int, target: Target) -> bool:
-    """True if a matmul of N rows of ``dtype`` runs on rows16 weights on ``target``: q4_k, q5_k or q6_k,
-    AVX-512 VNNI (whose rows gemm takes rows as lanes too, as do AMX tiles), and whole 32-row tiles."""
-    from ggraph.backends.llvm.kernels.act_quant import rows_gemm
-    return dtype.name in _KINDS and rows_gemm(target) and N > 0 and N % (2 * ROWS) == 0
+    """True if the plan lays a matmul of N rows of ``dtype`` out in rows16 on ``target``."""
+    return LAYOUT in layouts(dtype, N, target)
 
 
 def kind(dtype):
@@ -284,27 +276,20 @@ def group_at(k: Kernel, dtype, lay, row, blk) -> ir.Value:
     return k.addr(k.arg["w"], k.mul(k.add(k.mul(k.b.sdiv(row, k.i64(ROWS)), nb), blk), kind(dtype).BYTES))
 
 
-# How far ahead an Intel gemv asks for its weights: the L2 streamer stops at 4 KB pages, and without
-# prefetches rows16 streamed from memory at 72-77% of stream_bandwidth (one thread and two, q4_k
-# 2048x8192 and 8192x2048, q6_k 2048x8192; Xeon with AMX, 2 cores). Each block asking for every line
-# of the block 12 KB on: 85-91% at one thread, 90-101% at two; 8 and 16 KB about the same, 4 KB
-# 82-92%, a line in two 72-93%, into L1 80-95% (/tmp A/B in one process, 7 alternating rounds,
-# medians, each against the stream read between them).
+# How far ahead an Intel gemv asks for its weights (Prefetch.ROWS): the L2 streamer stops at 4 KB pages
 GEMV_AHEAD = 12288
 
 
-def gemv(k: Kernel, isa: Isa, dtype, lay, rows) -> None:
+def gemv(k: Kernel, isa: Isa, dtype, lay, rows, prefetch: Prefetch | None) -> None:
     """y[rows] for the one token: 16 rows at a time, every activation word broadcast to the 16 rows'
     dot products, each sub-block's dot times its scales in i32 lanes, one float step per block and
     term. ``rows``: [start, end), multiples of 16.
 
-    The weights stream in order. On AMD the hardware prefetcher alone fetches them ahead (asking for
-    them 8-64 KB ahead cost 5-25% on a Zen 4); on Intel (Target.gemv_prefetch "rows") each block asks
-    for the lines GEMV_AHEAD bytes on, into L2 (see there). A group's pass over its row streams a block of 16
-    rows through L1 at a time, which evicts the activations before the next group reads them again
-    once the row is longer than a few blocks, so each block asks for the next block's activations:
-    on a Zen 4, one thread, from memory, q4_k 8192 x 2048 0.83-0.91x of the file's layout without,
-    1.0-1.1x with."""
+    The weights stream in order. Without ``prefetch`` (the plan's, None on AMD) the hardware
+    prefetcher alone fetches them ahead; with Prefetch.ROWS (Intel) each block asks for the lines
+    GEMV_AHEAD bytes on, into L2. A group's pass over its row streams a block of 16 rows through L1
+    at a time, which evicts the activations before the next group reads them again once the row is
+    longer than a few blocks, so each block asks for the next block's activations."""
     b = k.b
     kind_ = kind(dtype)
     nb, words = lay.K // BLOCK, kind_.SUB // 4
@@ -317,7 +302,7 @@ def gemv(k: Kernel, isa: Isa, dtype, lay, rows) -> None:
             for line in range(0, BLOCK, 64):             # the next block's activations, into L1
                 k.prefetch(k.addr(xt, k.add(x, BLOCK + line)), level=1)
             at = group_at(k, dtype, lay, row, blk)
-            if isa.t.gemv_prefetch == "rows":
+            if prefetch is Prefetch.ROWS:
                 for line in range(0, kind_.BYTES, 64):
                     k.prefetch(k.addr(at, GEMV_AHEAD + line), level=2)
             g = kind_(k, isa, at)
