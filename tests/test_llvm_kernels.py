@@ -19,7 +19,7 @@ from ggraph.ir import dtypes  # noqa: E402
 from ggraph.gguf.quants import F16_FIELDS  # noqa: E402
 from ggraph.backends.llvm import jit, kernels  # noqa: E402
 from ggraph.backends.llvm.kernels.act_quant import ActLayout, tokens_per_group  # noqa: E402
-from ggraph.backends.llvm.kernels.plan import act_rows as rows_gemm  # noqa: E402
+from ggraph.backends.llvm.kernels.plan import act_rows  # noqa: E402
 from ggraph.backends.llvm.kernels import amx as amx_tiles  # noqa: E402
 from ggraph.backends.llvm.kernels.qmatmul import tiles  # noqa: E402
 from ggraph.backends.llvm.kernels import rows16  # noqa: E402
@@ -33,7 +33,7 @@ K_OF_BLOCK = {32: 96, 256: 512}
 EMB_SCALE = 25.298221                     # sqrt(640), as gemma scales embeddings
 SMALL = ((dtypes.q4_0, 32, 5), (dtypes.q6_k, 256, 3), (dtypes.q8_0, 64, 21))   # fewer rows than threads' chunks
 LONG_K, LONG_N = 2304, 100                # the rows gemm: several K panels, 32-row tiles and a 4-row tail;
-#                                         gemv: 9 super-blocks, more than qmatmul.GEMV_INLINE_BLOCKS (a block loop)
+#                                         gemv: 9 super-blocks, more than qmatmul.gemv.GEMV_INLINE_BLOCKS (a block loop)
 P = ctypes.c_void_p
 MATMUL_ABI = [P, P, P, P, ctypes.c_int64, ctypes.c_int32, ctypes.c_int32]   # q/fmatmul: w, x(q), y, counter
 ACT_ABI = [P, P, ctypes.c_int64, ctypes.c_int32, ctypes.c_int32]
@@ -257,7 +257,7 @@ def test_qmatmul_rows_only_computes_every_token_as_alone(target, dt):
 def check_rows_only(target, dt, K: int, w: np.ndarray, rng, lib=None) -> None:
     fmt = kernels.act_format(dt)
     rows = fn(target, f"qmatmul_{dt.name}_k{K}_n{N}_rows", abi=MATMUL_ABI, lib=lib)
-    one = rows if rows_gemm(named_target(target)) else fn(target, f"qmatmul_{dt.name}_k{K}_n{N}", MATMUL_ABI, lib)
+    one = rows if act_rows(named_target(target)) else fn(target, f"qmatmul_{dt.name}_k{K}_n{N}", MATMUL_ABI, lib)
     act = fn(target, f"act_quant_{fmt}_k{K}_rows", ACT_ABI, lib)
     W = dequant(w, dt, N, K).astype(np.float64)
     counter = np.zeros(16, np.int32)
@@ -291,7 +291,7 @@ def test_qmatmul_threads_take_the_rows_of_a_thread_that_is_late(target, T):
     each thread one long first chunk (GEMV_LEAD of the rows between them), the rest in 16-row chunks."""
     from ggraph.backends.llvm.kernels.qmatmul import GEMV_LEAD
     dt, K, n = dtypes.q8_0, 64, 256                 # 16 chunks of 16 rows at nth=2 (of 32 for the rows gemm)
-    q = 2 * ROWS if T > 1 and rows_gemm(named_target(target)) else 16
+    q = 2 * ROWS if T > 1 and act_rows(named_target(target)) else 16
     first, chunks = q, n // q                       # thread 1's first chunk: rows [first, 2 * first)
     if T == 1:
         first = int(n // q * GEMV_LEAD) // 2 * q
@@ -511,8 +511,8 @@ def _build_groups(target_name: str) -> jit.Library:
 
 @pytest.mark.parametrize("dt", _GROUPED, ids=lambda d: d.name)
 def test_qmatmul_gemv_block_groups(target, dt):
-    """The gemv's groups of blocks (qmatmul.HEADER_BLOCKS super-blocks whose headers it unpacks
-    together, qmatmul.SMALL_GROUP 32-weight blocks): rows of whole groups and of a partial last
+    """The gemv's groups of blocks (qmatmul.gemv.HEADER_BLOCKS super-blocks whose headers it unpacks
+    together, qmatmul.gemv.SMALL_GROUP 32-weight blocks): rows of whole groups and of a partial last
     one, without and with the group loop, for one token and for each token of a rows_only batch
     (the long rows are test_qmatmul_long_rows)."""
     lib = runnable_target(target, _GROUP_LIBS, _build_groups) and _GROUP_LIBS[target]

@@ -14,6 +14,8 @@ to their accumulation, not to a sequential sum's larger error.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from llvmlite import ir
 
 from ggraph.ir import dtypes
@@ -61,33 +63,45 @@ def fmatmul(module: ir.Module, dtype, K: int, N: int, target: Target) -> str:
     b = k.b
     full_t = b.mul(b.sdiv(T, k.i64(C)), k.i64(C))
     ahead = plan.prefetch
+    f = _Fmatmul(k, isa, dt, K, N, lanes)
     with k.row_chunks(N, k.arg["counter"]) as (start, end):
         full_n = k.add(start, b.mul(b.sdiv(b.sub(end, start), k.i64(R)), k.i64(R)))
         for nlo, nhi, r in ((start, full_n, R), (full_n, end, 1)):
             with k.loop(nlo, nhi, step=r, name=f"n{r}") as n0:
                 for tlo, thi, c in ((0, full_t, C), (full_t, T, 1)):
                     with k.loop(tlo, thi, step=c, name=f"t{r}x{c}") as t0:
-                        _tile(k, isa, dt, K, N, n0, r, t0, c, lanes, ahead and c == 1 and r > 1)
+                        _tile(f, n0, r, t0, c, ahead and c == 1 and r > 1)
     return k.finish()
 
 
-def _w_offset(k: Kernel, dt, K: int, n, kk) -> ir.Value:
-    """Byte offset of weight (n, kk)."""
-    return k.mul(k.add(k.mul(n, K), kk), FLOAT_LOADERS[dt][0])
+@dataclass(frozen=True)
+class _Fmatmul:
+    """One fmatmul kernel being emitted: builder, instructions, weight type, shape and vector lanes."""
 
+    k: Kernel
+    isa: Isa
+    dt: dtypes.DType
+    K: int
+    N: int
+    lanes: int
 
-def _load_w(k: Kernel, isa: Isa, dt, K: int, n, kk, lanes: int) -> ir.Value:
-    """`lanes` weights of row n from feature kk, as f32 (a scalar when lanes == 1)."""
-    convert = FLOAT_LOADERS[dt][1]
-    elem = f32 if dt is dtypes.f32 else i16
-    typ = elem if lanes == 1 else vec(elem, lanes)
-    raw = k.load(typ, k.arg["w"], _w_offset(k, dt, K, n, kk))
-    return raw if convert is None else convert(isa, raw)
+    def w_offset(self, n, kk) -> ir.Value:
+        """Byte offset of weight (n, kk)."""
+        k = self.k
+        return k.mul(k.add(k.mul(n, self.K), kk), FLOAT_LOADERS[self.dt][0])
 
+    def load_w(self, n, kk, lanes: int) -> ir.Value:
+        """`lanes` weights of row n from feature kk, as f32 (a scalar when lanes == 1)."""
+        convert = FLOAT_LOADERS[self.dt][1]
+        elem = f32 if self.dt is dtypes.f32 else i16
+        typ = elem if lanes == 1 else vec(elem, lanes)
+        raw = self.k.load(typ, self.k.arg["w"], self.w_offset(n, kk))
+        return raw if convert is None else convert(self.isa, raw)
 
-def _load_x(k: Kernel, K: int, t, kk, lanes: int) -> ir.Value:
-    typ = f32 if lanes == 1 else vec(f32, lanes)
-    return k.load(typ, k.arg["x"], k.mul(k.add(k.mul(t, K), kk), 4))
+    def load_x(self, t, kk, lanes: int) -> ir.Value:
+        k = self.k
+        typ = f32 if lanes == 1 else vec(f32, lanes)
+        return k.load(typ, k.arg["x"], k.mul(k.add(k.mul(t, self.K), kk), 4))
 
 
 # A gemv step asks for the same columns of the next R rows, into L2: the R rows it reads side by side
@@ -95,9 +109,10 @@ def _load_x(k: Kernel, K: int, t, kk, lanes: int) -> ir.Value:
 # FmatmulPlan.prefetch); docs/kernels.md has the measurements.
 
 
-def _tile(k: Kernel, isa: Isa, dt, K: int, N: int, n0, R: int, t0, C: int, lanes: int, ahead: bool = False) -> None:
+def _tile(f: _Fmatmul, n0, R: int, t0, C: int, ahead: bool = False) -> None:
     """y[t0:t0+C, n0:n0+R]: vector steps over K, then a scalar tail, then lane sums; with ``ahead``,
     each step asks for the next R rows' weights at its columns (prefetches never fault past the end)."""
+    k, isa, K, lanes = f.k, f.isa, f.K, f.lanes
     rows = [k.add(n0, r) for r in range(R)]
     toks = [k.add(t0, c) for c in range(C)]
     main = K - K % lanes
@@ -106,9 +121,9 @@ def _tile(k: Kernel, isa: Isa, dt, K: int, N: int, n0, R: int, t0, C: int, lanes
     with k.loop(0, main, step=lanes, name="k") as kk:
         if ahead:
             for n in rows:
-                k.prefetch(k.addr(k.arg["w"], _w_offset(k, dt, K, k.add(n, R), kk)), level=2)
-        ws = [_load_w(k, isa, dt, K, n, kk, lanes) for n in rows]
-        xs = [_load_x(k, K, t, kk, lanes) for t in toks]
+                k.prefetch(k.addr(k.arg["w"], f.w_offset(k.add(n, R), kk)), level=2)
+        ws = [f.load_w(n, kk, lanes) for n in rows]
+        xs = [f.load_x(t, kk, lanes) for t in toks]
         for r in range(R):
             for c in range(C):
                 acc[r][c].set(isa.fused(ws[r], xs[c], acc[r][c].get()))
@@ -116,12 +131,12 @@ def _tile(k: Kernel, isa: Isa, dt, K: int, N: int, n0, R: int, t0, C: int, lanes
     if main < K:
         tail = [[k.var(f32, sums[r][c]) for c in range(C)] for r in range(R)]
         with k.loop(main, K, name="kt") as kk:
-            ws = [_load_w(k, isa, dt, K, n, kk, 1) for n in rows]
-            xs = [_load_x(k, K, t, kk, 1) for t in toks]
+            ws = [f.load_w(n, kk, 1) for n in rows]
+            xs = [f.load_x(t, kk, 1) for t in toks]
             for r in range(R):
                 for c in range(C):
                     tail[r][c].set(isa.fused(ws[r], xs[c], tail[r][c].get()))
         sums = [[tail[r][c].get() for c in range(C)] for r in range(R)]
     for r in range(R):
         for c in range(C):
-            k.store(sums[r][c], k.arg["y"], k.mul(k.add(k.mul(toks[c], N), rows[r]), 4))
+            k.store(sums[r][c], k.arg["y"], k.mul(k.add(k.mul(toks[c], f.N), rows[r]), 4))
