@@ -179,7 +179,7 @@ def _model(f: GGUFFile, names, has_imatrix: bool) -> _Model:
     n_head_kv = hparam("attention.head_count_kv", n_head) or 0
     if not isinstance(n_layer, int) or n_layer <= 0:
         raise ValueError(f"quantize: {f.path}: {arch}.block_count is missing or not a positive integer")
-    from ggraph.models.validate import check_layers
+    from ggraph.models.config import check_layers
     check_layers(arch, n_layer, names, shared_decoder=False)   # the mix counts layers: a lying count moves it
     is_70b = n_layer == 80 and (arch == "qwen2" or (arch == "llama" and n_head != n_head_kv))
     return _Model(arch=arch, n_layer=n_layer, n_gqa=n_head // n_head_kv if n_head_kv else 0, is_70b=is_70b,

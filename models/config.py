@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from typing import Mapping
 
 from ggraph.models.registry import architecture
@@ -80,7 +81,6 @@ def config_from_gguf(metadata: Mapping, tensor_names, embedding_rows: int = 0) -
     n_head = keys.int("attention.head_count", required=True)
     n_head_kv = keys.int("attention.head_count_kv", n_head, per_layer=True)
     n_layer = keys.int("block_count", required=True)
-    from ggraph.models.validate import check_layers
     check_layers(arch, n_layer, names, shared_decoder=spec.forward is None)   # before flags sized by it
     if n_head % n_head_kv:
         raise ValueError(f"{arch}.attention.head_count = {n_head} is not a multiple of "
@@ -215,3 +215,18 @@ def _check_flags(cfg: ModelConfig) -> None:
         raise ValueError(f"{cfg.arch}: rope_style {cfg.rope_style!r} must be neox or interleaved")
     if cfg.act not in ("silu", "gelu_tanh"):
         raise ValueError(f"{cfg.arch}: act {cfg.act!r} must be silu or gelu_tanh")
+
+
+_BLOCK = re.compile(r"blk\.(\d+)\.")
+
+
+def check_layers(arch: str, n_layer: int, names, shared_decoder: bool = True) -> None:
+    """The block count against the blk.N tensors, before anything sized by it (per-layer flags, caches)
+    is made: a lying ``block_count = 2**32 - 1`` is one line, not a tuple of four billion flags."""
+    layers = sorted({int(m.group(1)) for n in names if (m := _BLOCK.match(n))})
+    if layers and (layers[-1] >= n_layer or len(layers) != n_layer):
+        have = f"blk.{layers[0]}..blk.{layers[-1]}" + ("" if len(layers) == layers[-1] - layers[0] + 1
+                                                         else f" ({len(layers)} of them)")
+        raise ValueError(f"{arch}.block_count = {n_layer} but the file has {have}")
+    if not layers and shared_decoder and n_layer:
+        raise ValueError(f"{arch}.block_count = {n_layer} but the file has no blk.N tensors")

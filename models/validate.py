@@ -15,30 +15,15 @@ embedding, vocabulary); their own tensors are theirs to check.
 """
 from __future__ import annotations
 
-import re
 from typing import Mapping
 
 import numpy as np
 
-from ggraph.models.config import MAX_ROPE_FREQUENCY, ModelConfig
-
-_BLOCK = re.compile(r"blk\.(\d+)\.")
+from ggraph.models.config import MAX_ROPE_FREQUENCY, ModelConfig, check_layers
 
 
 def _fmt(shape) -> str:
     return "[" + ",".join(map(str, shape)) + "]"
-
-
-def check_layers(arch: str, n_layer: int, names, shared_decoder: bool = True) -> None:
-    """The block count against the blk.N tensors, before anything sized by it (per-layer flags, caches)
-    is made: a lying ``block_count = 2**32 - 1`` is one line, not a tuple of four billion flags."""
-    layers = sorted({int(m.group(1)) for n in names if (m := _BLOCK.match(n))})
-    if layers and (layers[-1] >= n_layer or len(layers) != n_layer):
-        have = f"blk.{layers[0]}..blk.{layers[-1]}" + ("" if len(layers) == layers[-1] - layers[0] + 1
-                                                         else f" ({len(layers)} of them)")
-        raise ValueError(f"{arch}.block_count = {n_layer} but the file has {have}")
-    if not layers and shared_decoder and n_layer:
-        raise ValueError(f"{arch}.block_count = {n_layer} but the file has no blk.N tensors")
 
 
 def check(cfg: ModelConfig, tensors: Mapping, metadata: Mapping, shared_decoder: bool = True) -> None:

@@ -110,8 +110,9 @@ def _build(target_name: str) -> jit.Library:
     for name, (fn, avals) in RUNTIME.items():
         g = inline_composites(ggraph.trace(fn, *avals))
         ew.emit_fused(m, t, g, [v.aval for v in g.invars], [v.aval for v in g.outvars], f"{name}_{target_name}")
-    ew.emit_cast(m, t, i32["T"], f32, f"cast_i32_f32_{target_name}")
-    ew.emit_cast(m, t, f32["T", 40], "f16", f"cast_f32_f16_{target_name}")
+    for aval, dtype, name in ((i32["T"], f32, "cast_i32_f32"), (f32["T", 40], "f16", "cast_f32_f16")):
+        g = ggraph.trace(lambda x, dtype=dtype: ops.cast(x, dtype), aval)          # a cast as one fused loop
+        ew.emit_fused(m, t, g, [aval], [g.outvars[0].aval], f"{name}_{target_name}")
     x = f32["T", 3, 5]
     ew.emit_transpose(m, t, x, (1, 0, 2), f"transpose102_{target_name}")
     ew.emit_transpose(m, t, f32[2, "T", 3, 5], (3, 1, 0, 2), f"transpose3102_{target_name}")

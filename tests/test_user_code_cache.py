@@ -52,7 +52,7 @@ SCRIPT = textwrap.dedent('''
         lw.call(lw.kernel(shift_kernel, e.inputs[0].aval.shape[-1]), lw.ref(e.inputs[0]), out,
                 rows(e.inputs[0].aval), writes=(out,))
 
-    g = ggraph.trace(lambda x: shifted_p(scaled_p(x)), f32[4, 16])
+    g = ggraph.trace(lambda x: ggraph.ir.bind(shifted_p, scaled_p(x)), f32[4, 16])
     x = np.arange(64, dtype=np.float32).reshape(4, 16) / 8
     for backend, options in (("numpy", {}), ("llvm", {"target": target})):
         print(backend, " ".join(str(v) for v in ggraph.compile(g, backend=backend, **options)(x)[1, :3]))

@@ -139,7 +139,9 @@ def kernel_from_payload(payload: bytes) -> tuple[tuple[str, ...], bytes]:
 # -- program states: a pickle of known classes only ------------------------------------------
 
 _ALLOWED = {
-    ("ggraph.backends.llvm.lowering", "Buffer"), ("ggraph.backends.llvm.lowering", "Bytes"),
+    ("ggraph.backends.llvm.lowering", "Buffer"), ("ggraph.backends.llvm.lowering", "FixedBytes"),
+    ("ggraph.backends.llvm.lowering", "AvalBytes"), ("ggraph.backends.llvm.lowering", "PlanBytes"),
+    ("ggraph.backends.llvm.lowering", "ActBytes"),
     ("ggraph.backends.llvm.lowering", "Ref"), ("ggraph.ir.dtypes", "Aval"), ("ggraph.ir.dtypes", "DimAval"),
     ("ggraph.ir.dtypes", "ParamAval"), ("ggraph.ir.dtypes", "from_name"), ("ggraph.ir.dims", "Sym"),
     ("ggraph.ir.graph", "Literal"), ("builtins", "frozenset"), ("builtins", "set"), ("builtins", "slice"),

@@ -26,9 +26,9 @@ from ggraph.ir.dims import Sym, product
 from ggraph.ir.graph import Graph, Literal
 from ggraph.ir.primitive import aliases
 from ggraph.backends.llvm import jit
-from ggraph.backends.llvm.kernels import generic_ops as G
-from ggraph.backends.llvm.lowerings import lower_eqn
-from ggraph.backends.llvm.lowering import SYMBOLS, Buffer, Bytes, Call, Lowering, LoweringError, Ref
+from ggraph.backends.llvm.kernels import plain_ops as G
+from ggraph.backends.llvm.rules import lower_eqn
+from ggraph.backends.llvm.lowering import SYMBOLS, Buffer, Call, FixedBytes, Lowering, LoweringError, Ref
 from ggraph.backends.llvm.target import Target
 from ggraph.backends.llvm.team import emit_barrier, emit_team
 
@@ -70,7 +70,7 @@ def lower(graph: Graph, target: Target, profile: bool = False, compiler: jit.Com
     outputs = [o if isinstance(o, Literal) else lw.where[o] for o in graph.outvars]
     if profile:                           # i64 cycle stamps, a row of one per call plus the start: row 0
         # as each barrier opens, and (the program binds one more row per thread) as each thread finishes
-        lw._add(Buffer("profile", "cycles", Bytes("fixed", (8 * (len(lw.calls) + 1),))))
+        lw._add(Buffer("profile", "cycles", FixedBytes(8 * (len(lw.calls) + 1))))
     spec = ProgramSpec(ir.Module(name=graph.name or "ggraph"), lw.buffers, lw.calls, outputs, lw.input_index,
                        lw.param_index, list(lw.units.values()), lw.checks, lw.bounds, ranges=lw.ranges)
     emit_program(spec, target, profile)

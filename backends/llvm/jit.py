@@ -134,10 +134,10 @@ def user_code(obj) -> str:
     return fingerprint(obj, covered_roots()).hex()
 
 
-def graph_code(graph: Graph) -> str:
-    """A digest of every rule, and every llvm lowering rule, of the primitives ``graph`` uses."""
-    from ggraph.backends.llvm.lowering import LOWERINGS
-    return rules_fingerprint(primitives_of(graph), covered_roots(), LOWERINGS.get).hex()
+def graph_code(graph: Graph, lowering_of=None) -> str:
+    """A digest of every rule of the primitives ``graph`` uses, and of ``lowering_of(prim)`` beside each
+    (a program's key passes the llvm lowering rules; a fused body's kernel is emitted from the op table)."""
+    return rules_fingerprint(primitives_of(graph), covered_roots(), lowering_of).hex()
 
 
 def _key_part(a):

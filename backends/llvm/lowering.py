@@ -1,6 +1,6 @@
 """The state of lowering one graph: buffers, where each value lives, the kernel calls, the kernels.
 
-A lowering rule (``lowerings.py``, one per primitive, in ``LOWERINGS``) looks up where its
+A lowering rule (``rules.py``, one per primitive, in ``LOWERINGS``) looks up where its
 operands live (``ref``), gets or aliases memory for its outputs (``output``, ``alias``),
 asks for the kernels it needs (``kernel``) and appends calls (``call``). A call's pointer
 arguments are (buffer, byte offset) references; its dims are ints or symbolic
@@ -22,46 +22,70 @@ from ggraph.ir.dtypes import Aval, DimAval
 from ggraph.ir.graph import Eqn, Graph, Literal, Var
 from ggraph.ir.primitive import Primitive
 from ggraph.backends.llvm import jit
+from ggraph.backends.llvm.kernels import act_bytes
+from ggraph.passes.plan_memory import size_bytes
 from ggraph.backends.llvm.target import Target
 
 SYMBOLS = ("T", "P", "R")          # the runtime dims a program takes: tokens, past length, rows picked
 
 
-@dataclasses.dataclass(frozen=True)
 class Bytes:
-    """A buffer's size in bytes at given dims: ``kind`` with its arguments (picklable, unlike a lambda).
-
-    "fixed" (n) · "aval" (aval) · "plan" (the memory plan's size polynomials) · "act" (fmt, rows, K)
-    """
-    kind: str
-    args: tuple
+    """A buffer's size in bytes at given dims, as data (a program's state is pickled, and a lambda is
+    not): ``size(dims)``, and the runtime dims it depends on. One subclass per way of knowing it."""
 
     def __call__(self, dims: dict) -> int:
-        if self.kind == "fixed":
-            return self.args[0]
-        if self.kind == "aval":
-            return self.args[0].nbytes(dims)
-        if self.kind == "plan":
-            from ggraph.passes.plan_memory import size_bytes
-            return size_bytes(self.args[0], dims)
-        if self.kind == "act":
-            from ggraph.backends.llvm.kernels import act_bytes
-            fmt, R, K, *rows_only = self.args
-            return act_bytes(fmt, eval_dim(R, dims), K, *rows_only)
-        raise ValueError(f"unknown size kind {self.kind!r}")
+        raise NotImplementedError(f"{type(self).__name__} does not say its size")
 
     def symbols(self) -> frozenset:
-        """The runtime dims the size depends on (a program re-sizes only these buffers as P grows)."""
-        if self.kind == "fixed":
-            return frozenset()
-        if self.kind == "aval":
-            return frozenset(n for d in self.args[0].shape if isinstance(d, Sym) for n in d.names)
-        if self.kind == "plan":
-            return frozenset(s for poly in self.args[0] for mono in poly for s in mono)
-        if self.kind == "act":
-            R = self.args[1]
-            return frozenset(R.names) if isinstance(R, Sym) else frozenset()
-        raise ValueError(f"unknown size kind {self.kind!r}")
+        return frozenset()
+
+
+@dataclasses.dataclass(frozen=True)
+class FixedBytes(Bytes):
+    """So many bytes, whatever the dims."""
+    n: int
+
+    def __call__(self, dims: dict) -> int:
+        return self.n
+
+
+@dataclasses.dataclass(frozen=True)
+class AvalBytes(Bytes):
+    """The bytes of a value of ``aval``."""
+    aval: Aval
+
+    def __call__(self, dims: dict) -> int:
+        return self.aval.nbytes(dims)
+
+    def symbols(self) -> frozenset:
+        return frozenset(n for d in self.aval.shape if isinstance(d, Sym) for n in d.names)
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanBytes(Bytes):
+    """A memory-plan buffer: the largest of its values' size polynomials."""
+    polys: tuple
+
+    def __call__(self, dims: dict) -> int:
+        return size_bytes(self.polys, dims)
+
+    def symbols(self) -> frozenset:
+        return frozenset(s for poly in self.polys for mono in poly for s in mono)
+
+
+@dataclasses.dataclass(frozen=True)
+class ActBytes(Bytes):
+    """Quantised activations: ``rows`` rows of ``K`` values in format ``fmt``."""
+    fmt: str
+    rows: object
+    K: int
+    rows_only: bool = False
+
+    def __call__(self, dims: dict) -> int:
+        return act_bytes(self.fmt, eval_dim(self.rows, dims), self.K, self.rows_only)
+
+    def symbols(self) -> frozenset:
+        return frozenset(self.rows.names) if isinstance(self.rows, Sym) else frozenset()
 
 
 @dataclasses.dataclass
@@ -121,7 +145,7 @@ class Lowering:
             if isinstance(v.aval, DimAval):
                 if v.aval.symbol not in SYMBOLS:
                     raise LoweringError(f"llvm backend: dim input {v.aval.symbol} (only {SYMBOLS} are runtime dims)")
-                self.where[v] = Ref(self._add(Buffer("dim", v.aval.symbol, Bytes("fixed", (4,)))))  # its value, as i32
+                self.where[v] = Ref(self._add(Buffer("dim", v.aval.symbol, FixedBytes(4))))  # its value, as i32
                 continue
             self.input_index[v] = self._add(Buffer("input", v.hint or f"in{len(self.buffers)}", aval_size(v.aval)))
             self.where[v] = Ref(self.input_index[v])
@@ -147,7 +171,7 @@ class Lowering:
         """Where operand ``a`` lives (constants become const buffers)."""
         if isinstance(a, Literal):
             data = np.ascontiguousarray(a.value)
-            return Ref(self._add(Buffer("const", f"const{len(self.buffers)}", Bytes("fixed", (data.nbytes,)),
+            return Ref(self._add(Buffer("const", f"const{len(self.buffers)}", FixedBytes(data.nbytes),
                                         data.view(np.uint8).reshape(-1))))
         return self.where[a]
 
@@ -159,7 +183,7 @@ class Lowering:
         else:
             b = self.plan.buffer_of[v]
             if b not in self._plan_buffers:
-                self._plan_buffers[b] = self._add(Buffer("act", f"buf{b}", Bytes("plan", (self.plan.sizes[b],))))
+                self._plan_buffers[b] = self._add(Buffer("act", f"buf{b}", PlanBytes(self.plan.sizes[b])))
             r = Ref(self._plan_buffers[b])
         self.where[v] = r
         return r
@@ -176,9 +200,9 @@ class Lowering:
         (with ``{id}`` filled in from the value) when it is set, or, for an (eqn index, output) pair,
         GGRAPH_DEBUG_NANS's error naming that eqn."""
         if self._status is None:
-            self._status = self._add(Buffer("status", "status", Bytes("fixed", (0,))))
+            self._status = self._add(Buffer("status", "status", FixedBytes(0)))
         self.checks.append(message)
-        self.buffers[self._status].size = Bytes("fixed", (16 * len(self.checks),))
+        self.buffers[self._status].size = FixedBytes(16 * len(self.checks))
         return Ref(self._status, 16 * (len(self.checks) - 1))
 
     def counter(self) -> Ref:
@@ -186,10 +210,10 @@ class Lowering:
         every run, for a kernel whose threads take chunks of work in turn (``Kernel.row_chunks``).
         No call writes it as far as barriers go: only the call it was made for touches it."""
         if self._counters is None:
-            self._counters = self._add(Buffer("counters", "counters", Bytes("fixed", (0,))))
+            self._counters = self._add(Buffer("counters", "counters", FixedBytes(0)))
         buf = self.buffers[self._counters]
         n = buf.size({}) // COUNTER_BYTES
-        buf.size = Bytes("fixed", (COUNTER_BYTES * (n + 1),))
+        buf.size = FixedBytes(COUNTER_BYTES * (n + 1))
         return Ref(self._counters, COUNTER_BYTES * n)
 
     def bound(self, rows, capacity: int, what: str) -> None:
@@ -271,8 +295,8 @@ def lowering(*prims: Primitive):
     return wrap
 
 
-def aval_size(aval: Aval) -> Bytes:
-    return Bytes("aval", (aval,))
+def aval_size(aval: Aval) -> AvalBytes:
+    return AvalBytes(aval)
 
 
 def rows(aval: Aval):

@@ -31,7 +31,7 @@ import numpy as np
 from ggraph.backends import debug_nans
 from ggraph.backends.llvm import cache, jit
 from ggraph.backends.llvm.codegen import Call, ProgramSpec, barriers_needed, lower
-from ggraph.backends.llvm.lowering import Ref
+from ggraph.backends.llvm.lowering import LOWERINGS, Ref
 from ggraph.backends.llvm.target import host_target
 from ggraph.backends.llvm.team import RUN, SERVE, Team, check_threads
 from ggraph.backends.inputs import bind_symbols
@@ -133,7 +133,7 @@ def program_key(graph, target, profile: bool, rows_only: bool = False, debug_nan
                  str(debug_nans)):
         h.update(part.encode())
     h.update(jit.code_digest())
-    h.update(jit.graph_code(graph).encode())
+    h.update(jit.graph_code(graph, LOWERINGS.get).encode())
     h.update(_planner_source())
     return h.hexdigest()
 

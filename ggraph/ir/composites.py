@@ -25,7 +25,7 @@ from ggraph.ir.primitive import ShapeError, register
 from ggraph.ir.prims import (cache_rows, cache_update, cache_write, cast, concat, cos, dequant, exp, fma, io_bytes,
                              iota, less, matmul, neg, reduce_max, reduce_mean, reduce_sum, reshape, rsqrt, sin, slice,
                              tanh, transpose, where)
-from ggraph.ir.trace import Tracer, bind, bind_composite, to_atom
+from ggraph.ir.trace import Op, Tracer, bind, bind_composite, to_atom
 
 __all__ = ["composite", "rms_norm", "softmax", "silu", "gelu_tanh", "swiglu", "rope", "attention",
            "rope_theta_scale", "rope_angles_table", "to_tracer", "ROPE_STYLES"]
@@ -50,7 +50,7 @@ def composite(name: str, numpy_rule, **rules):
     runs it, and tests check the decomposition against it); ``rules`` are further Primitive
     rules (a cost rule, say). The decorated function returns the op to call."""
     def wrap(decomposition):
-        prim = register(name, shape=_composite_shape, impl=numpy_rule, kind="composite",
+        prim = register(name, cls=Op, shape=_composite_shape, impl=numpy_rule, kind="composite",
                         decomposition=decomposition, doc=(decomposition.__doc__ or "").strip(), **rules)
 
         def op(*operands, **params):

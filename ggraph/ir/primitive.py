@@ -78,13 +78,6 @@ class Primitive:
     def composite(self) -> bool:
         return self.kind == "composite"
 
-    def __call__(self, *operands, **params):
-        """Apply the op while tracing: ``square_p(x)`` records ``square`` on ``x`` (a composite with its body)."""
-        from ggraph.ir.trace import bind, bind_composite      # trace builds on this module
-        if self.composite and self.decomposition is not None:
-            return bind_composite(self, self.decomposition, operands, params)
-        return bind(self, *operands, **params)
-
     def __repr__(self):
         return self.name
 
@@ -94,8 +87,9 @@ _origins: dict[str, str] = {}          # primitive name -> the module or file th
 superseded: "weakref.WeakSet[Primitive]" = weakref.WeakSet()    # definitions replaced by a later one
 
 
-def register(name: str, **rules) -> Primitive:
-    """Make a primitive with its rules (the keyword arguments of ``Primitive``) and file it by name.
+def register(name: str, cls: type = Primitive, **rules) -> Primitive:
+    """Make a primitive (of ``cls``: ``trace.Op`` for one models call) with its rules (the keyword
+    arguments of ``Primitive``) and file it by name.
 
     Defining a name again from where it was defined before (a notebook cell run twice, a script, the
     same plugin file) replaces the old entry; from anywhere else it is an error naming both places."""
@@ -103,7 +97,7 @@ def register(name: str, **rules) -> Primitive:
     if name in primitives and _origins[name] != origin:
         raise ValueError(f"primitive {name!r} is already registered by {_origins[name]}; {origin} registers "
                          f"it again: rename one of them")
-    p = Primitive(name, **rules)
+    p = cls(name, **rules)
     if name in primitives:
         superseded.add(primitives[name])
     primitives[name] = p

@@ -28,7 +28,7 @@ from ggraph.ir.dims import Sym, as_dim, dim_product, poly_str, simplify
 from ggraph.ir.dtypes import Aval, f32, i8, i32
 from ggraph.ir.graph import Literal
 from ggraph.ir.primitive import Primitive, ShapeError, register
-from ggraph.ir.trace import Tracer, bind, to_atom
+from ggraph.ir.trace import Op, Tracer, bind, to_atom
 
 __all__ = ["add", "sub", "mul", "div", "maximum", "less", "neg", "exp", "log", "sqrt", "rsqrt", "tanh", "sin",
            "cos", "fma", "where", "cast", "reduce_sum", "reduce_mean", "reduce_max", "reshape", "transpose",
@@ -190,7 +190,7 @@ def elementwise(name: str, numpy_rule, *, arity: int = 1, flops: int = 1, shape=
     if shape is None:
         shape = _unary_shape(name) if arity == 1 else _binary_shape(name)
     impl = (lambda x: numpy_rule(x).astype(x.dtype, copy=False)) if arity == 1 else numpy_rule
-    return register(name, shape=shape, impl=impl, cost=cost_per_output(flops), kind="elementwise", **rules)
+    return register(name, cls=Op, shape=shape, impl=impl, cost=cost_per_output(flops), kind="elementwise", **rules)
 
 
 neg_p = elementwise("neg", np.negative, emit=lambda ev, x: ev.b.fneg(x))

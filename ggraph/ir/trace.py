@@ -158,6 +158,17 @@ def to_atom(x, like: Aval | None = None) -> Var | Literal:
     raise TypeError(f"cannot use {type(x).__name__} {x!r} as a traced operand")
 
 
+class Op(Primitive):
+    """A primitive that models call like a function: ``square_p(x)`` records ``square`` on ``x`` (a
+    composite with its traced body); ``ops.elementwise`` and ``ops.composite`` make these."""
+    __slots__ = ()
+
+    def __call__(self, *operands, **params):
+        if self.composite and self.decomposition is not None:
+            return bind_composite(self, self.decomposition, operands, params)
+        return bind(self, *operands, **params)
+
+
 def bind(prim: Primitive, *args, body: Graph | None = None, **params):
     """Record ``prim`` applied to args; return its Tracer output (a tuple for several)."""
     like = next((a.aval for a in args if isinstance(a, Tracer)), None)

@@ -4,7 +4,6 @@
         void name(ptr in0, ..., ptr out0, ..., i64 <symbol>..., i32 ith, i32 nth)
     emit_transpose / emit_slice / emit_concat / emit_broadcast(module, target, ...) -> name
         void name(ptr x0, ..., ptr y, i64 <symbol>..., i32 ith, i32 nth)
-    emit_cast(module, target, aval, dtype) -> name             the fused ABI, one cast
 
 Every elementwise op and last-axis reduction the llvm backend runs goes through one loop
 form: a fused body (a Graph of elementwise primitives and reductions, composites inlined;
@@ -723,10 +722,3 @@ def emit_broadcast(module: ir.Module, target: Target, aval: Aval, shape, name: s
     out = [ir_dim(k, d) for d in shape]
     _strided_copy(k, Isa(k, target), esize, out, k.arg["x"], strides, 0, k.arg["y"], _strides(k, out), 0)
     return k.finish()
-
-
-def emit_cast(module: ir.Module, target: Target, aval: Aval, dtype, name: str | None = None) -> str:
-    """y = x.astype(dtype) as a one-op fused loop: void name(ptr in0, ptr out0, i64 <symbols>..., ith, nth)."""
-    from ggraph.ir import prims, trace
-    graph = trace(lambda x: prims.cast(x, dtype), aval)
-    return emit_fused(module, target, graph, [aval], [graph.outvars[0].aval], name)

@@ -19,8 +19,8 @@ from ggraph.ir.primitive import fusable
 from ggraph.backends.llvm import kernels as K
 from ggraph.backends.llvm.kernels import attention as A
 from ggraph.backends.llvm.kernels import elementwise as E
-from ggraph.backends.llvm.kernels import generic_ops as G
-from ggraph.backends.llvm.lowering import LOWERINGS, Bytes, Lowering, LoweringError, lowering, rows, symbol_args
+from ggraph.backends.llvm.kernels import plain_ops as G
+from ggraph.backends.llvm.lowering import LOWERINGS, ActBytes, FixedBytes, Lowering, LoweringError, lowering, rows, symbol_args
 
 
 @lowering(P.reshape_p)
@@ -87,7 +87,7 @@ def _qmatmul(lw, e):
     fmt = K.act_format(dt)
     xq = lw.memo(("act_quant", x, fmt))
     if xq is None:
-        xq = lw.scratch(Bytes("act", (fmt, R, Kdim, lw.rows_only)), f"xq_{fmt}")
+        xq = lw.scratch(ActBytes(fmt, R, Kdim, lw.rows_only), f"xq_{fmt}")
         lw.call(lw.kernel(K.act_quant, fmt, Kdim, lw.target, lw.rows_only), lw.ref(x), xq, R, writes=(xq,))
         lw.memo(("act_quant", x, fmt), xq)
     def qmatmul(layout=None):
@@ -105,7 +105,7 @@ def lower_eqn(lw: Lowering, e: Eqn) -> None:
     rule = LOWERINGS.get(e.prim)
     if rule is not None:
         return rule(lw, e)
-    if fused_loop(e):
+    if fusable(e):
         return lower_fused(lw, e)
     if e.prim.composite:
         return lower_body(lw, e)
@@ -115,11 +115,6 @@ def lower_eqn(lw: Lowering, e: Eqn) -> None:
 
 
 # -- fused loops: elementwise ops, reductions, fused eqns and elementwise composites ----------
-
-def fused_loop(e: Eqn) -> bool:
-    """True if ``e`` runs as one fused loop (the op table's ``fusable``)."""
-    return fusable(e)
-
 
 def _one_op_body(e: Eqn) -> tuple[Graph, list]:
     """A lone elementwise op or reduction as a body: its variable operands in, scalar constants inline."""
@@ -272,7 +267,7 @@ def _rope_attention(lw, e):
     refs["out"] = lw.output(e.outputs[0])
     size = A.partial_bytes(attn)                        # split-key partials: one scratch for every layer
     refs["partial"] = lw.memo(("attention_partial", size)) or \
-        lw.memo(("attention_partial", size), lw.scratch(Bytes("fixed", (size,)), "attention_partial"))
+        lw.memo(("attention_partial", size), lw.scratch(FixedBytes(size), "attention_partial"))
     store, attend, combine = lw.kernel(A.attention_unit, lw.target, attn, rope)
     store_args, attend_args, combine_args = A.kernel_arg_names(rope, attn)
     lw.call(store, *[refs[a] for a in store_args], writes=(refs["k_cache"], refs["v_cache"]))
