@@ -1,5 +1,5 @@
 """Cycles per instruction of the 512-bit loads and operations the gemv kernels are made of, on this
-core: which of them share an issue slot. The figures README's Performance section quotes.
+core: which of them share an issue slot. The figures docs/performance.md quotes.
 
     python benchmarks/pipes.py [--iterations 50000000]
 

@@ -1,14 +1,14 @@
 """What this machine's AMX tile unit does with the instruction patterns of the tiled gemm
-(backends/llvm/kernels/amx.py), in cycles of the core clock measured in the same run:
+(backends/llvm/kernels/qmatmul/tiles.py), in cycles of the core clock measured in the same run:
 
 - a tdpbssd of zero tiles and of random bytes (the tile unit is quicker on zeros);
 - 24 zmm FMAs alone, and a tdpbssd with 12 or 24 of them issued beside it (how much vector work,
   such as a tile gemm's float steps, the tile multiplies hide);
 - a tileloadd of 16 rows that start 64-byte lines, and of rows that do not;
-- 16 tile multiplies as amx.py issues them (2 token tiles x 2 weight planes a unit, its four
+- 16 tile multiplies as the tiled gemm issues them (2 token tiles x 2 weight planes a unit, its four
   result tiles zeroed and stored each unit); the same with the memory traffic of the float steps
   beside them (each token's two stored result rows loaded, its accumulator loaded and stored),
-  the accumulators in L1 or spread over 32 KB as amx.py's are; against two sets of two result
+  the accumulators in L1 or spread over 32 KB as the tiled gemm's are; against two sets of two result
   tiles used in turn (1 token tile a unit; a set is stored, and zeroed, after the next unit's
   first k-step, so the tile unit never waits for it); all over a 1B-shaped panel's addresses
   with random bytes.
@@ -33,7 +33,7 @@ from ggraph.backends.llvm.kernels.isa import Isa
 from ggraph.backends.llvm.target import host_target
 from ggraph.bench import peaks
 
-STRIDE, ROOM = 2496, 8576      # a token's q8_k row at K = 2048; a q4_k panel block (amx.TilePanel.room)
+STRIDE, ROOM = 2496, 8576      # a token's q8_k row at K = 2048; a q4_k panel block (qmatmul.panel.TilePanel.room)
 B_AT, C_AT = 2 << 20, 3 << 20  # where the weight panel and the stored result tiles lie in the buffer
 FMA_AT = 3 << 20 | 1 << 19     # the FMAs' operands (small floats)
 ACC_AT = FMA_AT + 4096          # the float steps' accumulators (32 KB of small floats)
@@ -91,11 +91,11 @@ def _loads(offset):
 
 
 def _unit_now(k, i, j, r, acc_span=None):
-    """amx.py's unit: block i, pair j, tile of rows r; four result tiles zeroed, then stored. With
+    """The tiled gemm's unit: block i, pair j, tile of rows r; four result tiles zeroed, then stored. With
     ``acc_span``, the memory traffic of its float steps beside its tile multiplies, two tokens a
     tdpbssd: each token's lo and hi rows of the last unit's stored tiles loaded, and its
     accumulator loaded and stored (pair j of tile r at (r * PAIRS + j) * acc_span: 2048 spreads
-    them over 32 KB, as amx.py's are; 0 keeps one 2 KB set in L1)."""
+    them over 32 KB, as the tiled gemm's are; 0 keeps one 2 KB set in L1)."""
     a = k.add(k.mul(i, 256), k.mul(j, 32 * STRIDE))
     w = k.add(k.mul(i, ROOM), k.mul(r, BLOCKS * ROOM))
     half = k.mul(k.b.and_(r, k.i64(1)), 4096)
@@ -172,7 +172,7 @@ def main() -> None:
         "tdpbssd beside 24 FMAs each": (_with_fmas(24), 2000, ("a tdpbssd", 256)),
         "tileloadd, rows on lines": (lambda m, n: _kernel(m, n, _loads(64 * 1024)), 50000, ("a tileloadd", 4)),
         "tileloadd, rows off lines": (lambda m, n: _kernel(m, n, _loads(64 * 1024 + 8)), 50000, ("a tileloadd", 4)),
-        "units as amx.py issues them": (lambda m, n: _kernel(m, n, _panel(_unit_now)), 20,
+        "units as the tiled gemm issues them": (lambda m, n: _kernel(m, n, _panel(_unit_now)), 20,
                                         ("16 tdpbssd", per_pass // 16)),
         "units, steps' memory, acc L1": (lambda m, n: _kernel(m, n, _panel(
             lambda k, i, j, r: _unit_now(k, i, j, r, 0))), 20, ("16 tdpbssd", per_pass // 16)),

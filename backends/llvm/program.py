@@ -421,11 +421,7 @@ def laid_out(value, aval, layout: str) -> _Laid:
 
 def own_pages(nbytes: int) -> np.ndarray:
     """``nbytes`` of memory of its own (uint8), page aligned, given back to the system when the last
-    view of it goes. In 4 KB pages: huge pages bought nothing. This used to madvise a shared anonymous
-    mapping for them, which Linux ignores unless shmem huge pages are on (off by default); a private
-    mapping does get them, and on a Xeon (1B-shaped q4_k_m decode, 1 and 2 threads, alternating
-    rounds in one process) it ran no faster and kept 150 MB (20%) more resident, each weight rounded
-    up to whole 2 MB pages."""
+    view of it goes. In 4 KB pages: 2 MB pages ran no faster and kept more resident (docs/kernels.md)."""
     import mmap
     return np.frombuffer(mmap.mmap(-1, max(nbytes, 1)), np.uint8)[:nbytes]
 

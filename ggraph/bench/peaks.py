@@ -8,8 +8,7 @@ core clock and the f32 and int8 peaks of a feature set, from native loops that d
   target (vpdpbusd, pmaddubsw + pmaddwd, sdot): 2 ops per byte lane.
 - tiles (AMX sets only): four independent tdpbssd tile multiplies, 16 x 16 x 64 multiply-adds
   each, as the tiled quantised GEMM issues them, of operand tiles holding random bytes: the tile
-  unit is quicker on zeros (on a Sapphire Rapids Xeon, 16.0 cycles a multiply of zero tiles and
-  19.5 of random, ones, or small values: a peak measured on zeros is 1.22x too high).
+  unit is quicker on zeros, so a peak measured on zeros reads too high (docs/kernels.md).
 
 Enough independent chains cover every latency, so each figure is the throughput of the
 instruction on all the threads at once.

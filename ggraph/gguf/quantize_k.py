@@ -603,8 +603,7 @@ WEIGHTED_LEGACY: dict[DType, Callable] = {
 
 
 # elements per step: the searches loop in Python over candidates and a block's elements, so a step
-# must be wide enough to hide that loop's overhead, yet keep its temporaries in L2 (q4_k of a
-# 512x8192 matrix: 2^16 -> 1.8-3.1 s, 2^17 -> 1.3 s, 2^19 -> 1.3 s, on a loaded 2-core Zen 3)
+# must be wide enough to hide that loop's overhead, yet keep its temporaries in L2 (docs/performance.md)
 _CHUNK = 1 << 17
 
 
