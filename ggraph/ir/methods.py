@@ -1,5 +1,6 @@
 """Tracer operators and methods, spelled as numpy spells them: ``x + y``, ``x @ w``, ``x[:, :64]``,
-``x.reshape(T, H, D)``, ``x.T``, ``x.astype("f16")``, ``x.sum()``.
+``x.reshape(T, H, D)``, ``x.T``, ``x.astype("f16")``, ``x.sum()``, ``x < y`` (an i8 mask; ``==`` stays
+Python's identity test, so Tracers still hash: ``ops.equal`` compares values).
 
 Each records the primitives of ``ggraph.ir.prims``; importing this module attaches them to
 ``Tracer`` (as JAX's array methods attach to its tracers).
@@ -71,7 +72,7 @@ _METHODS = {
     "__truediv__": P.div, "__rtruediv__": lambda s, o: P.div(o, s),
     "__neg__": P.neg,
     "__matmul__": dot, "__rmatmul__": lambda s, o: dot(o, s),
-    "__lt__": P.less, "__gt__": lambda s, o: P.less(o, s),
+    "__lt__": P.less, "__gt__": P.greater, "__le__": P.less_equal, "__ge__": P.greater_equal,
     "__getitem__": index,
     "reshape": _reshape,
     "transpose": _transpose,

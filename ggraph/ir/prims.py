@@ -4,7 +4,10 @@ Conventions (ggml's, so quantised weights never need a transpose):
 - ``matmul a b`` contracts the LAST axis of both: a[..., M, K], b[..., N, K] -> [..., M, N].
 - reductions (``reduce_sum``, ``reduce_max``) run over the last axis and keep it as size 1.
 - binary elementwise ops broadcast numpy-style (trailing dims equal, or 1).
-- ``less`` yields an i8 mask of 0/1, which ``where`` consumes.
+- comparisons (``less``, ``greater``, ``equal``, ...) yield an i8 mask of 0/1, which ``where`` consumes and
+  ``cast(mask, f32)`` turns into 0.0/1.0 for arithmetic.
+- routing: ``top_k`` and ``argmax`` over the last axis, ``take_along_axis`` (numpy's gather along any axis),
+  ``segment_sum`` (rows summed into segments in increasing row order).
 - ``cache_update cache x pos`` writes x's rows into cache at row ``pos`` and returns the cache.
   Its numpy rule writes in place: the cache operand is donated.
 
@@ -30,9 +33,11 @@ from ggraph.ir.graph import Literal
 from ggraph.ir.primitive import Primitive, ShapeError, register
 from ggraph.ir.trace import Op, Tracer, bind, to_atom
 
-__all__ = ["add", "sub", "mul", "div", "maximum", "less", "neg", "exp", "log", "sqrt", "rsqrt", "tanh", "sin",
+__all__ = ["add", "sub", "mul", "div", "maximum", "less", "greater", "less_equal", "greater_equal", "equal",
+           "not_equal", "neg", "exp", "log", "sqrt", "rsqrt", "tanh", "sin",
            "cos", "fma", "where", "cast", "reduce_sum", "reduce_mean", "reduce_max", "reshape", "transpose",
-           "broadcast_to", "slice", "concat", "take", "matmul", "dequant", "iota", "cache_update", "elementwise"]
+           "broadcast_to", "slice", "concat", "take", "matmul", "dequant", "iota", "cache_update", "elementwise",
+           "top_k", "argmax", "take_along_axis", "segment_sum"]
 
 
 class Blocks:
@@ -123,6 +128,19 @@ def _emit_less(ev, x, y):
     b = ev.b
     c = b.fcmp_ordered("<", x, y) if ev.is_float(x) else b.icmp_signed("<", x, y)
     return b.zext(c, ev.typ(x, "i8"))
+
+
+def _compare(pred: str):
+    """An i8 mask of ``x pred y`` (0/1): floats compare ordered (False where either is NaN), except ``!=``,
+    which is True there, as numpy's; integers compare signed."""
+    def emit(ev, x, y):
+        b = ev.b
+        if not ev.is_float(x):
+            c = b.icmp_signed(pred, x, y)
+        else:
+            c = b.fcmp_unordered(pred, x, y) if pred == "!=" else b.fcmp_ordered(pred, x, y)
+        return b.zext(c, ev.typ(x, "i8"))
+    return emit
 
 
 def _emit_where(ev, c, x, y):
@@ -219,6 +237,20 @@ div_p = elementwise("div", np.divide, arity=2, emit=_arith("fdiv", None), simpli
 max_p = elementwise("max", np.maximum, arity=2, emit=_emit_max)
 less_p = elementwise("less", lambda x, y: np.less(x, y).astype(np.int8), arity=2,
                      shape=_binary_shape("less", out_dtype=i8), emit=_emit_less)
+
+
+def comparison(name: str, numpy_rule, pred: str) -> Primitive:
+    """An elementwise comparison of two operands of one dtype (f32, f16, i32, i8): an i8 mask of 0/1, which
+    ``where`` takes and ``cast(mask, f32)`` turns into 0.0/1.0 for arithmetic."""
+    return elementwise(name, lambda x, y: numpy_rule(x, y).astype(np.int8), arity=2,
+                       shape=_binary_shape(name, out_dtype=i8), emit=_compare(pred))
+
+
+greater_p = comparison("greater", np.greater, ">")
+less_equal_p = comparison("less_equal", np.less_equal, "<=")
+greater_equal_p = comparison("greater_equal", np.greater_equal, ">=")
+equal_p = comparison("equal", np.equal, "==")
+not_equal_p = comparison("not_equal", np.not_equal, "!=")
 
 
 def _where_shape(c, x, y):
@@ -542,6 +574,114 @@ cache_update_p = register("cache_update", shape=_cache_update_shape, impl=_cache
 
 
 # ---------------------------------------------------------------------------------------
+# routing: top_k, argmax, take_along_axis, segment_sum (a mixture-of-experts router's ops)
+# ---------------------------------------------------------------------------------------
+
+def _rank_order(x: np.ndarray) -> np.ndarray:
+    """Indices along the last axis from the largest value down: NaN above every number, equal values
+    (NaNs among them, and -0.0 with 0.0) in increasing index order."""
+    nan = np.isnan(x)                              # lexsort is stable; its last key is the first
+    return np.lexsort((np.where(nan, 0, -x), ~nan), axis=-1).astype(np.int32)
+
+
+def _top_k_shape(x, *, k):
+    _require_plain("top_k", x)
+    if x.dtype is not f32 or x.ndim == 0:
+        raise ShapeError(f"top_k: needs an f32 operand of at least 1 dim, got {x}")
+    n = x.shape[-1]
+    if not isinstance(k, int) or k < 1 or (isinstance(n, int) and k > n):
+        raise ShapeError(f"top_k: k={k} must be an int in 1..{n} (the last dim of {x})")
+    return x.update(shape=x.shape[:-1] + (k,)), Aval(x.shape[:-1] + (k,), i32)
+
+
+def _top_k_impl(x, *, k):
+    if x.shape[-1] < k:
+        raise ValueError(f"top_k: k={k} is more than the last dim of x {x.shape}")
+    idx = _rank_order(x)[..., :k]
+    return np.take_along_axis(x, idx, -1), idx
+
+
+def _scan_cost(eqn, dims):
+    """One comparison per element of the operand (a row is read once; top_k's inserts are rare)."""
+    return eqn.inputs[0].aval.numel(dims), io_bytes(eqn, dims)
+
+
+top_k_p = register("top_k", shape=_top_k_shape, impl=_top_k_impl, cost=_scan_cost, multiple_results=True,
+                   doc="the k largest values along the last axis and their indices, from the largest down")
+
+
+def _argmax_shape(x):
+    _require_plain("argmax", x)
+    if x.dtype is not f32 or x.ndim == 0:
+        raise ShapeError(f"argmax: needs an f32 operand of at least 1 dim, got {x}")
+    return Aval(x.shape[:-1], i32)
+
+
+argmax_p = register("argmax", shape=_argmax_shape, cost=_scan_cost,
+                    impl=lambda x: np.argmax(x, axis=-1).astype(np.int32),
+                    doc="the index of the first maximum along the last axis (of the first NaN, if any)")
+
+
+def _take_along_axis_shape(x, idx, *, axis):
+    _require_plain("take_along_axis", x)
+    if x.dtype not in (f32, i32) or idx.dtype is not i32:
+        raise ShapeError(f"take_along_axis: x must be f32 or i32 and idx i32, got {x} and {idx}")
+    if x.ndim == 0 or x.ndim != idx.ndim or not -x.ndim <= axis < x.ndim:
+        raise ShapeError(f"take_along_axis: x {x} and idx {idx} must have one rank (at least 1) and axis {axis} "
+                         f"be one of its axes")
+    ax = axis % x.ndim
+    if any(a != b for i, (a, b) in enumerate(zip(x.shape, idx.shape)) if i != ax):
+        raise ShapeError(f"take_along_axis: x {x} and idx {idx} differ off axis {axis}")
+    return x.update(shape=idx.shape)
+
+
+def _take_along_axis_impl(x, idx, *, axis):
+    n = x.shape[axis]
+    bad = (idx < 0) | (idx >= n)
+    if bad.any():
+        raise IndexError(f"take_along_axis: index {int(idx[bad].reshape(-1)[0])} is out of range for axis {axis} "
+                         f"of length {n}")
+    return np.take_along_axis(x, idx, axis)
+
+
+def _take_along_axis_cost(eqn, dims):
+    """The indices, one element of x per output element, and the output."""
+    idx, out = eqn.inputs[1].aval, eqn.outputs[0].aval
+    return 0, idx.nbytes(dims) + 2 * out.nbytes(dims)
+
+
+take_along_axis_p = register("take_along_axis", shape=_take_along_axis_shape, impl=_take_along_axis_impl,
+                             cost=_take_along_axis_cost, kind="memory",
+                             doc="numpy's take_along_axis: out[..., j, ...] = x[..., idx[..., j, ...], ...]")
+
+
+def _segment_sum_shape(values, ids, *, num_segments):
+    _require_plain("segment_sum", values)
+    if values.dtype is not f32 or values.ndim == 0:
+        raise ShapeError(f"segment_sum: values must be f32 [M, ...], got {values}")
+    if ids.dtype is not i32 or ids.shape != values.shape[:1]:
+        raise ShapeError(f"segment_sum: segment ids must be i32[{values.shape[0]}], one per row of {values}, "
+                         f"got {ids}")
+    if isinstance(num_segments, int) and num_segments < 1:
+        raise ShapeError(f"segment_sum: num_segments must be at least 1, got {num_segments}")
+    return values.update(shape=(num_segments,) + values.shape[1:])
+
+
+def _segment_sum_impl(values, ids, *, num_segments):
+    bad = (ids < 0) | (ids >= num_segments)
+    if bad.any():
+        raise IndexError(f"segment_sum: segment id {int(ids[bad][0])} is out of range for {num_segments} "
+                         f"segments")
+    out = np.zeros((num_segments,) + values.shape[1:], values.dtype)
+    np.add.at(out, ids, values)                  # unbuffered, in increasing row order: f32 sums as llvm's
+    return out
+
+
+segment_sum_p = register("segment_sum", shape=_segment_sum_shape, impl=_segment_sum_impl, cost=_scan_cost,
+                         doc="out[s] = the sum of values[m] over the rows m with ids[m] = s, in increasing m")
+
+
+# ---------------------------------------------------------------------------------------
 # the functions models call
 # ---------------------------------------------------------------------------------------
 
@@ -551,6 +691,11 @@ def mul(x, y): return bind(mul_p, x, y)
 def div(x, y): return bind(div_p, x, y)
 def maximum(x, y): return bind(max_p, x, y)
 def less(x, y): return bind(less_p, x, y)
+def greater(x, y): return bind(greater_p, x, y)
+def less_equal(x, y): return bind(less_equal_p, x, y)
+def greater_equal(x, y): return bind(greater_equal_p, x, y)
+def equal(x, y): return bind(equal_p, x, y)
+def not_equal(x, y): return bind(not_equal_p, x, y)
 def neg(x): return bind(neg_p, x)
 def exp(x): return bind(exp_p, x)
 def log(x): return bind(log_p, x)
@@ -622,3 +767,38 @@ def take(table, ids):
 def matmul(a, b):
     """``a · bᵀ`` over the last axes: a[..., M, K], b[..., N, K] -> [..., M, N] (ggml's mul_mat)."""
     return bind(matmul_p, a, b)
+
+
+def top_k(x, k: int):
+    """The ``k`` largest values of f32 ``x`` along the last axis and their indices, from the largest down:
+    ``(values f32[..., k], indices i32[..., k])``.
+
+    Ties: equal values come in increasing index order. That is llama.cpp's order for its routers
+    (``ggml_argsort_top_k``: a descending ``std::sort`` of the indices, which libstdc++ does by insertion,
+    a stable sort, for rows of up to 16; on longer rows std::sort leaves the order of exact ties
+    unspecified, and ggraph keeps the stable one). NaN counts as larger than every number (as numpy's
+    argmax has it), so ``top_k(x, 1)`` picks ``argmax(x)``."""
+    return bind(top_k_p, x, k=int(k))
+
+
+def argmax(x):
+    """The index (i32) of the largest value of f32 ``x`` along the last axis, which is dropped: the first
+    of equal maxima, and the first NaN if there is one, as numpy's ``argmax`` and llama.cpp's greedy
+    sampler pick. (ggml's own ``ggml_argmax`` keeps the last of equal maxima.)"""
+    return bind(argmax_p, x)
+
+
+def take_along_axis(x, idx, axis: int):
+    """numpy's ``take_along_axis``: x (f32 or i32) and idx (i32) of one rank, equal off ``axis``; out has
+    idx's shape and ``out[..., j, ...] = x[..., idx[..., j, ...], ...]``. An index outside
+    ``0..x.shape[axis]-1`` is an error (negative indices do not wrap). E.g. the router's probabilities of
+    the chosen experts: ``take_along_axis(probs, top_k(logits, k)[1], -1)``."""
+    return bind(take_along_axis_p, x, idx, axis=int(axis))
+
+
+def segment_sum(values, segment_ids, num_segments):
+    """Rows of ``values`` [M, ...] summed by segment: ``out[s] = sum(values[m] for m with segment_ids[m] == s)``,
+    out [num_segments, ...], zero for a segment no row names. Sums run in increasing row order, so every
+    backend rounds alike; num_segments may be symbolic (``"T"``, for expert outputs combined per token)."""
+    return bind(segment_sum_p, values, segment_ids, num_segments=as_dim(num_segments))
+

@@ -20,7 +20,7 @@ from ggraph.ir.dtypes import Aval, ParamAval
 from ggraph.ir.graph import Eqn, Graph, Literal, Var
 from ggraph.ir.primitive import get_primitive
 
-DIM_PARAMS = {"shape", "n", "start", "stop"}     # params whose values are dims (ints or symbols)
+DIM_PARAMS = {"shape", "n", "start", "stop", "num_segments"}     # params whose values are dims (ints or symbols)
 
 _DECL = re.compile(r"([A-Za-z_]\w*):(\w+)\[([^\]]*)\]")
 _HEADER = re.compile(r"\{\s*lambda\s*;(.*)\.\s*let\s*$")
