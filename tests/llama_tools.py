@@ -9,6 +9,8 @@ The tools come from the same llama.cpp as the installed llama-cpp-python: its so
 (``~/.cache/ggraph`` by default). ``$GGRAPH_LLAMA_TOOLS`` names a directory of ready binaries
 instead. A lock file keeps parallel test processes from building twice; a failed build is
 remembered (delete its ``build.log`` beside the tools to retry) so that later tests skip at once.
+
+    src = llama_cpp_source()                  # the extracted vendor/llama.cpp (convert_hf_to_gguf.py, gguf-py)
 """
 from __future__ import annotations
 
@@ -49,19 +51,46 @@ def llama_tool(name: str) -> Path:
     return bin_dir / name
 
 
-@lru_cache(maxsize=1)
-def _built() -> tuple[Path | None, str | None]:
-    """(bin directory, None) once every tool is built, or (None, why not)."""
+def llama_cpp_source() -> Path:
+    """The llama.cpp source of the installed llama-cpp-python (its sdist's ``vendor/llama.cpp``),
+    downloaded and extracted once beside the tools built from it, or skip."""
+    version, flags, root = _where()
+    if version is None:
+        pytest.skip(root)
+    src = root / "src"
+    with open(root / "lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (src / "convert_hf_to_gguf.py").is_file():
+            log = root / "source.log"
+            with open(log, "w") as out:
+                if not _fetch_source(version, root, out):
+                    pytest.skip(f"could not download llama-cpp-python {version}'s source (see {log})")
+            log.unlink()
+    return src
+
+
+def _where() -> tuple[str | None, str, Path | str]:
+    """(llama-cpp-python version, cmake flags, the cache directory of its source and tools), or
+    (None, "", why not)."""
     try:
         version = metadata.version("llama_cpp_python")
     except metadata.PackageNotFoundError:
-        return None, "llama-cpp-python is not installed: its source is where llama.cpp's tools come from"
-    missing = [t for t in ("cmake", "c++") if shutil.which(t) is None]
-    if missing:
-        return None, f"cannot build llama.cpp's tools: {', '.join(missing)} not found"
+        return None, "", "llama-cpp-python is not installed: its source is where llama.cpp's tools come from"
     flags = " ".join((cmake_args(cpu_flags(), platform.machine()), *_CMAKE_FIXED))
     root = _cache_dir() / f"{version}-{hashlib.sha256(flags.encode()).hexdigest()[:10]}"
     root.mkdir(parents=True, exist_ok=True)
+    return version, flags, root
+
+
+@lru_cache(maxsize=1)
+def _built() -> tuple[Path | None, str | None]:
+    """(bin directory, None) once every tool is built, or (None, why not)."""
+    version, flags, root = _where()
+    if version is None:
+        return None, root
+    missing = [t for t in ("cmake", "c++") if shutil.which(t) is None]
+    if missing:
+        return None, f"cannot build llama.cpp's tools: {', '.join(missing)} not found"
     bin_dir, log = root / "build" / "bin", root / "build.log"
     with open(root / "lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)          # one builder; the others wait, then find the binaries
@@ -77,21 +106,27 @@ def _built() -> tuple[Path | None, str | None]:
         return bin_dir, None
 
 
+def _fetch_source(version: str, root: Path, out) -> bool:
+    """Download the sdist of llama-cpp-python ``version`` and move its vendor/llama.cpp to ``root/src``."""
+    src, dl = root / "src", root / "sdist"
+    step = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+            f"llama-cpp-python=={version}", "-d", str(dl)]
+    if subprocess.run(step, stdout=out, stderr=subprocess.STDOUT).returncode:
+        return False
+    with tarfile.open(next(dl.glob("llama_cpp_python-*.tar.gz"))) as tar:
+        tar.extractall(dl, filter="data")
+    vendored = next(dl.glob("llama_cpp_python-*/vendor/llama.cpp"))
+    shutil.rmtree(src, ignore_errors=True)
+    vendored.rename(src)
+    shutil.rmtree(dl)
+    return True
+
+
 def _build(version: str, flags: list[str], root: Path, out) -> bool:
-    """Download the sdist of llama-cpp-python ``version`` and build TOOLS under ``root/build``."""
+    """Build TOOLS under ``root/build`` from the source of llama-cpp-python ``version`` (fetched if needed)."""
     src = root / "src"
-    if not (src / "CMakeLists.txt").is_file():
-        dl = root / "sdist"
-        step = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-                f"llama-cpp-python=={version}", "-d", str(dl)]
-        if subprocess.run(step, stdout=out, stderr=subprocess.STDOUT).returncode:
-            return False
-        with tarfile.open(next(dl.glob("llama_cpp_python-*.tar.gz"))) as tar:
-            tar.extractall(dl, filter="data")
-        vendored = next(dl.glob("llama_cpp_python-*/vendor/llama.cpp"))
-        shutil.rmtree(src, ignore_errors=True)
-        vendored.rename(src)
-        shutil.rmtree(dl)
+    if not (src / "CMakeLists.txt").is_file() and not _fetch_source(version, root, out):
+        return False
     gen = ["-G", "Ninja"] if shutil.which("ninja") else []
     configure = ["cmake", "-S", str(src), "-B", str(root / "build"), *gen, *flags]
     build = ["cmake", "--build", str(root / "build"), "-j", str(os.cpu_count() or 2), "--target", *TOOLS]

@@ -1,0 +1,180 @@
+"""Tiny random-weight Hugging Face models of the newer families, converted to GGUF by llama.cpp itself.
+
+    path = hf_models.converted("qwen3", "q4_k_m")     # a GGUF file, made once per arguments
+    want = hf_models.hf_logits("qwen3", ids)          # transformers' f32 logits of the same weights
+
+Each model is made with ``transformers`` (a fixed seed, norm weights moved off 1 so that they
+count), saved as a Hugging Face folder with a tokenizer, converted to an f32 GGUF by
+``convert_hf_to_gguf.py`` from the llama.cpp source of the installed llama-cpp-python
+(``llama_tools.llama_cpp_source()``, run with its own ``gguf-py``), and quantised to q8_0 and
+Q4_K_M by llama.cpp's ``llama_model_quantize``. Everything lands in
+``$TMPDIR/ggraph-hf-<key>/``, where the key hashes the arguments, this file, the tokenizer code
+it borrows from test_convert.py and the versions of every package that decides the bytes.
+
+Tokenizers: llama.cpp's converter names a BPE pre-tokenizer by the hash of a real vocabulary's
+output, so a BPE trained here is refused. qwen3 takes the converter's SentencePiece path
+(test_convert's 400-piece model); olmo2 has no such path and gets GPT-2's real BPE, rebuilt
+from tests/data/vocab/ggml-vocab-gpt-2.gguf, which the converter recognises as "gpt-2".
+"""
+from __future__ import annotations
+
+import hashlib
+import inspect
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from functools import lru_cache
+from importlib import metadata
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import llama_tools
+import zoo
+
+# llama.cpp ftype per mix (LLAMA_FTYPE_MOSTLY_Q8_0, _Q4_K_M); f32 is the converter's own output
+MIXES = {"f32": None, "q8_0": 7, "q4_k_m": 15}
+
+# widths of whole 256-blocks, so that Q4_K_M gives real q4_k/q6_k rows
+DIMS = dict(hidden_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            intermediate_size=512, max_position_embeddings=512, initializer_range=0.1)
+
+# family -> (transformers config class, model class, config overrides, tokenizer, vocabulary size)
+FAMILIES = {
+    # Qwen3-0.6B's proportions: heads wider than hidden/heads (n_head x head_dim = 2 x hidden), tied output
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM",
+              dict(head_dim=128, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                   rope_parameters=dict(rope_type="default", rope_theta=20000.0)), "spm", 416),
+    # OLMo 2: post-norms only, q/k norms over whole projections, untied; the vocabulary padded past
+    # the tokenizer's 50257 to a multiple of 64, as OLMo's is
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM",
+              dict(bos_token_id=None, eos_token_id=50256, pad_token_id=50256, rms_norm_eps=1e-6,
+                   rope_parameters=dict(rope_type="default", rope_theta=500000.0)), "gpt-2", 50304),
+}
+
+
+def converted(family: str, mix: str = "f32", **overrides) -> Path:
+    """The GGUF file of ``family``'s tiny model (config ``overrides`` applied) as ``mix``, made once."""
+    if mix not in MIXES:
+        raise ValueError(f"hf_models: unknown mix {mix!r}; known: {', '.join(MIXES)}")
+    return _made(family, tuple(sorted(overrides.items()))) / f"{family}-{mix}.gguf"
+
+
+def hf_folder(family: str, **overrides) -> Path:
+    """The saved Hugging Face folder (config, safetensors, tokenizer) the GGUF files come from."""
+    return _made(family, tuple(sorted(overrides.items()))) / "hf"
+
+
+def hf_logits(family: str, ids, **overrides) -> np.ndarray:
+    """transformers' float32 logits [T, V] of ``ids`` (one sequence, no BOS added) on the saved model."""
+    import torch
+    model = _hf_model(hf_folder(family, **overrides))
+    with torch.no_grad():
+        return model(torch.tensor([list(map(int, ids))])).logits[0].float().numpy()
+
+
+@lru_cache(maxsize=4)
+def _hf_model(folder: Path):
+    import transformers
+    return transformers.AutoModelForCausalLM.from_pretrained(folder, dtype="float32").eval()
+
+
+# -- making them --------------------------------------------------------------------------------
+
+@lru_cache(maxsize=None)
+def _made(family: str, overrides: tuple) -> Path:
+    """The cache folder holding ``hf/`` and ``<family>-<mix>.gguf`` for every mix, built if absent."""
+    if family not in FAMILIES:
+        raise ValueError(f"hf_models: unknown family {family!r}; known: {', '.join(FAMILIES)}")
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    pytest.importorskip("llama_cpp", reason="llama.cpp converts and quantises these models")
+    folder = Path(tempfile.gettempdir()) / f"ggraph-hf-{family}-{cache_key(family, dict(overrides))}"
+    if (folder / "done").exists():
+        return folder
+    src = llama_tools.llama_cpp_source()
+    tmp = Path(tempfile.mkdtemp(prefix=f".{family}-", dir=folder.parent))
+    try:
+        build_hf_model(tmp / "hf", family, **dict(overrides))
+        f32 = tmp / f"{family}-f32.gguf"
+        convert_with_llama_cpp(src, tmp / "hf", f32)
+        for mix, ftype in MIXES.items():
+            if ftype is not None:
+                zoo.llama_quantize(f32, tmp / f"{family}-{mix}.gguf", ftype, what=f"{family} {mix}")
+        (tmp / "done").touch()
+        try:
+            tmp.rename(folder)                # atomic: another process may have won the race
+        except OSError:
+            if not (folder / "done").exists():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return folder
+
+
+def build_hf_model(folder: Path, family: str, **overrides) -> None:
+    """Save a tiny random ``family`` model and its tokenizer into ``folder``."""
+    import torch
+    import transformers
+    config_cls, model_cls, over, tokenizer, n_vocab = FAMILIES[family]
+    config = getattr(transformers, config_cls)(**(DIMS | {"vocab_size": n_vocab} | over | overrides))
+    torch.manual_seed(0)
+    model = getattr(transformers, model_cls)(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:                # off their initial 1s, so that a missed norm shows
+                p.add_(torch.randn_like(p) * 0.3)
+    folder.mkdir(parents=True)
+    model.save_pretrained(folder)
+    if tokenizer == "spm":
+        from test_convert import write_tokenizer
+        write_tokenizer(folder, "spm")
+    else:
+        write_gpt2_tokenizer(folder)
+
+
+def write_gpt2_tokenizer(folder: Path) -> None:
+    """GPT-2's byte-level BPE (tokens and merges from llama.cpp's vocab file) as a tokenizer.json."""
+    import tokenizers as tk
+    from ggraph.gguf import GGUFFile
+    with GGUFFile(str(zoo.VOCAB_DIR / zoo.VOCABS["gpt-2"])) as f:
+        tokens = list(f.metadata["tokenizer.ggml.tokens"])
+        merges = [tuple(m.split(" ")) for m in f.metadata["tokenizer.ggml.merges"]]
+    tok = tk.Tokenizer(tk.models.BPE({t: i for i, t in enumerate(tokens)}, merges))
+    tok.pre_tokenizer = tk.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = tk.decoders.ByteLevel()
+    tok.post_processor = tk.processors.ByteLevel(trim_offsets=False)
+    tok.add_special_tokens([tk.AddedToken("<|endoftext|>", special=True)])
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>"}))
+
+
+def convert_with_llama_cpp(src: Path, folder: Path, out: Path) -> Path:
+    """``python convert_hf_to_gguf.py folder --outfile out --outtype f32`` from llama.cpp's source
+    ``src``, importing that source's own gguf-py."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(src / "gguf-py"),
+                                                                   os.environ.get("PYTHONPATH")])))
+    cmd = [sys.executable, str(src / "convert_hf_to_gguf.py"), str(folder), "--outfile", str(out), "--outtype", "f32"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    if proc.returncode or not out.is_file():
+        raise RuntimeError(f"hf_models: {' '.join(cmd)} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    return out
+
+
+def cache_key(family: str, overrides: dict) -> str:
+    """Hash of what decides the files' bytes: the arguments, this file, the borrowed tokenizer code,
+    GPT-2's vocab file and the versions of the packages that make, convert and quantise them."""
+    h = hashlib.sha256(Path(__file__).read_bytes())
+    h.update(json.dumps([family, sorted(overrides.items())], default=repr).encode())
+    import test_convert
+    for part in (test_convert.CORPUS, test_convert.write_tokenizer, test_convert._train_sentencepiece):
+        h.update((part if isinstance(part, str) else inspect.getsource(part)).encode())
+    h.update((zoo.VOCAB_DIR / zoo.VOCABS["gpt-2"]).read_bytes())
+    for package in ("llama_cpp_python", "transformers", "torch", "tokenizers", "sentencepiece"):
+        h.update(f"{package}={metadata.version(package)}".encode())
+    return h.hexdigest()[:16]
