@@ -20,6 +20,7 @@ from ggraph.backends.llvm import kernels as K
 from ggraph.backends.llvm.kernels import attention as A
 from ggraph.backends.llvm.kernels import elementwise as E
 from ggraph.backends.llvm.kernels import plain_ops as G
+from ggraph.backends.llvm.kernels import routing as R
 from ggraph.backends.llvm.lowering import LOWERINGS, ActBytes, FixedBytes, Lowering, LoweringError, lowering, rows, symbol_args
 
 
@@ -276,3 +277,47 @@ def _rope_attention(lw, e):
     lw.alias(e.outputs[1], refs["k_cache"])
     lw.alias(e.outputs[2], refs["v_cache"])
 
+
+
+# -- routing: top_k, argmax, take_along_axis, segment_sum ---------------------------------------
+
+@lowering(P.top_k_p)
+def _top_k(lw, e):
+    x = e.inputs[0]
+    values, indices = (lw.output(o) for o in e.outputs)
+    lw.call(lw.kernel(R.top_k, e.params["k"], lw.target), lw.ref(x), values, indices, rows(x.aval),
+            x.aval.shape[-1], writes=(values, indices))
+
+
+@lowering(P.argmax_p)
+def _argmax(lw, e):
+    x = e.inputs[0]
+    out = lw.output(e.outputs[0])
+    lw.call(lw.kernel(R.argmax, lw.target), lw.ref(x), out, rows(x.aval), x.aval.shape[-1], writes=(out,))
+
+
+@lowering(P.take_along_axis_p)
+def _take_along_axis(lw, e):
+    """x as [outer, L, inner] and idx as [outer, J, inner] around the axis; an index outside 0..L-1 sets a
+    status slot that the run turns into an error."""
+    x, idx = e.inputs
+    ax = e.params["axis"] % x.aval.ndim
+    L = x.aval.shape[ax]
+    out = lw.output(e.outputs[0])
+    status = lw.status(f"{e.prim.name} at {e.scope or 'top'}: index {{id}} is out of range for axis {ax} of "
+                       f"{x.aval} (length {L})")
+    lw.call(lw.kernel(R.take_along_axis, lw.target), lw.ref(x), lw.ref(idx), out, status,
+            product(x.aval.shape[:ax]), L, idx.aval.shape[ax], product(x.aval.shape[ax + 1:]),
+            writes=(out, status))
+
+
+@lowering(P.segment_sum_p)
+def _segment_sum(lw, e):
+    """Threads split the output segments; a segment id outside 0..S-1 sets a status slot."""
+    values, ids = e.inputs
+    S = e.params["num_segments"]
+    out = lw.output(e.outputs[0])
+    status = lw.status(f"{e.prim.name} at {e.scope or 'top'}: segment id {{id}} is out of range for {S} "
+                       f"segments")
+    lw.call(lw.kernel(R.segment_sum, lw.target), lw.ref(values), lw.ref(ids), out, status,
+            values.aval.shape[0], S, product(values.aval.shape[1:]), writes=(out, status))
