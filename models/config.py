@@ -48,8 +48,10 @@ class ModelConfig:
     fused_qkv: bool = False             # one attn_qkv weight (phi3)
     fused_gate_up: bool = False         # ffn_up holds gate then up (phi3)
     qkv_bias: bool = False              # q/k/v biases (qwen2)
-    post_norms: bool = False            # gemma's post-attention and post-FFN norms
-    qk_norm: bool = False               # RMS norm on q and k per head (gemma3)
+    pre_norms: bool = True              # RMS norms before attention and the FFN (OLMo 2 has none)
+    post_norms: bool = False            # post-attention and post-FFN norms (gemma, olmo2)
+    qk_norm: bool | str = False         # RMS norm of q and k: "head" (or True) per head (gemma3, qwen3),
+    #                                     "full" over all heads' q and k at once (olmo2)
     embed_scale: float | None = None    # multiply embeddings by this (gemma: sqrt(n_embd))
     attn_scale: float = 0.0             # q·k scale; 0 means 1/sqrt(head_dim)
     attn_softcap: float | None = None   # gemma2
@@ -215,6 +217,8 @@ def _check_flags(cfg: ModelConfig) -> None:
         raise ValueError(f"{cfg.arch}: rope_style {cfg.rope_style!r} must be neox or interleaved")
     if cfg.act not in ("silu", "gelu_tanh"):
         raise ValueError(f"{cfg.arch}: act {cfg.act!r} must be silu or gelu_tanh")
+    if cfg.qk_norm not in (False, True, "head", "full"):
+        raise ValueError(f"{cfg.arch}: qk_norm {cfg.qk_norm!r} must be False, \"head\" (or True) or \"full\"")
 
 
 _BLOCK = re.compile(r"blk\.(\d+)\.")

@@ -95,7 +95,7 @@ class Layer:
 def attention(cfg: ModelConfig, blk: Layer, i: int, x, pos, P, k_cache, v_cache, rope_factors, slots=None):
     T = x.shape[0]
     H, Hkv, Dh, Dv = cfg.n_head, cfg.n_head_kv, cfg.head_dim, cfg.head_dim_v
-    h = ops.rms_norm(x, blk["attn_norm.weight"], eps=cfg.norm_eps)                # (T, D)
+    h = ops.rms_norm(x, blk["attn_norm.weight"], eps=cfg.norm_eps) if cfg.pre_norms else x   # (T, D)
     if cfg.fused_qkv:
         qkv = ops.linear(h, blk["attn_qkv.weight"])                                # (T, (H+2Hkv)Dh)
         q, k, v = qkv[:, :H * Dh], qkv[:, H * Dh:(H + Hkv) * Dh], qkv[:, (H + Hkv) * Dh:]
@@ -103,8 +103,11 @@ def attention(cfg: ModelConfig, blk: Layer, i: int, x, pos, P, k_cache, v_cache,
         q = ops.linear(h, blk["attn_q.weight"], blk.get("attn_q.bias"))           # (T, H*Dh)
         k = ops.linear(h, blk["attn_k.weight"], blk.get("attn_k.bias"))           # (T, Hkv*Dh)
         v = ops.linear(h, blk["attn_v.weight"], blk.get("attn_v.bias"))           # (T, Hkv*Dv)
+    if cfg.qk_norm == "full":                                                      # olmo2: all heads at once
+        q = ops.rms_norm(q, blk["attn_q_norm.weight"], eps=cfg.norm_eps)          # (T, H*Dh)
+        k = ops.rms_norm(k, blk["attn_k_norm.weight"], eps=cfg.norm_eps)          # (T, Hkv*Dh)
     q, k, v = q.reshape(T, H, Dh), k.reshape(T, Hkv, Dh), v.reshape(T, Hkv, Dv)
-    if cfg.qk_norm:
+    if cfg.qk_norm in (True, "head"):                                              # each head on its own
         q = ops.rms_norm(q, blk["attn_q_norm.weight"], eps=cfg.norm_eps)
         k = ops.rms_norm(k, blk["attn_k_norm.weight"], eps=cfg.norm_eps)
     lr = layer_rope(cfg, i)
@@ -131,7 +134,7 @@ def attention(cfg: ModelConfig, blk: Layer, i: int, x, pos, P, k_cache, v_cache,
 
 def ffn(cfg: ModelConfig, blk: Layer, x):
     F = cfg.n_ff
-    h = ops.rms_norm(x, blk["ffn_norm.weight"], eps=cfg.norm_eps)                 # (T, D)
+    h = ops.rms_norm(x, blk["ffn_norm.weight"], eps=cfg.norm_eps) if cfg.pre_norms else x   # (T, D)
     if cfg.fused_gate_up:
         gu = ops.linear(h, blk["ffn_up.weight"])                                   # (T, 2F)
         g, u = gu[:, :F], gu[:, F:]

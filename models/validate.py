@@ -108,7 +108,8 @@ def expected_shapes(cfg: ModelConfig, names: set) -> dict[str, tuple[tuple, str]
             out[name] = ((cfg.rope_dims // 2,), f"{a}.rope.dimension_count = {cfg.rope_dims} halved")
     for i in range(cfg.n_layer):
         b = f"blk.{i}."
-        out[b + "attn_norm.weight"] = ((D,), d)
+        if cfg.pre_norms:
+            out[b + "attn_norm.weight"] = ((D,), d)
         if cfg.fused_qkv:
             out[b + "attn_qkv.weight"] = (((H + 2 * Hkv) * Dh, D), f"({q}) + 2 × ({kv}) by {d}")
         else:
@@ -119,11 +120,15 @@ def expected_shapes(cfg: ModelConfig, names: set) -> dict[str, tuple[tuple, str]
             out[b + "attn_q.bias"] = ((H * Dh,), q)
             out[b + "attn_k.bias"] = ((Hkv * Dh,), kv)
             out[b + "attn_v.bias"] = ((Hkv * Dv,), vv)
-        if cfg.qk_norm:
+        if cfg.qk_norm == "full":
+            out[b + "attn_q_norm.weight"] = ((H * Dh,), q)
+            out[b + "attn_k_norm.weight"] = ((Hkv * Dh,), kv)
+        elif cfg.qk_norm:
             out[b + "attn_q_norm.weight"] = ((Dh,), f"{a}.attention.key_length = {Dh}")
             out[b + "attn_k_norm.weight"] = ((Dh,), f"{a}.attention.key_length = {Dh}")
         out[b + "attn_output.weight"] = ((D, H * Dv), f"{d} by {a}.attention.head_count × value_length = {H} × {Dv}")
-        out[b + "ffn_norm.weight"] = ((D,), d)
+        if cfg.pre_norms:
+            out[b + "ffn_norm.weight"] = ((D,), d)
         if cfg.post_norms:
             out[b + "post_attention_norm.weight"] = ((D,), d)
             out[b + "post_ffw_norm.weight"] = ((D,), d)

@@ -1,0 +1,129 @@
+"""qwen3 and olmo2 against llama.cpp and transformers, on models llama.cpp converted itself.
+
+Tiny random models are made with transformers and converted by llama.cpp's convert_hf_to_gguf.py,
+then quantised q8_0 and Q4_K_M by llama.cpp (hf_models.py, cached across runs). On each file, on
+both backends, ggraph's logits equal llama.cpp's at every position, from one prefill and token by
+token, with the dense families' tolerances (test_models.py, test_llvm_models.py): min cosine
+>= 0.995 and top-1 >= 0.9 everywhere, > 0.9995 and >= 0.95 for the llvm backend's q8 activations
+on quantised files, > 0.99999 on f32 files. On the f32 files transformers agrees with both
+(cosine >= 0.9999), greedy text equals llama.cpp's, and ``ggraph run`` generates.
+"""
+import numpy as np
+import pytest
+
+import hf_models
+import oracle
+from ggraph.models.config import config_from_gguf
+from ggraph.runtime.session import Session
+from test_models import EXACT, agreement
+
+FAMILIES = list(hf_models.FAMILIES)
+MIXES = list(hf_models.MIXES)
+BACKENDS = ["numpy", "llvm"]
+IDS = [int(t) for t in np.random.default_rng(0).integers(3, 400, 24)]     # ids both vocabularies hold
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+
+def session(path, backend, ctx=64):
+    return Session(path, backend=backend, threads=2, ctx=ctx, **EXACT)
+
+
+def assert_agrees(got, want, mix, backend, what):
+    cos, top1 = agreement(got, want)
+    assert cos >= 0.995 and top1 >= 0.9, (what, cos, top1)
+    if mix == "f32":                              # the same f32 arithmetic as llama.cpp
+        assert cos > 0.99999, (what, cos)
+    elif backend == "llvm":                       # q8 activations and integer dots, as ggml's
+        assert cos > 0.9995 and top1 >= 0.95, (what, cos, top1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("mix", MIXES)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_prefill_logits_match_llama_cpp(family, mix, backend):
+    path = hf_models.converted(family, mix)
+    got = session(path, backend).logits(IDS)
+    assert got.shape == (len(IDS), hf_models.FAMILIES[family][4]) and got.dtype == np.float32
+    assert_agrees(got, oracle.llama_logits(path, IDS, n_ctx=64), mix, backend, f"{family} {mix} {backend}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("mix", MIXES)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_token_by_token_logits_match_llama_cpp(family, mix, backend):
+    """Each token decoded against the KV cache, beside llama.cpp decoding the same way."""
+    path = hf_models.converted(family, mix)
+    s = session(path, backend)
+    got = np.concatenate([s.step([t], last_only=False) for t in IDS])
+    want = oracle.llama_logits_stepwise(path, IDS, n_ctx=64)
+    assert_agrees(got, want, mix, backend, f"{family} {mix} {backend} decode")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", FAMILIES)
+def test_transformers_agrees_with_llama_cpp_and_ggraph(family):
+    """The oracle's oracle: the converted f32 file computes what the Hugging Face model does."""
+    path = hf_models.converted(family, "f32")
+    hf = hf_models.hf_logits(family, IDS)
+    llama = oracle.llama_logits(path, IDS, n_ctx=64)
+    for name, logits in (("llama.cpp", llama), ("numpy", session(path, "numpy").logits(IDS)),
+                         ("llvm", session(path, "llvm").logits(IDS))):
+        cos, top1 = agreement(logits, hf)
+        assert cos >= 0.9999 and top1 == 1.0, (family, name, cos, top1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_text_matches_llama_cpp(family):
+    path = hf_models.converted(family, "f32")
+    s = session(path, "llvm")
+    want = oracle.llama_greedy(path, IDS[:12], 12, n_ctx=64)
+    assert s.generate(IDS[:12], max_tokens=12, temperature=0) == s.tokenizer.decode(want)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mix", MIXES)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_ggraph_run(family, mix, capsys):
+    from ggraph.cli import main
+    path = hf_models.converted(family, mix)
+    assert main(["run", str(path), "-p", "The quick brown fox", "-n", "8", "--temp", "0", "--ctx", "64",
+                 "--threads", "2"]) == 0
+    out, err = capsys.readouterr()
+    assert out.startswith("The quick brown fox") and "generated: 8 tokens" in err, (out, err)
+
+
+# -- flags, from metadata alone ----------------------------------------------------------------------
+
+NAMES = {"token_embd.weight", "blk.0.attn_q.weight"}
+
+
+def metadata(arch, **keys):
+    return {"general.architecture": arch, f"{arch}.embedding_length": 256, f"{arch}.attention.head_count": 4,
+            f"{arch}.attention.head_count_kv": 2, f"{arch}.block_count": 1, f"{arch}.feed_forward_length": 512,
+            **{f"{arch}.{k}": v for k, v in keys.items()}}
+
+
+def test_family_flags():
+    qwen3 = config_from_gguf(metadata("qwen3", **{"attention.key_length": 128}), NAMES, 416)
+    assert (qwen3.qk_norm, qwen3.pre_norms, qwen3.post_norms, qwen3.head_dim, qwen3.rope_style) == \
+        ("head", True, False, 128, "neox")
+    olmo2 = config_from_gguf(metadata("olmo2"), NAMES | {"output.weight"}, 50304)
+    assert (olmo2.qk_norm, olmo2.pre_norms, olmo2.post_norms, olmo2.tied_output, olmo2.rope_style) == \
+        ("full", False, True, False, "neox")
+
+
+def test_olmo3_sliding_windows_are_refused_by_name():
+    with pytest.raises(ValueError, match="olmo2.attention.sliding_window is set: OLMo 3's sliding-window layers "
+                                         "are not supported yet"):
+        config_from_gguf(metadata("olmo2", **{"attention.sliding_window": 4096}), NAMES, 100)
+
+
+def test_an_unknown_qk_norm_is_refused_by_name(monkeypatch):
+    from ggraph.models import ARCHITECTURES, Architecture
+    monkeypatch.setitem(ARCHITECTURES, "qknormtest", Architecture("qknormtest", lambda *_: dict(qk_norm="rows")))
+    with pytest.raises(ValueError, match=r'qknormtest: qk_norm .rows. must be False, "head" \(or True\) or "full"'):
+        config_from_gguf(metadata("qknormtest"), NAMES, 100)
