@@ -218,6 +218,7 @@ def test_routing_kernels_assemble_for_aarch64(name):
 @pytest.mark.parametrize("fn,avals,message", [
     (lambda x: ops.top_k(x, 9), [f32["T", 8]], r"top_k: k=9 must be an int in 1\.\.8 \(the last dim of f32\[T,8\]\)"),
     (lambda x: ops.top_k(x, 0), [f32[8]], r"top_k: k=0"),
+    (lambda x: ops.top_k(x, 2), [f32[8, "T"]], r"top_k: the last dim of f32\[8,T\] must be static"),
     (lambda x: ops.top_k(x, 2), [i32[8]], r"top_k: needs an f32 operand .* got i32\[8\]"),
     (lambda x: ops.argmax(x), [f32[()]], r"argmax: needs an f32 operand of at least 1 dim, got f32\[\]"),
     (lambda x, i: ops.take_along_axis(x, i, 1), [f32[4, 6], i32[3, 2]], r"take_along_axis: x f32\[4,6\] and idx "
