@@ -5,8 +5,9 @@ then quantised q8_0 and Q4_K_M by llama.cpp (hf_models.py, cached across runs). 
 both backends, ggraph's logits equal llama.cpp's at every position, from one prefill and token by
 token, with the dense families' tolerances (test_models.py, test_llvm_models.py): min cosine
 >= 0.995 and top-1 >= 0.9 everywhere, > 0.9995 and >= 0.95 for the llvm backend's q8 activations
-on quantised files, > 0.99999 on f32 files. On the f32 files transformers agrees with both
-(cosine >= 0.9999), greedy text equals llama.cpp's, and ``ggraph run`` generates.
+on quantised files, > 0.99999 on f32 files; Q4_K_M on every feature set this host runs. On the f32
+files transformers agrees with both (cosine >= 0.9999) and greedy text equals llama.cpp's; a batch
+of sequences gives each what it gets alone; ``ggraph run`` generates from every file.
 """
 import numpy as np
 import pytest
@@ -63,6 +64,24 @@ def test_token_by_token_logits_match_llama_cpp(family, mix, backend):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("target", ["generic", "avx2", "avx512", "avx512_vnni", "amx"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_feature_set_this_host_runs(family, target, monkeypatch):
+    """Q4_K_M (q4_k, q6_k and q8_0 rows) through each feature set's kernels, prefill and decode."""
+    from ggraph.backends.llvm.target import missing_features
+    if missing_features(target):
+        pytest.skip(f"this host cannot run {target}")
+    monkeypatch.setenv("GGRAPH_TARGET", target)
+    path = hf_models.converted(family, "q4_k_m")
+    s = session(path, "llvm")
+    assert s.program(False).target.name == target
+    assert_agrees(s.logits(IDS), oracle.llama_logits(path, IDS, n_ctx=64), "q4_k_m", "llvm", f"{family} {target}")
+    s.reset()
+    got = np.concatenate([s.step([t], last_only=False) for t in IDS[:8]])
+    assert_agrees(got, oracle.llama_logits_stepwise(path, IDS[:8], n_ctx=64), "q4_k_m", "llvm", f"{family} {target}")
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES)
 def test_transformers_agrees_with_llama_cpp_and_ggraph(family):
     """The oracle's oracle: the converted f32 file computes what the Hugging Face model does."""
@@ -73,6 +92,18 @@ def test_transformers_agrees_with_llama_cpp_and_ggraph(family):
                          ("llvm", session(path, "llvm").logits(IDS))):
         cos, top1 = agreement(logits, hf)
         assert cos >= 0.9999 and top1 == 1.0, (family, name, cos, top1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_batch_of_sequences_gives_each_what_it_gets_alone(family):
+    """The batched step (serve's slots) on the shared decoder's new flags: bit for bit a batch of one."""
+    from test_batch import run_both
+    path = hf_models.converted(family, "q4_k_m")
+    got, want = run_both(path, "llvm")
+    np.testing.assert_array_equal(got, want)
+    got, want = run_both(path, "llvm", single=Session)
+    assert agreement(got, want)[0] > 0.9999
 
 
 @pytest.mark.slow
