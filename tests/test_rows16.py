@@ -179,3 +179,16 @@ def test_programs_share_one_copy_and_the_file_keeps_its_bytes(tmp_path):
     np.testing.assert_array_equal(f.tensors["w"].data.reshape(-1), raw.reshape(-1))
     x = rng.standard_normal((1, 1024)).astype(np.float32)
     np.testing.assert_array_equal(progs[0](x)[0], progs[1](x)[0])
+
+
+def test_a_program_with_laid_out_weights_loads_back_from_the_cache(tmp_path, monkeypatch, capsys):
+    """The program state keeps each buffer's layout: read back from the disk cache in a new process (here:
+    with this process's loaded programs forgotten), it loads without a warning and keeps rows16."""
+    monkeypatch.setenv("GGRAPH_CACHE", str(tmp_path))
+    graph = parse(textwrap.dedent(GRAPH))
+    first = compile_graph(graph, backend="llvm", passes=[], target=_vnni())
+    monkeypatch.setattr(program, "_LOADED", {})
+    again = compile_graph(graph, backend="llvm", passes=[], target=_vnni())
+    assert "warning" not in capsys.readouterr().err
+    assert [b.layout for b in again.spec.buffers] == [b.layout for b in first.spec.buffers]
+    assert "rows16" in [b.layout for b in again.spec.buffers]
