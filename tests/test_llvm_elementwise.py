@@ -19,6 +19,7 @@ from llvmlite import ir
 import ggraph
 from ggraph import dtypes, f32, i32, ops
 from ggraph.backends.llvm import jit
+from ggraph.backends.llvm.kernels import copies
 from ggraph.backends.llvm.kernels import elementwise as ew
 from ggraph.backends.llvm.target import X86_NAMES, named_target
 from ggraph.passes.inline_composites import inline_composites
@@ -114,14 +115,14 @@ def _build(target_name: str) -> jit.Library:
         g = ggraph.trace(lambda x, dtype=dtype: ops.cast(x, dtype), aval)          # a cast as one fused loop
         ew.emit_fused(m, t, g, [aval], [g.outvars[0].aval], f"{name}_{target_name}")
     x = f32["T", 3, 5]
-    ew.emit_transpose(m, t, x, (1, 0, 2), f"transpose102_{target_name}")
-    ew.emit_transpose(m, t, f32[2, "T", 3, 5], (3, 1, 0, 2), f"transpose3102_{target_name}")
-    ew.emit_slice(m, t, f32[9, 2, 6], 0, 0, ggraph.Sym("P+T"), f"slice_rows_{target_name}")
-    ew.emit_slice(m, t, x, 2, 1, 4, f"slice_last_{target_name}")
-    ew.emit_concat(m, t, [f32["T", 3, 2], f32["T", 3, 5]], -1, f"concat_last_{target_name}")
-    ew.emit_concat(m, t, [f32["T", 3, 5], f32[2, 3, 5]], 0, f"concat_rows_{target_name}")
-    ew.emit_broadcast(m, t, f32["T", 1], ("T", 7), f"broadcast_col_{target_name}")
-    ew.emit_broadcast(m, t, f32[5], ("T", 3, 5), f"broadcast_row_{target_name}")
+    copies.emit_transpose(m, t, x, (1, 0, 2), f"transpose102_{target_name}")
+    copies.emit_transpose(m, t, f32[2, "T", 3, 5], (3, 1, 0, 2), f"transpose3102_{target_name}")
+    copies.emit_slice(m, t, f32[9, 2, 6], 0, 0, ggraph.Sym("P+T"), f"slice_rows_{target_name}")
+    copies.emit_slice(m, t, x, 2, 1, 4, f"slice_last_{target_name}")
+    copies.emit_concat(m, t, [f32["T", 3, 2], f32["T", 3, 5]], -1, f"concat_last_{target_name}")
+    copies.emit_concat(m, t, [f32["T", 3, 5], f32[2, 3, 5]], 0, f"concat_rows_{target_name}")
+    copies.emit_broadcast(m, t, f32["T", 1], ("T", 7), f"broadcast_col_{target_name}")
+    copies.emit_broadcast(m, t, f32[5], ("T", 3, 5), f"broadcast_row_{target_name}")
     return jit.compile(m, t)
 
 
@@ -381,7 +382,7 @@ def test_copy_kernels(target):
 def test_copy_kernel_arguments():
     t = named_target("generic")
     m = ir.Module()
-    name = ew.emit_slice(m, t, f32[9, 2, 6], 0, ggraph.Sym("P"), ggraph.Sym("P+T"), "s")
+    name = copies.emit_slice(m, t, f32[9, 2, 6], 0, ggraph.Sym("P"), ggraph.Sym("P+T"), "s")
     assert ew.kernel_args(m.globals[name]) == ("x", "y", "P", "T")
     graph, body = body_of("add_rms_norm", 64)
     name = ew.emit_fused(m, t, body, [v.aval for v in body.invars], [v.aval for v in body.outvars], "f")
@@ -414,6 +415,6 @@ def test_errors():
     with pytest.raises(ValueError, match="input 0 is f32\\[T,9\\]"):
         ew.emit_fused(ir.Module(), named_target("generic"), g, [f32["T", 9]], [f32["T", 8]], "k")
     with pytest.raises(ValueError, match="transpose: perm"):
-        ew.emit_transpose(ir.Module(), named_target("generic"), f32[2, 3], (0, 0), "t")
+        copies.emit_transpose(ir.Module(), named_target("generic"), f32[2, 3], (0, 0), "t")
     with pytest.raises(ValueError, match="cannot move elements of q4_k"):
-        ew.emit_transpose(ir.Module(), named_target("generic"), dtypes.q4_k[2, 256], (1, 0), "t")
+        copies.emit_transpose(ir.Module(), named_target("generic"), dtypes.q4_k[2, 256], (1, 0), "t")

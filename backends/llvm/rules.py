@@ -18,6 +18,7 @@ from ggraph.ir.graph import Eqn, Graph, Literal, Var
 from ggraph.ir.primitive import fusable
 from ggraph.backends.llvm import kernels as K
 from ggraph.backends.llvm.kernels import attention as A
+from ggraph.backends.llvm.kernels import copies as C
 from ggraph.backends.llvm.kernels import elementwise as E
 from ggraph.backends.llvm.kernels import plain_ops as G
 from ggraph.backends.llvm.kernels import routing as R
@@ -163,11 +164,11 @@ def _lower_copy(lw, e):
     if x.dtype.is_quantized:                   # whole rows of blocks move as bytes
         x, y = block_bytes(x), block_bytes(y)
     if e.prim is P.transpose_p:
-        name, avals = lw.kernel(E.emit_transpose, lw.target, x, p["perm"]), (x,)
+        name, avals = lw.kernel(C.emit_transpose, lw.target, x, p["perm"]), (x,)
     elif e.prim is P.slice_p:
-        name, avals = lw.kernel(E.emit_slice, lw.target, x, p["axis"], p["start"], p["stop"]), (x, y)
+        name, avals = lw.kernel(C.emit_slice, lw.target, x, p["axis"], p["start"], p["stop"]), (x, y)
     else:
-        name, avals = lw.kernel(E.emit_broadcast, lw.target, x, p["shape"]), (x, y)
+        name, avals = lw.kernel(C.emit_broadcast, lw.target, x, p["shape"]), (x, y)
     out = lw.output(e.outputs[0])
     lw.call(name, lw.ref(e.inputs[0]), out, *symbol_args(*avals), writes=(out,))
 
@@ -178,7 +179,7 @@ lowering(P.transpose_p, P.broadcast_p)(_lower_copy)
 @lowering(P.concat_p)
 def _concat(lw, e):
     avals = [a.aval for a in e.inputs]
-    name = lw.kernel(E.emit_concat, lw.target, avals, e.params["axis"])
+    name = lw.kernel(C.emit_concat, lw.target, avals, e.params["axis"])
     out = lw.output(e.outputs[0])
     lw.call(name, *[lw.ref(a) for a in e.inputs], out, *symbol_args(*avals, e.outputs[0].aval), writes=(out,))
 
