@@ -42,6 +42,7 @@ def describe(target: Target) -> dict[str, str]:
     out.update({f"get_rows {dt.name}": how for dt in QUANT_TYPES + FLOAT_TYPES})
     out["fused (elementwise)"] = elementwise.variant(target)
     out["rope_attention"] = attention.variant(target)
+    out["routing"] = "top_k, argmax, take_along_axis, segment_sum: scalar loops, vectorised by LLVM where contiguous"
     return out
 
 
