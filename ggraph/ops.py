@@ -11,13 +11,15 @@ from __future__ import annotations
 
 from ggraph.ir.composites import *  # noqa: F401,F403
 from ggraph.ir.composites import __all__ as _composites
+from ggraph.ir.composites import composite
 from ggraph.ir.dtypes import f32
 from ggraph.ir.methods import dot, index  # noqa: F401
 from ggraph.ir.prims import *  # noqa: F401,F403
 from ggraph.ir.prims import __all__ as _prims
-from ggraph.ir.prims import dequant, matmul
+from ggraph.ir.fused import expert_linear_cost, expert_linear_impl, expert_linear_shape
+from ggraph.ir.prims import broadcast_to, dequant, matmul, reshape, take
 
-__all__ = list(_prims) + list(_composites) + ["dot", "index", "linear"]
+__all__ = list(_prims) + list(_composites) + ["dot", "index", "linear", "expert_linear"]
 
 
 def linear(x, w, b=None):
@@ -26,3 +28,17 @@ def linear(x, w, b=None):
         w = dequant(w)
     y = matmul(x, w)
     return y if b is None else y + b
+
+
+@composite("expert_linear", expert_linear_impl, cost=expert_linear_cost)
+def expert_linear(x, w_experts, ids):
+    """Each token times its chosen experts: x f32[T, K], w_experts [E, N, K] (quantised or float, as GGUF
+    stores MoE experts), ids i32[T, k] -> f32[T, k, N] with ``out[t, j] = x[t] @ w_experts[ids[t, j]].T``.
+
+    Its body is the unfused baseline (take the chosen experts as f32, then a batched matmul);
+    fuse_dequant_matmul makes it one qmatmul_experts kernel that reads only the chosen experts' blocks."""
+    T, K = x.shape
+    k, N = ids.shape[1], w_experts.shape[1]
+    expert_linear_shape("expert_linear", x.aval, w_experts.aval, ids.aval)
+    xs = broadcast_to(reshape(x, (T, 1, 1, K)), (T, k, 1, K))                # (T, k, 1, K): x[t] for each expert
+    return reshape(matmul(xs, take(w_experts, ids)), (T, k, N))              # (T, k, N, K) experts -> (T, k, N)

@@ -13,7 +13,7 @@ from ggraph.ir import prims as P
 from ggraph.ir.dims import Sym, product
 from ggraph.ir.dtypes import DimAval, i8
 from ggraph.ir.composites import rope_angles_p
-from ggraph.ir.fused import qmatmul_p, rope_attention_p
+from ggraph.ir.fused import qmatmul_experts_p, qmatmul_p, rope_attention_p
 from ggraph.ir.graph import Eqn, Graph, Literal, Var
 from ggraph.ir.primitive import fusable
 from ggraph.backends.llvm import kernels as K
@@ -22,6 +22,7 @@ from ggraph.backends.llvm.kernels import copies as C
 from ggraph.backends.llvm.kernels import elementwise as E
 from ggraph.backends.llvm.kernels import plain_ops as G
 from ggraph.backends.llvm.kernels import routing as R
+from ggraph.backends.llvm.kernels.qmatmul.experts import qmatmul_experts
 from ggraph.backends.llvm.lowering import LOWERINGS, ActBytes, FixedBytes, Lowering, LoweringError, lowering, rows, symbol_args
 
 
@@ -99,6 +100,32 @@ def _qmatmul(lw, e):
     name = qmatmul() if best is K.Layout.FILE else \
         lw.weight_layout(lw.ref(w), w.aval, best, lambda: qmatmul(best), qmatmul)
     lw.call(name, lw.ref(w), xq, out, lw.counter(), R, writes=(out,))
+
+
+@lowering(qmatmul_experts_p)
+def _qmatmul_experts(lw, e):
+    """Block experts: quantise x once, one row per token (act_quant's rows_only layout), then one kernel in
+    which each (token, expert) runs the decode row dot on that expert's rows in the file; float experts
+    take x as it is. An id outside [0, E) sets a status slot that the run turns into an error."""
+    x, w, ids = e.inputs
+    E, N, Kdim = w.aval.shape
+    T, k = ids.aval.shape
+    dt = w.aval.dtype
+    out = lw.output(e.outputs[0])
+    status = lw.status(f"expert_linear ({e.prim.name} at {e.scope or 'top'}): expert id {{id}} is out of range "
+                       f"for {E} experts ({w.aval})")
+    if K.float_weight(dt):
+        xin = lw.ref(x)
+    else:
+        fmt = K.act_format(dt)
+        key = ("act_quant", x, fmt) if lw.rows_only else ("act_quant_rows", x, fmt)
+        xin = lw.memo(key)
+        if xin is None:
+            xin = lw.scratch(ActBytes(fmt, T, Kdim, True), f"xq_{fmt}_rows")
+            lw.call(lw.kernel(K.act_quant, fmt, Kdim, lw.target, True), lw.ref(x), xin, T, writes=(xin,))
+            lw.memo(key, xin)
+    lw.call(lw.kernel(qmatmul_experts, dt, Kdim, N, E, k, lw.target), lw.ref(w), xin, lw.ref(ids), out, status,
+            T, writes=(out, status))
 
 
 def lower_eqn(lw: Lowering, e: Eqn) -> None:

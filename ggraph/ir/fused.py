@@ -3,6 +3,9 @@
 - ``qmatmul x w``: x f32[..., K] times a stored weight w [N, K] of any GGUF type -> f32[..., N].
   It stands for a kernel that reads the quantised blocks; the numpy rule dequantises once per
   weight buffer and caches the f32 copy.
+- ``qmatmul_experts x w ids``: x f32[T, K] times each token's chosen experts of a stored
+  w [E, N, K] (ids i32[T, k]) -> f32[T, k, N], ``out[t, j] = x[t] @ w[ids[t, j]].T``; it reads only
+  the chosen experts' blocks (``ops.expert_linear`` fuses into it).
 - ``rope_attention q k v k_cache v_cache pos positions [freq_factors]``: rope on q and k, the
   KV-cache write at row ``pos``, causal (and sliding-window) softmax of softcap(q·kᵀ·scale)
   with GQA, times v -> (out, k_cache, v_cache). The caches are donated, as in cache_update.
@@ -68,6 +71,64 @@ def _qmatmul_impl(x, w):
 
 
 qmatmul_p = register("qmatmul", shape=_qmatmul_shape, impl=_qmatmul_impl, cost=matmul_cost, kind="matmul")
+
+
+# ---------------------------------------------------------------------------------------
+# qmatmul_experts (and the rules ops.expert_linear shares)
+# ---------------------------------------------------------------------------------------
+
+def expert_linear_shape(op: str, x, w, ids) -> Aval:
+    """f32[T, k, N] for x f32[T, K], w [E, N, K] of a weight type, ids i32[T, k]."""
+    if x.dtype is not f32 or x.ndim != 2:
+        raise ShapeError(f"{op}: activations must be f32[T, K], got {x}")
+    if w.ndim != 3 or w.dtype not in WEIGHT_TYPES:
+        raise ShapeError(f"{op}: the experts must be a stored weight [E, N, K], got {w}")
+    if ids.dtype is not i32 or ids.ndim != 2 or ids.shape[0] != x.shape[0]:
+        raise ShapeError(f"{op}: ids must be i32[{x.shape[0]}, k], each token's experts, got {ids}")
+    if x.shape[1] != w.shape[2]:
+        raise ShapeError(f"{op}: contracted dims differ: {x} · {w}ᵀ (K={x.shape[1]} vs {w.shape[2]})")
+    if not all(isinstance(d, int) for d in w.shape) or not isinstance(ids.shape[1], int):
+        raise ShapeError(f"{op}: the experts {w} and the experts per token of {ids} must be static")
+    w.check_blocks()
+    return Aval((x.shape[0], ids.shape[1], w.shape[1]), f32)
+
+
+def expert_linear_impl(x, w, ids):
+    """out[t, j] = x[t] @ w[ids[t, j]].T, dequantising only the chosen experts (once each)."""
+    E = w.shape[0]
+    bad = (ids < 0) | (ids >= E)
+    if bad.any():
+        raise IndexError(f"expert_linear: expert id {int(ids[bad].reshape(-1)[0])} is out of range for {E} "
+                         f"experts")
+    chosen, which = np.unique(ids, return_inverse=True)
+    which = which.reshape(ids.shape)
+    if isinstance(w, Blocks):                          # the chosen experts' rows of blocks, then dequantised
+        per_expert = w.data.reshape(E, -1)
+        mats = Blocks(per_expert[chosen].reshape(-1, w.data.shape[1]), w.dtype,
+                      (len(chosen),) + tuple(w.shape[1:])).dequantize()
+    else:
+        mats = np.asarray(w)[chosen].astype(np.float32, copy=False)
+    out = np.zeros(ids.shape + (w.shape[1],), np.float32)
+    for i in range(len(chosen)):
+        t, j = np.nonzero(which == i)
+        out[t, j] = np.matmul(x[t], mats[i].T)                                  # (rows, N)
+    return out
+
+
+def expert_linear_cost(eqn, dims):
+    """2·K flops per output element; bytes: x, ids, the output, and the chosen experts only: at most
+    min(E, T·k) distinct experts per step."""
+    x, w, ids = (a.aval for a in eqn.inputs)
+    T, k = ids.concrete(dims)
+    E, N, K = w.concrete(dims)
+    chosen = w.update(shape=(min(E, T * k), N, K))
+    return 2 * T * k * N * K, chosen.nbytes(dims) + x.nbytes(dims) + ids.nbytes(dims) + \
+        eqn.outputs[0].aval.nbytes(dims)
+
+
+qmatmul_experts_p = register("qmatmul_experts", shape=lambda x, w, ids: expert_linear_shape("qmatmul_experts", x, w, ids),
+                             impl=expert_linear_impl, cost=expert_linear_cost, kind="matmul",
+                             doc="out[t, j] = x[t] @ w[ids[t, j]].T on the stored blocks of the chosen experts")
 
 
 # ---------------------------------------------------------------------------------------

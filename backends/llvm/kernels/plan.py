@@ -204,3 +204,26 @@ def fmatmul_plan(target: Target) -> FmatmulPlan:
     tile = _FLOAT_TILES.get(target.vector_bits, _DEFAULT_FLOAT_TILE) if target.arch == "x86_64" \
         else _DEFAULT_FLOAT_TILE
     return FmatmulPlan(vector, tile, vector and target.gemv_prefetch is Prefetch.ROWS)
+
+
+# -- expert-indexed matmul (qmatmul_experts) ----------------------------------------------------
+EXPERT_CHUNK_ROWS = 32     # rows of one (token, expert) a thread takes at a time
+
+
+@dataclass(frozen=True)
+class ExpertsPlan:
+    """The expert-indexed matmul for one weight type, N rows per expert and target. Every (token, expert)
+    runs the decode kernel's row dot on that expert's rows, read from the file's layout: ``matmul`` is the
+    qmatmul plan whose ``one`` method (gemv, or the scalar twin) it takes; None for float experts, which
+    take fmatmul's row dot. Threads split (token, expert, chunk of ``chunk_rows`` rows). Tokens are not yet
+    grouped by expert into the gemm kernels at T > 1: each runs the decode arithmetic."""
+
+    matmul: QmatmulPlan | None
+    chunk_rows: int
+
+
+def experts_plan(dtype, N: int, target: Target) -> ExpertsPlan:
+    dt = dtypes.from_name(dtype)
+    if dt in (dtypes.f32, dtypes.f16, dtypes.bf16):
+        return ExpertsPlan(None, EXPERT_CHUNK_ROWS)
+    return ExpertsPlan(qmatmul_plan(dt, N, target), EXPERT_CHUNK_ROWS)
