@@ -16,7 +16,7 @@ gq = pytest.importorskip("gguf.quants")
 from gguf import GGMLQuantizationType  # noqa: E402
 
 from ggraph.ir import dtypes  # noqa: E402
-from ggraph.gguf.quants import F16_FIELDS  # noqa: E402
+from ggraph.gguf.quants import E8M0_FIELDS, F16_FIELDS  # noqa: E402
 from ggraph.backends.llvm import jit, kernels  # noqa: E402
 from ggraph.backends.llvm.kernels.act_quant import ActLayout, tokens_per_group  # noqa: E402
 from ggraph.backends.llvm.kernels.plan import act_rows  # noqa: E402
@@ -148,6 +148,8 @@ def random_blocks(dt, rows: int, K: int, rng) -> np.ndarray:
     for off in F16_FIELDS[dt.name]:
         v = (rng.uniform(0.01, 0.1, nb) * rng.choice([-1, 1], nb)).astype(np.float16)
         raw[:, off:off + 2] = v.view(np.uint8).reshape(nb, 2)
+    for off in E8M0_FIELDS.get(dt.name, ()):                  # power-of-two scales 2^-12 .. 2^-7
+        raw[:, off] = rng.integers(116, 122, nb)
     return raw.reshape(rows, -1)
 
 
@@ -319,6 +321,8 @@ def test_qmatmul_at_the_extremes_of_its_integer_sums(target, dt, sign):
     w = np.full((N, dt.row_bytes(K)), 0xFF, np.uint8).reshape(-1, dt.type_size)
     for off in F16_FIELDS[dt.name]:
         w[:, off:off + 2] = np.frombuffer(np.float16(0.01).tobytes(), np.uint8)
+    for off in E8M0_FIELDS.get(dt.name, ()):
+        w[:, off] = 120
     check_qmatmul(target, dt, K, N, w.reshape(N, -1), tokens=(16, 33),
                   x_of=lambda T: np.full((T, K), sign, np.float32))
 

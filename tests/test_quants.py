@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from ggraph import dtypes, quants
+from ggraph.gguf.block_bits import e8m0_half
 
 gguf = pytest.importorskip("gguf")
 import gguf.quants as gq  # noqa: E402
@@ -214,6 +215,7 @@ ROUND_TRIP_BOUND = {
     "q4_1": lambda b, x: _f16_field(b, 0) * (0.5 + 15 * EPS16) + np.abs(_f16_field(b, 2)) * EPS16,
     "q5_1": lambda b, x: _f16_field(b, 0) * (0.5 + 31 * EPS16) + np.abs(_f16_field(b, 2)) * EPS16,
     "q8_k": lambda b, x: np.abs(b[:, 0:4].copy().view(np.float32).astype(np.float64)) * 0.5,
+    "mxfp4": lambda b, x: e8m0_half(b[:, 0:1]).astype(np.float64) * 4,    # amax < 16d clips at 12d
 }
 
 

@@ -1,6 +1,6 @@
 """The bit layouts both sides of a GGUF block format share: the dequantisers (``quants.py``) unpack them,
-the quantisers (``quants.py``, ``quantize_k.py``) pack them. IQ4's levels, the packed 6-bit scales of the
-k-quants, and nibble and fifth-bit packing.
+the quantisers (``quants.py``, ``quantize_k.py``) pack them. IQ4's and MXFP4's levels, MXFP4's e8m0 scale,
+the packed 6-bit scales of the k-quants, and nibble and fifth-bit packing.
 """
 from __future__ import annotations
 
@@ -9,6 +9,17 @@ import numpy as np
 # the 16 non-linear levels of IQ4_NL and IQ4_XS (ggml's kvalues_iq4nl)
 IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10,
                        1, 13, 25, 38, 53, 69, 89, 113], dtype=np.float32)
+
+# the 16 e2m1 values of MXFP4, doubled to integers (ggml's kvalues_mxfp4): bit 3 is the sign
+MXFP4_VALUES = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], dtype=np.float32)
+
+
+def e8m0_half(e: np.ndarray) -> np.ndarray:
+    """uint8 e8m0 exponents -> float32 2^(e-127) / 2, as ggml's GGML_E8M0_TO_FP32_HALF builds the bits:
+    a subnormal for e < 2, else the exponent field e - 1 (the half undoes MXFP4_VALUES' doubling)."""
+    e = e.astype(np.uint32)
+    bits = np.where(e < 2, np.uint32(0x00200000) << e, (e - np.uint32(1)) << np.uint32(23))
+    return bits.astype(np.uint32).view(np.float32)
 
 
 def k_scale_min(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -22,7 +22,8 @@ from typing import Callable
 import numpy as np
 
 from ggraph.gguf import quantize_k
-from ggraph.gguf.block_bits import IQ4_VALUES, k_scale_min, pack_bit4_u32, pack_nibbles, q3_k_scales
+from ggraph.gguf.block_bits import (IQ4_VALUES, MXFP4_VALUES, e8m0_half, k_scale_min, pack_bit4_u32, pack_nibbles,
+                                    q3_k_scales)
 from ggraph.ir import dtypes
 from ggraph.ir.dtypes import DType
 
@@ -32,7 +33,9 @@ QK_K = 256  # elements in a K-quant super-block
 # hold finite, small values in to be sane weights
 F16_FIELDS = {"q4_0": (0,), "q4_1": (0, 2), "q5_0": (0,), "q5_1": (0, 2), "q8_0": (0,), "q8_1": (0, 2),
               "iq4_nl": (0,), "q2_k": (80, 82), "q3_k": (108,), "q4_k": (0, 2), "q5_k": (0, 2),
-              "q6_k": (208,), "iq4_xs": (0,)}
+              "q6_k": (208,), "iq4_xs": (0,), "mxfp4": ()}
+# byte offsets of each block type's e8m0 exponent (a power-of-two scale): random blocks hold ones near 127
+E8M0_FIELDS = {"mxfp4": (0,)}
 
 _CHUNK = 1 << 16  # elements per step: keeps the temporaries of a step in L2, not in RAM
 
@@ -207,6 +210,12 @@ def _deq_iq4_xs(b):
     return (dl * q).reshape(n, QK_K)
 
 
+def _deq_mxfp4(b):
+    """(n, 17) -> (n, 32): e (e8m0) @0, qs[16] @1; x = MXFP4_VALUES[q] * 2^(e-127)/2 (inf past FLT_MAX, as ggml)."""
+    with np.errstate(over="ignore"):
+        return e8m0_half(b[:, 0:1]) * MXFP4_VALUES[_nibbles(b[:, 1:17], 16)]
+
+
 _DEQUANT = {
     dtypes.f32: _deq_f32, dtypes.f16: _deq_f16, dtypes.bf16: _deq_bf16,
     dtypes.i8: _deq_i8, dtypes.i32: _deq_i32,
@@ -215,7 +224,7 @@ _DEQUANT = {
     dtypes.q8_0: _deq_q8_0, dtypes.q8_1: _deq_q8_1,
     dtypes.q2_k: _deq_q2_k, dtypes.q3_k: _deq_q3_k, dtypes.q4_k: _deq_q4_k,
     dtypes.q5_k: _deq_q5_k, dtypes.q6_k: _deq_q6_k, dtypes.q8_k: _deq_q8_k,
-    dtypes.iq4_nl: _deq_iq4_nl, dtypes.iq4_xs: _deq_iq4_xs,
+    dtypes.iq4_nl: _deq_iq4_nl, dtypes.iq4_xs: _deq_iq4_xs, dtypes.mxfp4: _deq_mxfp4,
 }
 
 
@@ -362,11 +371,23 @@ def _q_q8_k(x):
     return np.concatenate([d.view(np.uint8), q.view(np.uint8), bsums.view(np.uint8)], axis=1)
 
 
+def _q_mxfp4(x):
+    """(n, 32) -> (n, 17): e = floor(log2(amax)) - 2 + 127 (0 for an all-zero block), q = the first of
+    the nearest MXFP4_VALUES * d (ggml's best_index_mxfp4), d = 2^(e-127)/2; as quantize_row_mxfp4_ref."""
+    amax = np.abs(x).max(axis=1, keepdims=True)                       # (n, 1)
+    with np.errstate(divide="ignore"):
+        e = np.where(amax > 0, np.floor(np.log2(amax)) - np.float32(2) + np.float32(127), 0).astype(np.uint8)
+    d = e8m0_half(e)                                                  # (n, 1)
+    err = np.abs(d[:, :, None] * MXFP4_VALUES - x[:, :, None])       # (n, 32, 16)
+    q = err.argmin(axis=2).astype(np.uint8)                           # argmin keeps the first of ties, as C's <
+    return np.concatenate([e, pack_nibbles(q)], axis=1)
+
+
 _QUANT = {
     dtypes.f32: _q_f32, dtypes.f16: _q_f16, dtypes.bf16: _q_bf16,
     dtypes.q4_0: _q_q4_0, dtypes.q4_1: _q_q4_1,
     dtypes.q5_0: _q_q5_0, dtypes.q5_1: _q_q5_1,
-    dtypes.q8_0: _q_q8_0, dtypes.q8_1: _q_q8_1, dtypes.q8_k: _q_q8_k,
+    dtypes.q8_0: _q_q8_0, dtypes.q8_1: _q_q8_1, dtypes.q8_k: _q_q8_k, dtypes.mxfp4: _q_mxfp4,
 }
 
 # the activation (vec_dot_type) quantisers of llama.cpp's x86 backend; its q8_k is the reference

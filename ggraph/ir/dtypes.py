@@ -83,6 +83,7 @@ _TABLE = [
     ("i8",      24,     1,     1,  np.int8),
     ("i32",     26,     1,     4,  np.int32),
     ("bf16",    30,     1,     2,  None),   # numpy has no bfloat16: held as raw uint16 bits
+    ("mxfp4",   39,    32,    17,  None),   # OCP MX: an e8m0 exponent, 16 bytes of e2m1 nibbles (gpt-oss experts)
 ]
 
 _BY_NAME: dict[str, DType] = {}
@@ -113,6 +114,7 @@ q6_k: DType
 q8_k: DType
 iq4_nl: DType
 iq4_xs: DType
+mxfp4: DType
 
 ALL: tuple[DType, ...] = tuple(_BY_NAME.values())
 QUANTIZED: tuple[DType, ...] = tuple(d for d in ALL if d.block_size > 1)

@@ -1,8 +1,8 @@
-"""Decoders for the 32-weight block types: q4_0 q4_1 q5_0 q5_1 q8_0 iq4_nl.
+"""Decoders for the 32-weight block types: q4_0 q4_1 q5_0 q5_1 q8_0 iq4_nl mxfp4.
 
 Each type has a scalar twin (`_level_*`, `_scale_*`: one weight, the spec) and a vector
 one (`_decode_*`: the whole block as one <32 x i8>). Offsets are from the GGUF layout:
-d (fp16) first, then m / qh where present, then the quants.
+d (fp16) first, then m / qh where present, then the quants; mxfp4 has an e8m0 byte for d.
 """
 from __future__ import annotations
 
@@ -11,12 +11,13 @@ from dataclasses import dataclass
 from llvmlite import ir
 
 from ggraph.ir import dtypes
-from ggraph.backends.llvm.kernels.blocks import (BlockFormat, Decoded, Run, bits, bytes_at, half, lookup,
+from ggraph.backends.llvm.kernels.blocks import (BlockFormat, Decoded, Run, bits, byte, bytes_at, half, lookup,
                                                  nibble32, nibbles32, pack, sbyte, table)
 from ggraph.backends.llvm.kernels.builder import Kernel, i1, i8, i16, i32, i64, vec
 from ggraph.backends.llvm.kernels.isa import Isa
 
 IQ4_VALUES = [-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113]
+MXFP4_VALUES = [0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12]     # e2m1, doubled (ggml's kvalues_mxfp4)
 
 
 def _d(k: Kernel, isa: Isa, blk, s):
@@ -113,6 +114,30 @@ def _decode_iq4_nl(k, isa, blk):
     return Decoded(lambda c: emit(), signed, offset, qmax, pack(k, [half(k, isa, blk, 0)]), None)
 
 
+# -- mxfp4: e (e8m0) @0, qs[16] @1; q = MXFP4_VALUES[nib], w = 2^(e-127)/2 * q -----------------
+def _e8m0_half(k: Kernel, isa: Isa, blk, s):
+    """Scale 2^(e-127)/2 from the exponent byte at 0, as ggml's GGML_E8M0_TO_FP32_HALF builds its bits
+    (a subnormal for e < 2), no min."""
+    b = k.b
+    e = byte(k, blk, 0)
+    sub = b.shl(ir.Constant(i32, 0x00200000), e)
+    normal = b.shl(b.sub(e, ir.Constant(i32, 1)), ir.Constant(i32, 23))
+    word = b.select(b.icmp_unsigned("<", e, ir.Constant(i32, 2)), sub, normal)
+    return b.bitcast(word, ir.FloatType()), None
+
+
+def _level_mxfp4(k, isa, blk, i):
+    return lookup(k, table(k, "ggraph_mxfp4_values", MXFP4_VALUES), nibble32(k, blk, 1, i))
+
+
+_MXFP4_U8 = [v + 12 for v in MXFP4_VALUES]      # q + 12 in 0..24: unsigned bytes on every feature set
+
+
+def _decode_mxfp4(k, isa, blk):
+    scales = pack(k, [_e8m0_half(k, isa, blk, 0)[0]])
+    return Decoded(lambda c: isa.lookup16(_MXFP4_U8, nibbles32(k, blk, 1)), False, 12, max(_MXFP4_U8), scales, None)
+
+
 # -- runs of blocks gathered with word shuffles (AVX-512 VNNI gemv) ---------------------------
 # A gemv row's 32-weight blocks are 18-34 bytes apart, so a block's quants and scale straddle 64-byte
 # vectors. Every field of these formats starts at an even offset, so one two-source word shuffle
@@ -201,14 +226,15 @@ _FIELDS = {
     dtypes.iq4_nl: Fields(qs=2, offset=128, qmax=max(_IQ4_U8), values=_IQ4_U8),
 }
 
-#   dtype          level          scale  decode
+#   dtype          level          scale        decode
 _TABLE = [
-    (dtypes.q4_0,   _level_q4_0,   _d,    _decode_q4_0),
-    (dtypes.q4_1,   _level_q4_1,   _d_m,  _decode_q4_1),
-    (dtypes.q5_0,   _level_q5_0,   _d,    _decode_q5_0),
-    (dtypes.q5_1,   _level_q5_1,   _d_m,  _decode_q5_1),
-    (dtypes.q8_0,   _level_q8_0,   _d,    _decode_q8_0),
-    (dtypes.iq4_nl, _level_iq4_nl, _d,    _decode_iq4_nl),
+    (dtypes.q4_0,   _level_q4_0,   _d,          _decode_q4_0),
+    (dtypes.q4_1,   _level_q4_1,   _d_m,        _decode_q4_1),
+    (dtypes.q5_0,   _level_q5_0,   _d,          _decode_q5_0),
+    (dtypes.q5_1,   _level_q5_1,   _d_m,        _decode_q5_1),
+    (dtypes.q8_0,   _level_q8_0,   _d,          _decode_q8_0),
+    (dtypes.iq4_nl, _level_iq4_nl, _d,          _decode_iq4_nl),
+    (dtypes.mxfp4,  _level_mxfp4,  _e8m0_half,  _decode_mxfp4),   # qs at an odd offset: no gathered run
 ]
 # ggml's vec_dot_type: q8_1 (whose s the mins meet) for the types with a min, q8_0 for the others
 FORMATS = {dt: BlockFormat(dt, "q8_1" if scale is _d_m else "q8_0", 32, level, scale, decode,
