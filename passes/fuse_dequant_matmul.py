@@ -4,7 +4,7 @@
                                                              a [1, N, K] w is viewed as [N, K])
     c = take (dequant w) ids   ->   c = take w ids
     y = matmul xs (take (dequant w) ids)   ->   y = qmatmul_experts x w ids    (w [E, N, K]; xs each token's
-                                                row, [..., 1, K] per chosen expert or shared across them)
+                                                row shared by its experts, [..., 1, 1, K] or broadcast)
 
 A dequant is removed only when every one of its users can read the blocks; if any other
 user needs the f32 value, the dequant and all its users are left alone, with the reason.
@@ -78,8 +78,8 @@ def _f32_weights(graph: Graph) -> set[Var]:
 
 def _expert_matmuls(graph: Graph, weight_of: dict[Var, Var]) -> dict[Eqn, tuple]:
     """matmul eqn -> (x rows, stored experts, ids, the eqns it absorbs) for each matmul(xs, take(w, ids)) of
-    stored experts w [E, N, K] where xs holds one row per chosen expert ([*ids, 1, K]) or one per token
-    shared by its experts ([*ids[:-1], 1, 1, K], or a broadcast of that)."""
+    stored experts w [E, N, K] where xs holds one row per token shared by its experts ([*ids[:-1], 1, 1, K],
+    or a broadcast of that). Rows repeated per chosen expert (ids flattened) stay the f32 gather for now."""
     users, made_by = graph.users(), graph.producers()
     f32_experts = {v for v in graph.params if v.aval.dtype is f32 and v.aval.ndim == 3}
     outputs = {o for o in graph.outvars if isinstance(o, Var)}
@@ -106,8 +106,6 @@ def _expert_matmuls(graph: Graph, weight_of: dict[Var, Var]) -> dict[Eqn, tuple]
             a = shared.inputs[0]
         if tuple(a.aval.shape) == lead[:-1] + (1, 1, K):        # one row per token, k experts each
             found[e] = (a, (product(lead[:-1]), K), w, ids, (product(lead[:-1]), lead[-1]), absorbed)
-        elif tuple(a.aval.shape) == lead + (1, K):              # one row per chosen expert
-            found[e] = (a, (product(lead), K), w, ids, (product(lead), 1), absorbed)
     return found
 
 

@@ -128,22 +128,22 @@ def test_graph_text_fused_and_unfused():
 
 
 def test_the_pattern_written_by_hand_fuses():
-    """matmul of each token's row against take(dequant(w), ids), with the row shared by the token's experts
-    (matmul broadcasting it) or repeated per chosen expert (the take + linear workaround), becomes
-    qmatmul_experts, and gives the numpy rule's results on llvm."""
+    """matmul of each token's row against take(dequant(w), ids), the row shared by the token's experts
+    (matmul broadcasting it, or broadcast by hand), becomes qmatmul_experts and gives the numpy rule's
+    results on llvm."""
     def shared(x, ids, w):
         T = x.shape[0]
         return ops.matmul(x.reshape(T, 1, 1, K), ops.take(w, ids)).reshape(T, 2, N)
 
-    def repeated(x, ids, w):
+    def broadcast(x, ids, w):
         T = x.shape[0]
-        rows = ops.broadcast_to(x.reshape(T, 1, K), (T, 2, K)).reshape(T * 2, 1, K)
-        return ops.linear(rows, ops.take(w, ids.reshape(T * 2))).reshape(T, 2, N)
+        rows = ops.broadcast_to(x.reshape(T, 1, 1, K), (T, 2, 1, K))
+        return ops.linear(rows, ops.take(w, ids)).reshape(T, 2, N)
 
     w, _ = experts("q8_0")
     x, ids = inputs(5, 2)
     want = ggraph.compile(expert_graph("q8_0", 2), backend="numpy", passes=[])(x, ids, w)
-    for fn in (shared, repeated):
+    for fn in (shared, broadcast):
         g = ggraph.trace(fn, f32["T", K], i32["T", 2], param("blk.0.ffn_up_exps.weight", dtypes.q8_0[E, N, K]))
         text = str(optimize(g))
         assert "qmatmul_experts" in text and "take" not in text and "dequant" not in text, text
