@@ -211,13 +211,13 @@ def test_q4_k_scale_is_six_bits_under_fp16_d():
 def test_imatrix_is_ignored_by_types_without_a_weighted_path():
     x = np.random.default_rng(3).standard_normal((4, 256)).astype(np.float32)
     w = np.random.default_rng(4).exponential(1, 256).astype(np.float32)
-    for name in ("f32", "f16", "bf16", "q8_0", "q8_1", "q8_k"):
+    for name in ("f32", "f16", "bf16", "q8_0", "q8_1", "q8_k", "mxfp4"):
         assert np.array_equal(quants.quantize(x, name, imatrix=w), quants.quantize(x, name)), name
 
 
 def test_quantizable_lists_every_type():
     names = {d.name for d in quants.QUANTIZABLE}
-    assert names == {"f32", "f16", "bf16", "q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q8_1", "q8_k", *K_TYPES}
+    assert names == {"f32", "f16", "bf16", "q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q8_1", "q8_k", "mxfp4", *K_TYPES}
     assert set(quantize_k.SEARCHED) == set(quants._SEARCHED)
 
 
