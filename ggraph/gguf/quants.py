@@ -487,7 +487,7 @@ def quantize(array, dtype, imatrix=None) -> np.ndarray:
     ``imatrix`` is None or one non-negative weight per element of a row (length
     array.shape[-1], shared by every row, as llama-imatrix computes it). With it the
     k-quants, IQ4_* and Q4_0..Q5_1 minimise the weighted error; f32, f16, bf16 and the
-    Q8 types ignore it, as llama.cpp does.
+    Q8 types and mxfp4 ignore it, as llama.cpp does.
     """
     dt = _supported(dtype, QUANTIZABLE, "quantize")
     x = np.asarray(array).astype(np.float32, copy=False)
