@@ -486,7 +486,7 @@ def quantize(array, dtype, imatrix=None) -> np.ndarray:
     ``quantize_row_*_ref`` for q8_1 and q8_k, which it does not offer).
     ``imatrix`` is None or one non-negative weight per element of a row (length
     array.shape[-1], shared by every row, as llama-imatrix computes it). With it the
-    k-quants, IQ4_* and Q4_0..Q5_1 minimise the weighted error; f32, f16, bf16 and the
+    k-quants, IQ4_* and Q4_0..Q5_1 minimise the weighted error; f32, f16, bf16, the
     Q8 types and mxfp4 ignore it, as llama.cpp does.
     """
     dt = _supported(dtype, QUANTIZABLE, "quantize")
