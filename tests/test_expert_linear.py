@@ -16,7 +16,8 @@ rng = np.random.default_rng(412)
 TARGETS = runnable_targets()
 TYPES = ["q8_0", "q4_0", "q4_k", "q6_k", "f32"]
 E, N, K = 8, 32, 256
-# normalised error ||llvm - numpy|| / ||numpy|| allowed: the kernels meet q8 activations (q8_k: 256 a scale), numpy f32 ones
+# normalised error ||llvm - numpy|| / ||numpy|| allowed: the kernels meet q8 activations (q8_k: 256 a
+# scale), numpy f32 ones
 TOLERANCE = {"q8_0": 2e-2, "q4_0": 2e-2, "q4_k": 2e-2, "q6_k": 2e-2, "f32": 1e-5}
 
 

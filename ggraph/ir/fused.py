@@ -126,8 +126,8 @@ def expert_linear_cost(eqn, dims):
         eqn.outputs[0].aval.nbytes(dims)
 
 
-qmatmul_experts_p = register("qmatmul_experts", shape=lambda x, w, ids: expert_linear_shape("qmatmul_experts", x, w, ids),
-                             impl=expert_linear_impl, cost=expert_linear_cost, kind="matmul",
+qmatmul_experts_p = register("qmatmul_experts", impl=expert_linear_impl, cost=expert_linear_cost, kind="matmul",
+                             shape=lambda x, w, ids: expert_linear_shape("qmatmul_experts", x, w, ids),
                              doc="out[t, j] = x[t] @ w[ids[t, j]].T on the stored blocks of the chosen experts")
 
 
