@@ -23,7 +23,7 @@ from ggraph.backends.llvm.kernels import elementwise as E
 from ggraph.backends.llvm.kernels import plain_ops as G
 from ggraph.backends.llvm.kernels import routing as R
 from ggraph.backends.llvm.kernels.qmatmul.experts import qmatmul_experts
-from ggraph.backends.llvm.lowering import LOWERINGS, ActBytes, FixedBytes, Lowering, LoweringError, lowering, rows, symbol_args
+from ggraph.backends.llvm.lowering import LOWERINGS, ActBytes, AvalBytes, FixedBytes, Lowering, LoweringError, lowering, rows, symbol_args
 
 
 @lowering(P.reshape_p)
@@ -259,11 +259,27 @@ def _matmul(lw, e):
     a, b = e.inputs
     M, Kd = a.aval.shape[-2], a.aval.shape[-1]
     N = b.aval.shape[-2]
-    batch = product(e.outputs[0].aval.shape[:-2])
-    a_batch = 0 if product(a.aval.shape[:-2]) == 1 else 1
-    b_batch = 0 if product(b.aval.shape[:-2]) == 1 else 1
+    batch_shape = e.outputs[0].aval.shape[:-2]
+    (ra, a_batch), (rb, b_batch) = (_batched(lw, x, batch_shape) for x in (a, b))
     out = lw.output(e.outputs[0])
-    lw.call(lw.kernel(G.matmul_f32), lw.ref(a), lw.ref(b), out, batch, M, N, Kd, a_batch, b_batch, writes=(out,))
+    lw.call(lw.kernel(G.matmul_f32), ra, rb, out, product(batch_shape), M, N, Kd, a_batch, b_batch, writes=(out,))
+
+
+def _batched(lw, x, batch_shape) -> tuple:
+    """(where operand ``x`` of a batched matmul is, 1 if it has every matrix of ``batch_shape`` else 0): one
+    matrix is read for every batch element as it is; a batch broadcast on some axes only ([T, 1] against
+    [T, k]) is copied out to the whole batch first, since the kernel steps through whole batches."""
+    own = x.aval.shape[:-2]
+    if product(own) == 1:
+        return lw.ref(x), 0
+    full = (1,) * (len(batch_shape) - len(own)) + tuple(own)
+    if full == tuple(batch_shape):
+        return lw.ref(x), 1
+    whole = x.aval.update(shape=tuple(batch_shape) + x.aval.shape[-2:])
+    copy = lw.scratch(AvalBytes(whole), "matmul_broadcast")
+    lw.call(lw.kernel(C.emit_broadcast, lw.target, x.aval, whole.shape), lw.ref(x), copy,
+            *symbol_args(x.aval, whole), writes=(copy,))
+    return copy, 1
 
 
 # -- attention ----------------------------------------------------------------------------------
