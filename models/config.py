@@ -59,6 +59,10 @@ class ModelConfig:
     sliding_window: int | None = None
     swa_layers: tuple[bool, ...] = ()   # per layer: True where attention is windowed
     tied_output: bool = False           # no output.weight: logits use token_embd
+    n_expert: int = 0                   # a mixture of experts in every FFN (0: dense): ffn_*_exps of E experts
+    n_expert_used: int = 0              # the top k experts each token's router picks
+    n_ff_exp: int = 0                   # each expert's FFN width
+    expert_weights_norm: bool = False   # the chosen experts' router weights renormalised to sum to 1
     extra: Mapping = dataclasses.field(default_factory=dict, compare=False, hash=False)
     #                                     flags of an architecture with its own forward that are not fields here
 
@@ -217,6 +221,9 @@ def _check_flags(cfg: ModelConfig) -> None:
         raise ValueError(f"{cfg.arch}: rope_style {cfg.rope_style!r} must be neox or interleaved")
     if cfg.act not in ("silu", "gelu_tanh"):
         raise ValueError(f"{cfg.arch}: act {cfg.act!r} must be silu or gelu_tanh")
+    if cfg.n_expert and not (0 < cfg.n_expert_used <= cfg.n_expert and cfg.n_ff_exp > 0):
+        raise ValueError(f"{cfg.arch}: expert_used_count = {cfg.n_expert_used} must be 1..expert_count = "
+                         f"{cfg.n_expert}, and expert_feed_forward_length = {cfg.n_ff_exp} at least 1")
     if cfg.qk_norm not in (False, True, "head", "full"):
         raise ValueError(f"{cfg.arch}: qk_norm {cfg.qk_norm!r} must be False, \"head\" (or True) or \"full\"")
 

@@ -135,6 +135,8 @@ def attention(cfg: ModelConfig, blk: Layer, i: int, x, pos, P, k_cache, v_cache,
 def ffn(cfg: ModelConfig, blk: Layer, x):
     F = cfg.n_ff
     h = ops.rms_norm(x, blk["ffn_norm.weight"], eps=cfg.norm_eps) if cfg.pre_norms else x   # (T, D)
+    if cfg.n_expert:
+        return moe_ffn(cfg, blk, h)
     if cfg.fused_gate_up:
         gu = ops.linear(h, blk["ffn_up.weight"])                                   # (T, 2F)
         g, u = gu[:, :F], gu[:, F:]
@@ -145,3 +147,19 @@ def ffn(cfg: ModelConfig, blk: Layer, x):
     if cfg.post_norms:
         o = ops.rms_norm(o, blk["post_ffw_norm.weight"], eps=cfg.norm_eps)
     return o
+
+
+def moe_ffn(cfg: ModelConfig, blk: Layer, h):
+    """A mixture of SwiGLU experts, as llama.cpp's build_moe_ffn with softmax gating: each token's router
+    probabilities pick its top k experts, whose outputs are summed weighted by those probabilities."""
+    T, D, k, F = h.shape[0], cfg.n_embd, cfg.n_expert_used, cfg.n_ff_exp
+    probs = ops.softmax(ops.linear(h, blk["ffn_gate_inp.weight"]))                # (T, E), router [E, D]
+    weight, chosen = ops.top_k(probs, k)                                          # (T, k), i32 (T, k)
+    if cfg.expert_weights_norm:                                                   # ggml clamps the sum at f16's
+        weight = weight / ops.maximum(ops.reduce_sum(weight), 6.103515625e-5)     # smallest normal
+    g = ops.expert_linear(h, blk["ffn_gate_exps.weight"], chosen)                 # (T, k, F), experts [E, F, D]
+    u = ops.expert_linear(h, blk["ffn_up_exps.weight"], chosen)                   # (T, k, F)
+    a = ops.swiglu(g, u).reshape(T * k, F)                                        # one row per (token, expert)
+    y = ops.expert_linear(a, blk["ffn_down_exps.weight"], chosen.reshape(T * k, 1))   # (T*k, 1, D), [E, D, F]
+    y = y.reshape(T, k, D) * weight.reshape(T, k, 1)
+    return ops.reduce_sum(ops.transpose(y, (0, 2, 1))).reshape(T, D)              # the k experts summed

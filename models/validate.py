@@ -132,10 +132,19 @@ def expected_shapes(cfg: ModelConfig, names: set) -> dict[str, tuple[tuple, str]
         if cfg.post_norms:
             out[b + "post_attention_norm.weight"] = ((D,), d)
             out[b + "post_ffw_norm.weight"] = ((D,), d)
-        if cfg.fused_gate_up:
+        if cfg.n_expert:
+            E, Fe = cfg.n_expert, cfg.n_ff_exp
+            e = f"{a}.expert_count = {E}"
+            fe = f"{a}.expert_feed_forward_length = {Fe}"
+            out[b + "ffn_gate_inp.weight"] = ((E, D), f"{e} by {d}")
+            out[b + "ffn_gate_exps.weight"] = ((E, Fe, D), f"{e}, {fe} by {d}")
+            out[b + "ffn_up_exps.weight"] = ((E, Fe, D), f"{e}, {fe} by {d}")
+            out[b + "ffn_down_exps.weight"] = ((E, D, Fe), f"{e}, {d} by {fe}")
+        elif cfg.fused_gate_up:
             out[b + "ffn_up.weight"] = ((2 * F, D), f"2 × {ff} (gate and up) by {d}")
         else:
             out[b + "ffn_gate.weight"] = ((F, D), f"{ff} by {d}")
             out[b + "ffn_up.weight"] = ((F, D), f"{ff} by {d}")
-        out[b + "ffn_down.weight"] = ((D, F), f"{d} by {ff}")
+        if not cfg.n_expert:
+            out[b + "ffn_down.weight"] = ((D, F), f"{d} by {ff}")
     return out

@@ -13,8 +13,8 @@ it borrows from test_convert.py and the versions of every package that decides t
 
 Tokenizers: llama.cpp's converter names a BPE pre-tokenizer by the hash of a real vocabulary's
 output, so a BPE trained here is refused. qwen3 takes the converter's SentencePiece path
-(test_convert's 400-piece model); olmo2 has no such path and gets GPT-2's real BPE, rebuilt
-from tests/data/vocab/ggml-vocab-gpt-2.gguf, which the converter recognises as "gpt-2".
+(test_convert's 400-piece model); olmo2 and qwen3moe have no such path and get GPT-2's real BPE,
+rebuilt from tests/data/vocab/ggml-vocab-gpt-2.gguf, which the converter recognises as "gpt-2".
 """
 from __future__ import annotations
 
@@ -54,6 +54,13 @@ FAMILIES = {
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM",
               dict(bos_token_id=None, eos_token_id=50256, pad_token_id=50256, rms_norm_eps=1e-6,
                    rope_parameters=dict(rope_type="default", rope_theta=500000.0)), "gpt-2", 50304),
+    # Qwen3-30B-A3B's layout, shrunk: qwen3 attention, an MoE FFN in every layer (8 experts, top-2, top-k
+    # weights renormalised), untied output
+    "qwen3moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                 dict(head_dim=128, tie_word_embeddings=False, bos_token_id=None, eos_token_id=50256,
+                      pad_token_id=50256, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=128,
+                      norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+                      rope_parameters=dict(rope_type="default", rope_theta=20000.0)), "gpt-2", 50304),
 }
 
 
