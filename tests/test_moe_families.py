@@ -6,11 +6,12 @@ llama.cpp (Q4_K_M's expert down-projections fall back to q5_0 and q8_0: their ro
 k-quant block). On each file, on both backends, ggraph's logits equal llama.cpp's at every position, from
 one prefill and token by token, with the dense families' tolerances (test_hf_families.py).
 
-One allowance: a router whose k-th and (k+1)-th probabilities lie within quantisation noise of each other
-may pick another expert than llama.cpp's, and that token's logits then differ as much as a different
-expert makes them (on the Q4_K_M file one token of the 24, cosine 0.955, where the f32 and q8_0 files agree
-to 0.9999999). So on quantised files at most one position may miss the dense tolerance, and every position
-still agrees to a cosine of 0.9; f32 and q8_0 files get no allowance at all.
+One allowance, on Q4_K_M only: at one position of the 24 (IDS[21]) llama.cpp's logits differ from ggraph's
+(cosine 0.952 numpy, 0.955 llvm; top-1 differs), as if one router picked another expert. ggraph's numpy
+backend there equals transformers run on the same file's dequantised weights (cosine 1.0; llvm 0.9996),
+and llama.cpp does not (0.952); the router's 2nd-3rd logit gap at that token is 0.10 (layer 1), where
+tokens with smaller gaps agree, so the cause inside llama.cpp is not pinned down. At most
+MISMATCHED[mix] positions may miss the dense tolerance, and every position still agrees to 0.9.
 """
 import numpy as np
 import pytest
@@ -25,7 +26,7 @@ from test_models import EXACT, agreement
 FAMILIES = ["qwen3moe"]
 MIXES = list(hf_models.MIXES)
 BACKENDS = ["numpy", "llvm"]
-NEAR_TIES = {"f32": 0, "q8_0": 0, "q4_k_m": 1}      # positions allowed a different expert (docstring)
+MISMATCHED = {"f32": 0, "q8_0": 0, "q4_k_m": 1}     # positions allowed to miss (the docstring says why)
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -35,14 +36,13 @@ def session(path, backend, ctx=64):
 
 
 def assert_agrees(got, want, mix, backend, what):
-    """The dense families' tolerances (test_hf_families.assert_agrees) at every position but NEAR_TIES[mix]."""
+    """The dense families' tolerances (test_hf_families.assert_agrees) at every position but MISMATCHED[mix]."""
     cos = (got * want).sum(1) / np.linalg.norm(got, axis=1) / np.linalg.norm(want, axis=1)
     top1 = float((got.argmax(1) == want.argmax(1)).mean())
     floor = 0.99999 if mix == "f32" else 0.9995 if backend == "llvm" else 0.995
     missed = np.flatnonzero(cos < floor)
-    assert len(missed) <= NEAR_TIES[mix] and cos.min() >= 0.9, (what, missed, cos[missed], cos.min())
+    assert len(missed) <= MISMATCHED[mix] and cos.min() >= 0.9, (what, missed, cos[missed], cos.min())
     assert top1 >= (0.95 if mix != "f32" and backend == "llvm" else 0.9), (what, top1)
-    return float(cos.min()), float(np.sort(cos)[min(NEAR_TIES[mix], len(cos) - 1)]), top1
 
 
 @pytest.mark.slow
