@@ -18,7 +18,11 @@ from ggraph.models.config import config_from_gguf
 from ggraph.runtime.session import Session
 from test_models import EXACT, agreement
 
-FAMILIES = ["qwen3", "olmo2"]               # the dense ones (tests/test_moe_families.py has the MoE ones)
+FAMILIES = list(hf_models.FAMILIES)
+# positions allowed to miss the bars below, per (family, mix): on qwen3moe's Q4_K_M, at IDS[21], llama.cpp
+# differs from transformers run on that file's own dequantised weights while ggraph does not (the
+# measurements are in tests/test_moe_families.py's docstring)
+MISSES = {("qwen3moe", "q4_k_m"): 1}
 MIXES = list(hf_models.MIXES)
 BACKENDS = ["numpy", "llvm"]
 IDS = [int(t) for t in np.random.default_rng(0).integers(3, 400, 24)]     # ids both vocabularies hold
@@ -30,13 +34,16 @@ def session(path, backend, ctx=64):
     return Session(path, backend=backend, threads=2, ctx=ctx, **EXACT)
 
 
-def assert_agrees(got, want, mix, backend, what):
-    cos, top1 = agreement(got, want)
-    assert cos >= 0.995 and top1 >= 0.9, (what, cos, top1)
-    if mix == "f32":                              # the same f32 arithmetic as llama.cpp
-        assert cos > 0.99999, (what, cos)
-    elif backend == "llvm":                       # q8 activations and integer dots, as ggml's
-        assert cos > 0.9995 and top1 >= 0.95, (what, cos, top1)
+def assert_agrees(got, want, mix, backend, what, misses=0):
+    """Every position's cosine above the bar for ``mix`` and ``backend`` (f32: the same arithmetic as
+    llama.cpp; llvm: q8 activations and integer dots as ggml's; numpy: f32 dots), but at most ``misses``
+    positions, which still agree to 0.9; top-1 agreement likewise."""
+    cos = (got * want).sum(1) / np.linalg.norm(got, axis=1) / np.linalg.norm(want, axis=1)
+    top1 = float((got.argmax(1) == want.argmax(1)).mean())
+    floor = 0.99999 if mix == "f32" else 0.9995 if backend == "llvm" else 0.995
+    missed = np.flatnonzero(cos < floor)
+    assert len(missed) <= misses and cos.min() >= 0.9, (what, missed, cos[missed], cos.min())
+    assert top1 >= (0.95 if mix != "f32" and backend == "llvm" else 0.9), (what, top1)
 
 
 @pytest.mark.slow
@@ -47,7 +54,8 @@ def test_prefill_logits_match_llama_cpp(family, mix, backend):
     path = hf_models.converted(family, mix)
     got = session(path, backend).logits(IDS)
     assert got.shape == (len(IDS), hf_models.FAMILIES[family][4]) and got.dtype == np.float32
-    assert_agrees(got, oracle.llama_logits(path, IDS, n_ctx=64), mix, backend, f"{family} {mix} {backend}")
+    assert_agrees(got, oracle.llama_logits(path, IDS, n_ctx=64), mix, backend, f"{family} {mix} {backend}",
+                  MISSES.get((family, mix), 0))
 
 
 @pytest.mark.slow
@@ -60,7 +68,7 @@ def test_token_by_token_logits_match_llama_cpp(family, mix, backend):
     s = session(path, backend)
     got = np.concatenate([s.step([t], last_only=False) for t in IDS])
     want = oracle.llama_logits_stepwise(path, IDS, n_ctx=64)
-    assert_agrees(got, want, mix, backend, f"{family} {mix} {backend} decode")
+    assert_agrees(got, want, mix, backend, f"{family} {mix} {backend} decode", MISSES.get((family, mix), 0))
 
 
 @pytest.mark.slow
@@ -75,10 +83,13 @@ def test_every_feature_set_this_host_runs(family, target, monkeypatch):
     path = hf_models.converted(family, "q4_k_m")
     s = session(path, "llvm")
     assert s.program(False).target.name == target
-    assert_agrees(s.logits(IDS), oracle.llama_logits(path, IDS, n_ctx=64), "q4_k_m", "llvm", f"{family} {target}")
+    misses = MISSES.get((family, "q4_k_m"), 0)
+    assert_agrees(s.logits(IDS), oracle.llama_logits(path, IDS, n_ctx=64), "q4_k_m", "llvm", f"{family} {target}",
+                  misses)
     s.reset()
     got = np.concatenate([s.step([t], last_only=False) for t in IDS[:8]])
-    assert_agrees(got, oracle.llama_logits_stepwise(path, IDS[:8], n_ctx=64), "q4_k_m", "llvm", f"{family} {target}")
+    assert_agrees(got, oracle.llama_logits_stepwise(path, IDS[:8], n_ctx=64), "q4_k_m", "llvm", f"{family} {target}",
+                  misses)
 
 
 @pytest.mark.slow

@@ -4,82 +4,32 @@ The model (hf_models.py: 2 layers, width 256, 8 experts of width 128, top-2, ren
 made with transformers, converted by llama.cpp's convert_hf_to_gguf.py and quantised q8_0 and Q4_K_M by
 llama.cpp (Q4_K_M's expert down-projections fall back to q5_0 and q8_0: their rows of 128 are no whole
 k-quant block). On each file, on both backends, ggraph's logits equal llama.cpp's at every position, from
-one prefill and token by token, with the dense families' tolerances (test_hf_families.py).
+one prefill and token by token, with the dense families' tolerances: tests/test_hf_families.py runs those
+tests over every family of hf_models; this file has what is the MoE families' own.
 
 One allowance, on Q4_K_M only: at one position of the 24 (IDS[21]) llama.cpp's logits differ from ggraph's
 (cosine 0.952 numpy, 0.955 llvm; top-1 differs), as if one router picked another expert. ggraph's numpy
 backend there equals transformers run on the same file's dequantised weights (cosine 1.0; llvm 0.9996),
 and llama.cpp does not (0.952); the router's 2nd-3rd logit gap at that token is 0.10 (layer 1), where
-tokens with smaller gaps agree, so the cause inside llama.cpp is not pinned down. At most
-MISMATCHED[mix] positions may miss the dense tolerance, and every position still agrees to 0.9.
+tokens with smaller gaps agree, so the cause inside llama.cpp is not pinned down. So test_hf_families
+lets that one position (MISSES) miss the dense tolerance, and it still agrees to 0.9.
 """
-import numpy as np
 import pytest
 
 import hf_models
-import oracle
 from ggraph.models.config import config_from_gguf
 from ggraph.runtime.session import Session
-from test_hf_families import IDS, NAMES, metadata
-from test_models import EXACT, agreement
+from test_hf_families import NAMES, metadata
+from test_models import EXACT
 
 FAMILIES = ["qwen3moe"]
 MIXES = list(hf_models.MIXES)
-BACKENDS = ["numpy", "llvm"]
-MISMATCHED = {"f32": 0, "q8_0": 0, "q4_k_m": 1}     # positions allowed to miss (the docstring says why)
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
 
 def session(path, backend, ctx=64):
     return Session(path, backend=backend, threads=2, ctx=ctx, **EXACT)
-
-
-def assert_agrees(got, want, mix, backend, what):
-    """The dense families' tolerances (test_hf_families.assert_agrees) at every position but MISMATCHED[mix]."""
-    cos = (got * want).sum(1) / np.linalg.norm(got, axis=1) / np.linalg.norm(want, axis=1)
-    top1 = float((got.argmax(1) == want.argmax(1)).mean())
-    floor = 0.99999 if mix == "f32" else 0.9995 if backend == "llvm" else 0.995
-    missed = np.flatnonzero(cos < floor)
-    assert len(missed) <= MISMATCHED[mix] and cos.min() >= 0.9, (what, missed, cos[missed], cos.min())
-    assert top1 >= (0.95 if mix != "f32" and backend == "llvm" else 0.9), (what, top1)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("mix", MIXES)
-@pytest.mark.parametrize("family", FAMILIES)
-def test_prefill_logits_match_llama_cpp(family, mix, backend):
-    path = hf_models.converted(family, mix)
-    got = session(path, backend).logits(IDS)
-    assert got.shape == (len(IDS), hf_models.FAMILIES[family][4]) and got.dtype == np.float32
-    assert_agrees(got, oracle.llama_logits(path, IDS, n_ctx=64), mix, backend, f"{family} {mix} {backend}")
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("mix", MIXES)
-@pytest.mark.parametrize("family", FAMILIES)
-def test_token_by_token_logits_match_llama_cpp(family, mix, backend):
-    """Each token decoded against the KV cache, beside llama.cpp decoding the same way."""
-    path = hf_models.converted(family, mix)
-    s = session(path, backend)
-    got = np.concatenate([s.step([t], last_only=False) for t in IDS])
-    want = oracle.llama_logits_stepwise(path, IDS, n_ctx=64)
-    assert_agrees(got, want, mix, backend, f"{family} {mix} {backend} decode")
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("family", FAMILIES)
-def test_transformers_agrees_with_llama_cpp_and_ggraph(family):
-    """The oracle's oracle: the converted f32 file computes what the Hugging Face model does."""
-    path = hf_models.converted(family, "f32")
-    hf = hf_models.hf_logits(family, IDS)
-    llama = oracle.llama_logits(path, IDS, n_ctx=64)
-    for name, logits in (("llama.cpp", llama), ("numpy", session(path, "numpy").logits(IDS)),
-                         ("llvm", session(path, "llvm").logits(IDS))):
-        cos, top1 = agreement(logits, hf)
-        assert cos >= 0.9999 and top1 == 1.0, (family, name, cos, top1)
 
 
 @pytest.mark.slow
@@ -91,18 +41,6 @@ def test_the_experts_are_one_native_kernel_each(family):
         graph = str(session(hf_models.converted(family, mix), "llvm").program(False).graph)
         assert graph.count("qmatmul_experts") == 3 * 2 and graph.count("top_k") == 2, (mix, graph)
         assert "dequant" not in graph, (mix, graph)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("mix", MIXES)
-@pytest.mark.parametrize("family", FAMILIES)
-def test_ggraph_run(family, mix, capsys):
-    from ggraph.cli import main
-    path = hf_models.converted(family, mix)
-    assert main(["run", str(path), "-p", "The quick brown fox", "-n", "8", "--temp", "0", "--ctx", "64",
-                 "--threads", "2"]) == 0
-    out, err = capsys.readouterr()
-    assert out.startswith("The quick brown fox") and "generated: 8 tokens" in err, (out, err)
 
 
 # -- flags, from metadata alone ----------------------------------------------------------------------
