@@ -23,7 +23,7 @@ from ggraph.backends.llvm.kernels.fmatmul import fmatmul, float_weight
 from ggraph.backends.llvm.kernels.get_rows import dequant_rows, get_rows
 from ggraph.backends.llvm.kernels.kv_rows import kv_store
 from ggraph.backends.llvm.kernels.isa import vector_path
-from ggraph.backends.llvm.kernels.plan import FORMATS, Layout, act_rows, layouts, qmatmul_plan
+from ggraph.backends.llvm.kernels.plan import EXPERT_CHUNK_ROWS, FORMATS, Layout, act_rows, layouts, qmatmul_plan
 from ggraph.backends.llvm.kernels.qmatmul import act_format, qmatmul
 from ggraph.backends.llvm.target import Target
 
@@ -42,6 +42,8 @@ def describe(target: Target) -> dict[str, str]:
     out.update({f"get_rows {dt.name}": how for dt in QUANT_TYPES + FLOAT_TYPES})
     out["fused (elementwise)"] = elementwise.variant(target)
     out["rope_attention"] = attention.variant(target)
+    out["qmatmul_experts"] = (f"each token's chosen experts, {EXPERT_CHUNK_ROWS} rows a unit, with the decode dot of "
+                              f"the weight type (qmatmul above; prefill too, per token)")
     out["routing"] = "top_k, argmax, take_along_axis, segment_sum: scalar loops, vectorised by LLVM where contiguous"
     return out
 
