@@ -485,14 +485,8 @@ def cached_outlier_model(mix: str, *, seed: int = 0, gain: float = 50.0, **overr
     pytest.importorskip("llama_cpp", reason="quantised zoo models need llama-cpp-python")
     key = cache_key("llama", "q4_1", seed, {**SMOLLM2_DIMS, **overrides})        # a llama.cpp mix: its version counts
     folder = Path(tempfile.gettempdir()) / f"ggraph-zoo-outliers-{mix}-gain{gain:g}-{key}"
-    path = folder / f"llama-outliers-{mix}.gguf"
-    if path.exists():
-        return path
-    folder.mkdir(parents=True, exist_ok=True)
-    tmp = folder / f".{os.getpid()}-{path.name}"
-    write_outlier_model(tmp, mix, seed=seed, gain=gain, **overrides)
-    os.replace(tmp, path)
-    return path
+    return _written_once(folder / f"llama-outliers-{mix}.gguf",
+                         lambda tmp: write_outlier_model(tmp, mix, seed=seed, gain=gain, **overrides))
 
 
 # --- cache ------------------------------------------------------------------------------
@@ -515,11 +509,16 @@ def cached_model(arch: str, mix: str = "f32", *, seed: int = 0, **overrides) -> 
         import pytest
         pytest.importorskip("llama_cpp", reason="quantised zoo models need llama-cpp-python")
     folder = Path(tempfile.gettempdir()) / f"ggraph-zoo-{cache_key(arch, mix, seed, overrides)}"
-    path = folder / f"{arch}-{mix}.gguf"
+    return _written_once(folder / f"{arch}-{mix}.gguf",
+                         lambda tmp: write_model(tmp, arch, mix=mix, seed=seed, **overrides))
+
+
+def _written_once(path: Path, write) -> Path:
+    """``path``, written by ``write(tmp)`` the first time and then reused."""
     if path.exists():
         return path
-    folder.mkdir(parents=True, exist_ok=True)
-    tmp = folder / f".{os.getpid()}-{path.name}"
-    write_model(tmp, arch, mix=mix, seed=seed, **overrides)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.parent / f".{os.getpid()}-{path.name}"
+    write(tmp)
     os.replace(tmp, path)  # atomic: concurrent writers never expose a partial file
     return path
