@@ -1,12 +1,14 @@
 """ops.expert_linear (each token times its chosen experts of an [E, N, K] weight): the numpy rule against a
 float64 reference, the fused llvm kernel (qmatmul_experts) against the numpy rule on every feature set this
-host runs and against the decode qmatmul of each chosen expert, the unfused baseline, the fusion of the
-pattern a researcher writes by hand, out-of-range ids, the cost rule, and an MoE layer on both backends."""
+host runs and against the decode qmatmul of each chosen expert, its grouped steps (tokens sorted by expert
+into the prefill gemm) against the numpy rule and the prefill qmatmul, the unfused baseline, the fusion of
+the pattern a researcher writes by hand, out-of-range ids, the cost rule, and an MoE layer on both backends."""
 import numpy as np
 import pytest
 
 import ggraph
 from ggraph import f32, i32, ops
+from ggraph.backends.llvm.kernels.plan import experts_plan
 from ggraph.backends.llvm.target import runnable_targets
 from ggraph.compiler import optimize
 from ggraph.gguf.quants import dequantize, quantize
@@ -152,6 +154,92 @@ def test_the_pattern_written_by_hand_fuses():
         assert normalised_error(got, want) < TOLERANCE["q8_0"], fn.__name__
 
 
+# -- grouped steps: tokens sorted by expert, then the prefill gemm ---------------------------------------
+
+GE, GN = 64, 48                   # Qwen3-MoE's 64 experts; 48 rows: a unit of 32 and a tail of 16
+GROUP_FROM = experts_plan("q8_0", GN, TARGETS[0]).group_from     # tokens per expert from which a step groups
+
+
+def grouped_threshold(k_per: int) -> int:
+    """The least T whose step is grouped: T·k >= group_from·E."""
+    return -(-GROUP_FROM * GE // k_per)
+
+
+def routings(T: int, k_per: int) -> dict[str, np.ndarray]:
+    """ids i32[T, k] routed in the ways that stress the sort: at random (k distinct experts a token; at small
+    T most experts get no token), every token on the same experts (k = 1: all on one expert), every slot of
+    every token on one expert, and skewed onto a few experts (some twice for one token)."""
+    return {"random": np.stack([rng.permutation(GE)[:k_per] for _ in range(T)]).astype(np.int32),
+            "same experts": np.tile(rng.permutation(GE)[:k_per], (T, 1)).astype(np.int32),
+            "one expert": np.full((T, k_per), 37, np.int32),
+            "skewed": rng.integers(0, 5, (T, k_per)).astype(np.int32) * 13}
+
+
+@pytest.mark.parametrize("target", TARGETS, ids=lambda t: t.name)
+@pytest.mark.parametrize("wtype", TYPES)
+@pytest.mark.parametrize("k_per", [1, 8])
+def test_grouped_steps_match_numpy(target, wtype, k_per):
+    """From one token to past the grouping threshold, with experts that get no token, all tokens on one
+    expert, and k = 1 and 8 of 64 experts: the llvm kernel (per token below the threshold, grouped by expert
+    from it) against the numpy rule. Float experts run per token at every T."""
+    w, _ = experts(wtype, GE, GN, K)
+    g = ggraph.trace(lambda x, ids, w: ops.expert_linear(x, w, ids), f32["T", K], i32["T", k_per],
+                     param("blk.0.ffn_up_exps.weight", dtypes.from_name(wtype)[GE, GN, K]))
+    fused = ggraph.compile(g, backend="llvm", target=target, threads=2)
+    reference = ggraph.compile(g, backend="numpy", passes=[])
+    at = grouped_threshold(k_per)
+    for T in sorted({1, 2, at - 1, at, at + 1, 2 * at + 7}):
+        x = rng.standard_normal((T, K)).astype(np.float32)
+        for how, ids in routings(T, k_per).items():
+            want = reference(x, ids, w)
+            got = fused(x, ids, w)
+            assert got.shape == (T, k_per, GN)
+            assert normalised_error(got, want) < TOLERANCE[wtype], (target.name, wtype, T, how)
+
+
+@pytest.mark.parametrize("target", TARGETS, ids=lambda t: t.name)
+@pytest.mark.parametrize("wtype", TYPES[:4])
+def test_grouped_step_gives_the_prefill_kernels_numbers(target, wtype):
+    """In a grouped step each token's row against expert e equals the prefill qmatmul (T > 1) of expert e's
+    [N, K] matrix, bit for bit: the same gemm on the same blocks, whichever tokens share its groups."""
+    w, _ = experts(wtype, GE, GN, K)
+    dt = dtypes.from_name(wtype)
+    every = ggraph.trace(lambda x, w: ops.concat([ops.linear(x, ops.slice(w, 0, e, e + 1).reshape(GN, K))
+                                                 for e in range(GE)], -1),
+                         f32["T", K], param("blk.0.ffn_up_exps.weight", dt[GE, GN, K]))
+    T, k_per = grouped_threshold(8) + 3, 8
+    x = rng.standard_normal((T, K)).astype(np.float32)
+    ids = routings(T, k_per)["random"]
+    dense = ggraph.compile(every, backend="llvm", target=target, threads=2)(x, w).reshape(T, GE, GN)
+    g = ggraph.trace(lambda x, ids, w: ops.expert_linear(x, w, ids), f32["T", K], i32["T", k_per],
+                     param("blk.0.ffn_up_exps.weight", dt[GE, GN, K]))
+    got = ggraph.compile(g, backend="llvm", target=target, threads=2)(x, ids, w)
+    np.testing.assert_array_equal(got, dense[np.arange(T)[:, None], ids])
+
+
+def test_grouped_step_reports_out_of_range_ids():
+    w, _ = experts("q4_k", GE, GN, K)
+    g = ggraph.trace(lambda x, ids, w: ops.expert_linear(x, w, ids), f32["T", K], i32["T", 8],
+                     param("blk.0.ffn_up_exps.weight", dtypes.q4_k[GE, GN, K]))
+    program = ggraph.compile(g, backend="llvm", threads=2)
+    T = grouped_threshold(8) + 1
+    x = rng.standard_normal((T, K)).astype(np.float32)
+    for bad in (GE, -3):
+        ids = routings(T, 8)["random"]
+        ids[T // 2, 5] = bad
+        with pytest.raises(IndexError, match=rf"expert_linear.*expert id {bad} is out of range for {GE} experts"):
+            program(x, ids, w)
+
+
+def test_rows_only_and_float_experts_are_never_grouped():
+    """A batch's program (rows_only) computes every token as if alone, so its experts keep the decode
+    arithmetic at every T; float experts have no grouped arithmetic."""
+    for target in TARGETS:
+        assert experts_plan("q4_k", GN, target, rows_only=True).grouped is None
+        assert experts_plan("f32", GN, target).grouped is None
+        assert experts_plan("q4_k", GN, target).grouped is not None
+
+
 # -- a mixture-of-experts FFN -------------------------------------------------------------------------
 
 D, F, TOP = 256, 512, 2
@@ -184,7 +272,7 @@ def moe_reference(x, router, gate, up, down):
 
 
 def test_moe_ffn_on_both_backends_with_and_without_passes():
-    x = rng.standard_normal((5, D)).astype(np.float32)
+    x = rng.standard_normal((24, D)).astype(np.float32)
     router = (rng.standard_normal((E, D)) * 0.3).astype(np.float32)
     (gate, gf), (up, uf), (down, df) = experts("q8_0", E, F, D), experts("q8_0", E, F, D), experts("q8_0", E, D, F)
     want = moe_reference(x, router, gf, uf, df)
@@ -196,7 +284,7 @@ def test_moe_ffn_on_both_backends_with_and_without_passes():
         for passes in ("default", "none"):
             options = {"threads": 2} if backend == "llvm" else {}
             program = ggraph.compile(g, backend=backend, passes=passes, **options)
-            for T in (1, 5):
+            for T in (1, 5, 24):                        # 24 tokens x 2 of 8 experts: a grouped step
                 got = program(x[:T], router, gate, up, down)
                 err = normalised_error(got, want[:T])
                 assert err < (2e-2 if backend == "llvm" and passes == "default" else 1e-5), (backend, passes, T, err)

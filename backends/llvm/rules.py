@@ -22,6 +22,8 @@ from ggraph.backends.llvm.kernels import copies as C
 from ggraph.backends.llvm.kernels import elementwise as E
 from ggraph.backends.llvm.kernels import plain_ops as G
 from ggraph.backends.llvm.kernels import routing as R
+from ggraph.backends.llvm.kernels.plan import experts_plan
+from ggraph.backends.llvm.kernels.qmatmul.by_expert import expert_pack, lanes as expert_lanes
 from ggraph.backends.llvm.kernels.qmatmul.experts import qmatmul_experts
 from ggraph.backends.llvm.lowering import LOWERINGS, ActBytes, AvalBytes, FixedBytes, Lowering, LoweringError, lowering, rows, symbol_args
 
@@ -104,9 +106,10 @@ def _qmatmul(lw, e):
 
 @lowering(qmatmul_experts_p)
 def _qmatmul_experts(lw, e):
-    """Block experts: quantise x once, one row per token (act_quant's rows_only layout), then one kernel in
-    which each (token, expert) runs the decode row dot on that expert's rows in the file; float experts
-    take x as it is. An id outside [0, E) sets a status slot that the run turns into an error."""
+    """Block experts: quantise x once, one row per token (act_quant's rows_only layout); where the plan groups
+    prefill steps by expert, a pack kernel sorts the pairs by expert and packs each expert's tokens for its
+    gemm; then one kernel (decode: each (token, expert) the decode row dot on that expert's rows in the file).
+    Float experts take x as it is. An id outside [0, E) sets a status slot that the run turns into an error."""
     x, w, ids = e.inputs
     E, N, Kdim = w.aval.shape
     T, k = ids.aval.shape
@@ -114,18 +117,29 @@ def _qmatmul_experts(lw, e):
     out = lw.output(e.outputs[0])
     status = lw.status(f"expert_linear ({e.prim.name} at {e.scope or 'top'}): expert id {{id}} is out of range "
                        f"for {E} experts ({w.aval})")
+    kernel = lw.kernel(qmatmul_experts, dt, Kdim, N, E, k, lw.target, lw.rows_only)
     if K.float_weight(dt):
-        xin = lw.ref(x)
-    else:
-        fmt = K.act_format(dt)
-        key = ("act_quant", x, fmt) if lw.rows_only else ("act_quant_rows", x, fmt)
-        xin = lw.memo(key)
-        if xin is None:
-            xin = lw.scratch(ActBytes(fmt, T, Kdim, True), f"xq_{fmt}_rows")
-            lw.call(lw.kernel(K.act_quant, fmt, Kdim, lw.target, True), lw.ref(x), xin, T, writes=(xin,))
-            lw.memo(key, xin)
-    lw.call(lw.kernel(qmatmul_experts, dt, Kdim, N, E, k, lw.target), lw.ref(w), xin, lw.ref(ids), out, status,
-            T, writes=(out, status))
+        lw.call(kernel, lw.ref(w), lw.ref(x), lw.ref(ids), out, status, T, writes=(out, status))
+        return
+    fmt = K.act_format(dt)
+    key = ("act_quant", x, fmt) if lw.rows_only else ("act_quant_rows", x, fmt)
+    xin = lw.memo(key)
+    if xin is None:
+        xin = lw.scratch(ActBytes(fmt, T, Kdim, True), f"xq_{fmt}_rows")
+        lw.call(lw.kernel(K.act_quant, fmt, Kdim, lw.target, True), lw.ref(x), xin, T, writes=(xin,))
+        lw.memo(key, xin)
+    plan = experts_plan(dt, N, lw.target, lw.rows_only)
+    if plan.grouped is None:
+        lw.call(kernel, lw.ref(w), xin, lw.ref(ids), out, status, T, writes=(out, status))
+        return
+    L = expert_lanes(plan.grouped)
+    order = lw.scratch(AvalBytes(ids.aval), "expert_order")
+    xg = lw.scratch(ActBytes(fmt, T * k + L * E, Kdim), f"xq_{fmt}_by_expert")
+    ys = lw.scratch(AvalBytes(e.outputs[0].aval), "y_by_expert")
+    lw.call(lw.kernel(expert_pack, fmt, Kdim, N, E, k, L, plan.group_from, lw.target), xin, lw.ref(ids), order, xg,
+            out, status, T, writes=(order, xg, out, status))
+    lw.call(kernel, lw.ref(w), xin, lw.ref(ids), out, status, order, xg, ys, lw.counter(), T,
+            writes=(out, status, ys))
 
 
 def lower_eqn(lw: Lowering, e: Eqn) -> None:

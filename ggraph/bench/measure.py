@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ggraph.ir.fused import qmatmul_p
+from ggraph.ir.fused import qmatmul_experts_p, qmatmul_p
 
 GGML_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q8_0": 8, "bf16": 30}     # llama.cpp's ids of the cache types
 LLAMA_NEEDS_FA = ("q8_0", "q4_0")          # V cache types llama.cpp runs only with flash attention
@@ -257,6 +257,8 @@ def op_kind(eqn) -> str:
         return "?"
     if eqn.prim is qmatmul_p:
         return f"qmatmul {eqn.inputs[1].aval.dtype}"
+    if eqn.prim is qmatmul_experts_p:
+        return f"{EXPERTS} {eqn.inputs[1].aval.dtype}"
     return eqn.prim.name
 
 
@@ -269,6 +271,10 @@ def _eqn_seconds(profile) -> dict[int, list]:
 
 
 IDLE = "barrier/idle"                # the profile row of the time threads spent waiting for each other
+EXPERTS = "experts"                  # the profile rows of the expert-indexed matmuls (qmatmul_experts), by weight type
+# what a profile says of their bytes, under its tables
+EXPERT_BYTES = ("experts: bytes count the chosen experts' weights only, as min(E, T*k) distinct experts a step "
+                "(the routing is not known before the step runs), plus activations, ids and outputs")
 
 
 def profile_rows(runs, dims: dict, bandwidth: float, peaks: dict, core_hz: float = 0.0) -> dict[str, list[dict]]:
@@ -320,6 +326,8 @@ def _bound(kind: str, flops: float, nbytes: float, bandwidth: float, peaks: dict
 
 
 def _peak(kind: str, peaks: dict, tokens: int) -> float:
+    if kind.startswith(EXPERTS):                 # the decode dot or the gemm, never the AMX tiles
+        return peaks["f32"] if kind.split()[-1] in ("f32", "f16", "bf16") else peaks["int8"]
     if not kind.startswith("qmatmul") or "f32" in kind:
         return peaks["f32"]
     from ggraph.backends.llvm.kernels import amx
@@ -407,4 +415,6 @@ def profile_table(title: str, rows: list[dict]) -> str:
         rates = (f"{'-':>7} {'-':>8} {'-':>6} {'-':>11}" if r["name"] == IDLE else
                  f"{r['gb_s']:>7.1f} {r['gflop_s']:>8.1f} {r.get('ops_cycle', 0.0):>6.1f} {r['roofline']:>10.0%}")
         lines.append(f"  {r['name']:<18} {r['calls']:>5} {r['seconds'] * 1e3:>8.3f} {r['share']:>6.1%} {rates}")
+    if any(r["name"].startswith(EXPERTS) for r in rows):
+        lines.append(f"  ({EXPERT_BYTES})")
     return "\n".join(lines)

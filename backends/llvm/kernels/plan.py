@@ -207,23 +207,33 @@ def fmatmul_plan(target: Target) -> FmatmulPlan:
 
 
 # -- expert-indexed matmul (qmatmul_experts) ----------------------------------------------------
-EXPERT_CHUNK_ROWS = 32     # rows of one (token, expert) a thread takes at a time
+EXPERT_CHUNK_ROWS = 32     # rows of one expert (and one token, or one group of tokens) a thread takes at a time
+# tokens per expert (T·k / E, on average) from which a step groups its tokens by expert into the gemm:
+# below it each (token, expert) runs the decode row dot (docs/kernels.md, "Expert-indexed matmul")
+EXPERT_GROUP_FROM = 2
 
 
 @dataclass(frozen=True)
 class ExpertsPlan:
-    """The expert-indexed matmul for one weight type, N rows per expert and target. Every (token, expert)
-    runs the decode kernel's row dot on that expert's rows, read from the file's layout: ``matmul`` is the
-    qmatmul plan whose ``one`` method (gemv, or the scalar twin) it takes; None for float experts, which
-    take fmatmul's row dot. Threads split (token, expert, chunk of ``chunk_rows`` rows). Tokens are not yet
-    grouped by expert into the gemm kernels at T > 1: each runs the decode arithmetic."""
+    """The expert-indexed matmul for one weight type, N rows per expert and target. ``matmul`` is the qmatmul
+    plan of one expert's [N, K] matrix in the file's layout (None for float experts, which take fmatmul's row
+    dot). Below ``group_from`` tokens per expert, each (token, expert) runs its ``one`` method (gemv, or the
+    scalar twin) on ``chunk_rows`` rows at a time, threads splitting (token, expert, chunk) statically. From
+    there (block experts, not rows_only) the step's (token, expert) pairs are sorted by expert and each expert's
+    tokens run through ``grouped`` (the gemm its prefill would run: Method.GEMM, ROWS_GEMM, or the scalar twin)
+    against that expert's blocks, read once a step; threads take (expert, chunk of rows) units in turn."""
 
     matmul: QmatmulPlan | None
     chunk_rows: int
+    grouped: Method | None        # the arithmetic of grouped steps; None: every step per (token, expert)
+    group_from: int               # tokens per expert (T·k >= group_from·E) from which a step is grouped
 
 
-def experts_plan(dtype, N: int, target: Target) -> ExpertsPlan:
+def experts_plan(dtype, N: int, target: Target, rows_only: bool = False) -> ExpertsPlan:
+    """``rows_only`` (a batch of requests: each token computed as if alone) keeps the decode arithmetic at
+    every T, as rows_only qmatmuls do."""
     dt = dtypes.from_name(dtype)
     if dt in (dtypes.f32, dtypes.f16, dtypes.bf16):
-        return ExpertsPlan(None, EXPERT_CHUNK_ROWS)
-    return ExpertsPlan(qmatmul_plan(dt, N, target), EXPERT_CHUNK_ROWS)
+        return ExpertsPlan(None, EXPERT_CHUNK_ROWS, None, EXPERT_GROUP_FROM)
+    plan = qmatmul_plan(dt, N, target)
+    return ExpertsPlan(plan, EXPERT_CHUNK_ROWS, None if rows_only else plan.many, EXPERT_GROUP_FROM)

@@ -1,21 +1,27 @@
 """The expert-indexed matmul: each token times its chosen experts, read straight from the [E, N, K] weight.
 
-    qmatmul_experts_<wtype>_k<K>_n<N>_e<E>_j<k>_<target>(w: ptr [E, N, K], x: ptr, ids: ptr i32 [T, k],
-                                                          y: ptr f32 [T, k, N], status: ptr i64 [2], T, ith, nth)
+    qmatmul_experts_<wtype>_k<K>_n<N>_e<E>_j<k>[_g<from>]_<target>(w: ptr [E, N, K], x: ptr,
+        ids: ptr i32 [T, k], y: ptr f32 [T, k, N], status: ptr i64 [2], [order: ptr, xg: ptr, ys: ptr,
+        counter: ptr,] T, ith, nth)
 
 For block weights x arrives quantised by act_quant with one row per token (its rows_only layout); for
-float weights (f32, f16, bf16) it is f32 [T, K]. Work units are (token t, expert slot j, chunk of rows):
-a unit reads ids[t, j] and runs the decode row dot of its weight type (plan.experts_plan: gemv's, or the
-scalar twin's; fmatmul's for float weights) over the chunk's rows of that expert, so only the chosen
-experts' blocks are read. Threads split the units statically. An id outside [0, E) is never read: that
-unit's rows of y are zeroed and {1, id} goes to ``status``, which the run turns into an error.
+float weights (f32, f16, bf16) it is f32 [T, K]. Which arithmetic runs is the plan's (plan.experts_plan):
 
-Prefill (T > 1) runs the same per-token arithmetic; grouping the tokens by expert into the gemm kernels
-(gemm, rows gemm, AMX tiles) is the next step.
+- Below ``group_from`` tokens per expert (decode), work units are (token t, expert slot j, chunk of rows):
+  a unit reads ids[t, j] and runs the decode row dot of its weight type (gemv's, or the scalar twin's;
+  fmatmul's for float weights) over the chunk's rows of that expert, so only the chosen experts' blocks are
+  read. Threads split the units statically. An id outside [0, E) is never read: that unit's rows of y are
+  zeroed and {1, id} goes to ``status``, which the run turns into an error.
+- From there (block weights; prefill), the pack kernel before it (by_expert.py) has sorted the pairs by
+  expert and packed each expert's tokens into ``xg`` (``order``: sorted position -> pair); units are
+  (expert, chunk of rows), taken in turn through ``counter`` since experts get unequal numbers of tokens,
+  each running the prefill gemm (gemm, rows gemm or the scalar twin) on its expert's rows x tokens into
+  ``ys`` and copying the rows to y[t, j]. Each chosen expert's blocks are read once a step.
+
+Float experts and rows_only programs (a batch, every token computed as if alone) keep the per-token units at
+every T (``order``, ``xg``, ``ys`` and ``counter`` unused).
 """
 from __future__ import annotations
-
-from contextlib import contextmanager
 
 from llvmlite import ir
 
@@ -25,23 +31,27 @@ from ggraph.backends.llvm.kernels.builder import Kernel, f32, i32
 from ggraph.backends.llvm.kernels.fmatmul import _Fmatmul, _tile
 from ggraph.backends.llvm.kernels.isa import PORTABLE_LANES, Isa
 from ggraph.backends.llvm.kernels.plan import Method, experts_plan, fmatmul_plan
+from ggraph.backends.llvm.kernels.qmatmul.by_expert import bound, grouped_step, grouped_units, lanes
 from ggraph.backends.llvm.kernels.qmatmul.context import Matmul
+from ggraph.backends.llvm.kernels.qmatmul.gemm import gemm
+from ggraph.backends.llvm.kernels.qmatmul.rows_gemm import rows_gemm
 from ggraph.backends.llvm.kernels.qmatmul.gemv import gemv, steps_order
 from ggraph.backends.llvm.kernels.qmatmul.scalar import scalar
 from ggraph.backends.llvm.target import Target
 
 
-def qmatmul_experts(module: ir.Module, dtype, K: int, N: int, E: int, k_per: int, target: Target) -> str:
+def qmatmul_experts(module: ir.Module, dtype, K: int, N: int, E: int, k_per: int, target: Target,
+                    rows_only: bool = False) -> str:
     """Emit (once) y[t, j] = x[t] @ w[ids[t, j]].T for experts w (E, N, K) of ``dtype``, k_per experts per
     token; returns its name."""
     dt = dtypes.from_name(dtype)
-    plan = experts_plan(dt, N, target)
-    name = f"qmatmul_experts_{dt.name}_k{K}_n{N}_e{E}_j{k_per}_{target.name}"
+    plan = experts_plan(dt, N, target, rows_only)
+    grouped = plan.grouped is not None
+    name = f"qmatmul_experts_{dt.name}_k{K}_n{N}_e{E}_j{k_per}{f'_g{plan.group_from}' if grouped else ''}_{target.name}"
     if Kernel.exists(module, name):
         return name
     x_arg = "x" if plan.matmul is None else "xq"
-    k = Kernel(module, name, ("w", x_arg, "ids", "y", "status"))
-    b = k.b
+    k = Kernel(module, name, ("w", x_arg, "ids", "y", "status") + (("order", "xg", "ys", "counter") if grouped else ()))
     isa = Isa(k, target)
     if plan.matmul is None:
         x_row, w_bytes, rows = 4 * K, N * dt.row_bytes(K), _float_rows(k, isa, dt, K, N, target)
@@ -50,7 +60,21 @@ def qmatmul_experts(module: ir.Module, dtype, K: int, N: int, E: int, k_per: int
         if K % dt.block_size:
             raise ValueError(f"qmatmul_experts {dt.name}: K={K} is not a multiple of {dt.block_size}")
         x_row, w_bytes, rows = m.lay.group_bytes(1), N * dt.row_bytes(K), _quant_rows(m)
-    chunk = plan.chunk_rows
+    if not grouped:
+        _per_token(k, E, k_per, N, plan.chunk_rows, x_arg, x_row, w_bytes, rows)
+        return k.finish()
+    L = lanes(plan.grouped)
+    with k.b.if_else(grouped_step(k, E, k_per, plan.group_from)) as (by_expert, per_token):
+        with by_expert:
+            grouped_units(k, E, k_per, N, L, w_bytes, m.lay.group_bytes(L), plan.chunk_rows, _group_rows(m, L))
+        with per_token:
+            _per_token(k, E, k_per, N, plan.chunk_rows, x_arg, x_row, w_bytes, rows)
+    return k.finish()
+
+
+def _per_token(k: Kernel, E: int, k_per: int, N: int, chunk: int, x_arg: str, x_row: int, w_bytes: int, rows):
+    """Units (token, expert slot, chunk of rows), split statically, each the decode row dot on one expert."""
+    b = k.b
     chunks = (N + chunk - 1) // chunk
     start, end = k.thread_share(b.mul(k.arg["T"], k.i64(k_per * chunks)))
     with k.loop(start, end, name="unit") as u:
@@ -63,27 +87,28 @@ def qmatmul_experts(module: ir.Module, dtype, K: int, N: int, E: int, k_per: int
         ok = b.and_(b.icmp_signed(">=", expert, k.i64(0)), b.icmp_signed("<", expert, k.i64(E)))
         with b.if_else(ok) as (good, bad):
             with good:
-                with _bound(k, w=k.addr(k.arg["w"], k.mul(expert, w_bytes)),
-                            **{x_arg: k.addr(k.arg[x_arg], k.mul(t, x_row))}, y=y, T=k.i64(1)):
+                with bound(k, w=k.addr(k.arg["w"], k.mul(expert, w_bytes)),
+                           **{x_arg: k.addr(k.arg[x_arg], k.mul(t, x_row))}, y=y, T=k.i64(1)):
                     rows((r0, r1))
             with bad:
                 k.store(ir.Constant(ir.IntType(64), 1), k.arg["status"])
                 k.store(expert, k.arg["status"], 8)
                 with k.loop(r0, r1, name="zero") as n:
                     k.store(ir.Constant(f32, 0.0), y, k.mul(n, 4))
-    return k.finish()
 
 
-@contextmanager
-def _bound(k: Kernel, **values):
-    """The row-dot pieces read their operands through ``k.arg``: for the body, one expert's matrix, one
-    token's activations, its output row and T = 1 stand there."""
-    saved = {name: k.arg[name] for name in values}
-    k.arg.update(values)
-    try:
-        yield
-    finally:
-        k.arg.update(saved)
+def _group_rows(m: Matmul, L: int):
+    """Rows [r0, r1) of the bound expert for its bound tokens (packed in groups of L): the plan's gemm."""
+    def rows(span):
+        if m.plan.many is Method.GEMM:
+            gemm(m, span)
+        elif m.plan.many is Method.ROWS_GEMM:
+            rows_gemm(m, span)
+        elif m.plan.many is Method.SCALAR:
+            scalar(m, span, L)
+        else:
+            raise ValueError(f"qmatmul_experts {m.fmt.dtype.name}: no grouped arithmetic {m.plan.many.value}")
+    return rows
 
 
 def _quant_rows(m: Matmul):
