@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from ggraph.ir.composites import *  # noqa: F401,F403
 from ggraph.ir.composites import __all__ as _composites
+from ggraph.ir.attention_mods import alibi, chunked, sliding_window, softcap
 from ggraph.ir.composites import composite
 from ggraph.ir.dtypes import f32
 from ggraph.ir.methods import dot, index  # noqa: F401
@@ -19,7 +20,8 @@ from ggraph.ir.prims import __all__ as _prims
 from ggraph.ir.fused import expert_linear_cost, expert_linear_impl, expert_linear_shape
 from ggraph.ir.prims import broadcast_to, dequant, matmul, reshape, take
 
-__all__ = list(_prims) + list(_composites) + ["dot", "index", "linear", "expert_linear"]
+__all__ = list(_prims) + list(_composites) + ["dot", "index", "linear", "expert_linear", "alibi", "chunked",
+                                              "sliding_window", "softcap"]
 
 
 def linear(x, w, b=None):

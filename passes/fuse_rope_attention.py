@@ -2,9 +2,9 @@
 
     q2 = rope[p] q positions [ff]
     k2 = rope[p] k positions [ff]
-    o kc2 vc2 = attention[a] q2 k2 v kc vc P
+    o kc2 vc2 = attention[a] q2 k2 v kc vc P [sinks]
   ->
-    o kc2 vc2 = rope_attention[p, a] q k v kc vc P positions [ff]
+    o kc2 vc2 = rope_attention[p, a] q k v kc vc P positions [ff] [sinks]
 
 Each attention is a candidate; one left alone is logged with the reason.
 """
@@ -70,9 +70,9 @@ def fuse_rope_attention(graph: Graph) -> Graph:
         if clash:
             raise ValueError(f"fuse_rope_attention: rope and attention both have params {sorted(clash)}")
         params.update(e.params)
-        rw.emit(Eqn(rope_attention_p, (q, k) + e.inputs[2:6] + rest, e.outputs, params, e.scope))
-        extras = [f"{k_}={v}" for k_, v in (("window", e.params.get("window")), ("softcap", e.params.get("softcap")))
-                  if v]
+        rw.emit(Eqn(rope_attention_p, (q, k) + e.inputs[2:6] + rest + e.inputs[6:], e.outputs, params, e.scope))
+        extras = [f"{k_}={e.params[k_]}" for k_ in ("window", "chunk", "softcap", "score_mod", "mask_mod", "sinks")
+                  if e.params.get(k_)]
         note(f"rope(q), rope(k), attention -> rope_attention{' (' + ', '.join(extras) + ')' if extras else ''}",
              e.scope)
     return rw.finish()

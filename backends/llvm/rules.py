@@ -321,8 +321,10 @@ def _rope_attention(lw, e):
         refs["P"] = Sym("P")
         lw.bound(Sym("P") + q.aval.shape[0], kc.aval.shape[0],
                  f"attention at {e.scope or 'top'}: the KV cache has {kc.aval.shape[0]} rows")
-    if len(e.inputs) > 7:
+    if rope.freq_factors:
         refs["freq_factors"] = lw.ref(e.inputs[7])
+    if attn.sinks:
+        refs["sinks"] = lw.ref(e.inputs[-1])
     refs["out"] = lw.output(e.outputs[0])
     size = A.partial_bytes(attn)                        # split-key partials: one scratch for every layer
     refs["partial"] = lw.memo(("attention_partial", size)) or \

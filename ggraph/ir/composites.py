@@ -22,9 +22,9 @@ from ggraph.ir import methods  # noqa: F401  (Tracer operators, used by the deco
 from ggraph.ir.dims import Sym, simplify
 from ggraph.ir.dtypes import Aval, DimAval, f32
 from ggraph.ir.primitive import ShapeError, register
-from ggraph.ir.prims import (cache_rows, cache_update, cache_write, cast, concat, cos, dequant, exp, fma, io_bytes,
-                             iota, less, matmul, neg, reduce_max, reduce_mean, reduce_sum, reshape, rsqrt, sin, slice,
-                             tanh, transpose, where)
+from ggraph.ir.prims import (broadcast_to, cache_rows, cache_update, cache_write, cast, concat, cos, dequant, div,
+                             equal, exp, fma, io_bytes, iota, less, matmul, neg, not_equal, reduce_max, reduce_mean,
+                             reduce_sum, reshape, rsqrt, sin, slice, tanh, transpose, where)
 from ggraph.ir.trace import Op, Tracer, bind, bind_composite, to_atom
 
 __all__ = ["composite", "rms_norm", "softmax", "silu", "gelu_tanh", "swiglu", "rope", "attention",
@@ -129,8 +129,11 @@ def _np_rope(x, positions, freq_factors=None, *, dims, base, scale, style, mscal
     return np.concatenate([rot, x[..., dims:]], axis=-1)
 
 
-def _np_attention(q, k, v, k_cache=None, v_cache=None, pos=None, *, scale, window=None, softcap=None):
-    # q: (T, H, D)  k: (T, Hkv, D)  v: (T, Hkv, Dv)  caches: (C, Hkv, D|Dv)
+def _np_attention(q, k, v, *rest, scale, window=None, softcap=None, chunk=None, score_mod=None, mask_mod=None,
+                  sinks=None, batch=0):
+    # q: (T, H, D)  k: (T, Hkv, D)  v: (T, Hkv, Dv)  caches: (C, Hkv, D|Dv)  [sinks: (H,)]
+    sink = rest[-1] if sinks else None
+    k_cache, v_cache, pos = (rest[:-1] if sinks else rest) or (None, None, None)
     T, H, _ = q.shape
     p = 0
     if k_cache is not None:
@@ -146,14 +149,29 @@ def _np_attention(q, k, v, k_cache=None, v_cache=None, pos=None, *, scale, windo
     s = np.einsum("thd,hsd->hts", q.astype(np.float64), kh) * scale              # (H, T, S)
     if softcap:
         s = np.tanh(s / softcap) * softcap
-    qpos = p + np.arange(T)[:, None]
-    kpos = np.arange(S)[None, :]
+    qpos = (p + np.arange(T, dtype=np.int32))[:, None]
+    kpos = np.arange(S, dtype=np.int32)[None, :]
+    h = np.arange(H, dtype=np.int32)[:, None, None]
+    if score_mod is not None:
+        s = np.broadcast_to(score_mod.numpy(s, np.int32(batch), h, qpos, kpos), s.shape)
     masked = kpos > qpos
     if window:
         masked |= qpos - kpos >= window
-    s = np.where(masked[None], -np.inf, s)
-    w = np.exp(s - s.max(axis=-1, keepdims=True))
-    w /= w.sum(axis=-1, keepdims=True)
+    if chunk:
+        masked |= qpos // chunk != kpos // chunk
+    masked = np.broadcast_to(masked, s.shape)
+    if mask_mod is not None:
+        masked = masked | (mask_mod.numpy(np.int32(batch), h, qpos, kpos) == 0)
+    s = np.where(masked, -np.inf, s)
+    top = s.max(axis=-1, keepdims=True)
+    if sink is not None:
+        top = np.maximum(top, sink.astype(np.float64)[:, None, None])
+    top = np.where(np.isneginf(top), 0.0, top)                                     # a row that sees nothing
+    w = np.exp(s - top)
+    total = w.sum(axis=-1, keepdims=True)
+    if sink is not None:
+        total += np.exp(sink.astype(np.float64)[:, None, None] - top)
+    w = np.divide(w, total, out=np.zeros_like(w), where=total > 0)                 # ... gives zeros
     out = np.einsum("hts,hsd->thd", w, vh).astype(np.float32)                    # (T, H, Dv)
     return (out, k_cache, v_cache) if k_cache is not None else out
 
@@ -291,8 +309,11 @@ def rope(x, positions, *, base: float, dims: int | None = None, scale: float = 1
 
 
 @composite("attention", _np_attention)
-def _attention(q, k, v, k_cache=None, v_cache=None, pos=None, *, scale, window=None, softcap=None):
-    """softmax(mask(softcap(q·kᵀ·scale)))·v over the cache, with GQA by head groups."""
+def _attention(q, k, v, *rest, scale, window=None, softcap=None, chunk=None, score_mod=None, mask_mod=None,
+               sinks=None):
+    """softmax(mask(mods(q·kᵀ·scale)))·v over the cache, with GQA by head groups (and sink logits)."""
+    sink = rest[-1] if sinks else None
+    k_cache, v_cache, pos = (rest[:-1] if sinks else rest) or (None, None, None)
     T, H, D = q.shape
     Hkv, Dv = k.shape[1], v.shape[2]
     G = H // Hkv
@@ -315,12 +336,29 @@ def _attention(q, k, v, k_cache=None, v_cache=None, pos=None, *, scale, window=N
         s = tanh(s * (1.0 / softcap)) * softcap
     kpos = iota(S)
     qcol = reshape(qpos, (T, 1))
-    masked = less(qcol, kpos)                                                       # key after query
+    heads = reshape(iota(H), (Hkv, G, 1, 1))
     s = reshape(s, (Hkv, G, T, S))
-    s = where(masked, -np.inf, s)
+    if score_mod is not None:
+        s = broadcast_to(score_mod.inline(s, 0, heads, qcol, kpos), (Hkv, G, T, S))
+    s = where(less(qcol, kpos), -np.inf, s)                                         # key after query
     if window:
         s = where(less(kpos, qcol - (window - 1)), -np.inf, s)                   # key too far back
-    w = softmax(reshape(s, (Hkv, G * T, S)))
+    if chunk:
+        s = where(not_equal(div(qcol, chunk), div(kpos, chunk)), -np.inf, s)      # key in another chunk
+    if mask_mod is not None:
+        s = where(mask_mod.inline(0, heads, qcol, kpos), s, -np.inf)
+    if sink is not None:                                                            # one more logit per row
+        s = concat([s, broadcast_to(reshape(sink, (Hkv, G, 1, 1)), (Hkv, G, T, 1))], axis=-1)
+    w = reshape(s, (Hkv, G * T, S + 1 if sink is not None else S))
+    if mask_mod is not None:                                                        # a row that sees nothing: 0
+        top = reduce_max(w)
+        e = exp(w - where(equal(top, -np.inf), 0.0, top))
+        total = reduce_sum(e)
+        w = e / where(equal(total, 0.0), 1.0, total)
+    else:
+        w = softmax(w)
+    if sink is not None:
+        w = slice(w, 2, 0, S)
     o = matmul(w, vt)                                                               # (Hkv, G*T, Dv)
     out = reshape(transpose(reshape(o, (Hkv, G, T, Dv)), (2, 0, 1, 3)), (T, H, Dv))
     return (out, k_cache, v_cache) if k_cache is not None else out
@@ -329,25 +367,43 @@ def _attention(q, k, v, k_cache=None, v_cache=None, pos=None, *, scale, window=N
 rope_p, attention_p = _rope.prim, _attention.prim
 
 
-def attention(q, k, v, k_cache=None, v_cache=None, pos=None, *, scale: float,
-              window: int | None = None, softcap: float | None = None):
+def attention(q, k, v, k_cache=None, v_cache=None, pos=None, *, scale: float, window: int | None = None,
+              softcap: float | None = None, score_mod=None, mask_mod=None, sinks=None):
     """Causal attention of q (T, H, D) over keys/values (T, Hkv, D), GQA when Hkv < H.
 
     With a KV cache (C, Hkv, D) and ``pos`` (a ``dim("P")`` input), the new keys and
     values are written at row P and attention runs over rows 0..P+T; returns
     ``(out, k_cache, v_cache)``. ``window`` keeps only keys less than ``window``
     positions back (sliding window); ``softcap`` applies c·tanh(s/c) to the scores.
+
+    ``score_mod(score, b, h, q_idx, kv_idx)`` and ``mask_mod(b, h, q_idx, kv_idx)`` are plain
+    functions over scalars, traced once and inlined into the kernels (FlexAttention's
+    meaning; ``ggraph.ir.attention_mods``): score_mod rewrites each scaled score, mask_mod
+    returns a mask (a comparison) of the keys a query sees besides the causal ones. ``sinks``
+    f32[H] adds one logit per head to every softmax's denominator (gpt-oss). A query that
+    sees no key gives zeros.
     """
+    from ggraph.ir.attention_mods import canonical
     H, Hkv = q.shape[1], k.shape[1]
     if H % Hkv:
         raise ShapeError(f"attention: {H} query heads are not a multiple of {Hkv} kv heads")
-    params = dict(scale=float(scale), window=int(window) if window else None,
-                  softcap=float(softcap) if softcap else None)
+    if window is not None and (isinstance(window, bool) or not isinstance(window, (int, np.integer)) or window < 1):
+        raise ValueError(f"attention: window {window!r} must be a whole number of positions, at least 1")
+    params = canonical(score_mod, mask_mod, window=int(window) if window else None,
+                       softcap=float(softcap) if softcap else None)
+    params["scale"] = float(scale)
+    extra = ()
+    if sinks is not None:
+        sinks = sinks if isinstance(sinks, Tracer) else to_tracer(sinks)
+        if sinks.dtype is not f32 or sinks.shape != (H,):
+            raise ShapeError(f"attention: sinks must be f32[{H}], one logit per query head, got {sinks.aval}")
+        params["sinks"], extra = True, (sinks,)
+    params = {k_: v_ for k_, v_ in params.items() if v_ is not None}
     if k_cache is None:
-        return _attention(q, k, v, **params)
+        return _attention(q, k, v, *extra, **params)
     if pos is None or not isinstance(pos.aval, DimAval):
         raise ShapeError("attention: a KV cache needs pos, a dim('P') input giving the past length")
-    return _attention(q, k, v, k_cache, v_cache, pos, **params)
+    return _attention(q, k, v, k_cache, v_cache, pos, *extra, **params)
 
 
 def to_tracer(x) -> Tracer:

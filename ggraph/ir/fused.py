@@ -6,9 +6,10 @@
 - ``qmatmul_experts x w ids``: x f32[T, K] times each token's chosen experts of a stored
   w [E, N, K] (ids i32[T, k]) -> f32[T, k, N], ``out[t, j] = x[t] @ w[ids[t, j]].T``; it reads only
   the chosen experts' blocks (``ops.expert_linear`` fuses into it).
-- ``rope_attention q k v k_cache v_cache pos positions [freq_factors]``: rope on q and k, the
-  KV-cache write at row ``pos``, causal (and sliding-window) softmax of softcap(q·kᵀ·scale)
-  with GQA, times v -> (out, k_cache, v_cache). The caches are donated, as in cache_update.
+- ``rope_attention q k v k_cache v_cache pos positions [freq_factors] [sinks]``: rope on q and k,
+  the KV-cache write at row ``pos``, causal (and window, chunk, mask_mod) softmax of
+  score_mod(softcap(q·kᵀ·scale)) with GQA and sink logits, times v -> (out, k_cache, v_cache).
+  The caches are donated, as in cache_update.
   Its params are the rope's (``scale`` renamed ``rope_scale``) and the attention's. With
   ``slot_rows=C`` the caches hold a batch of sequences, C rows each, and ``pos`` is i32[T], each
   token's sequence: token t is at position positions[t] of sequence pos[t] (a sequence's tokens
@@ -135,9 +136,17 @@ qmatmul_experts_p = register("qmatmul_experts", impl=expert_linear_impl, cost=ex
 # rope_attention
 # ---------------------------------------------------------------------------------------
 
-def _rope_attention_shape(q, k, v, k_cache, v_cache, pos, positions, freq_factors=None, *,
-                          dims, base, rope_scale, style, scale, mscale=1.0, window=None, softcap=None,
-                          slot_rows=None):
+def _extras(extra: tuple, sinks) -> tuple:
+    """rope_attention's optional trailing operands: (freq_factors or None, sinks or None)."""
+    sink = extra[-1] if sinks else None
+    rest = extra[:-1] if sinks else extra
+    return (rest[0] if rest else None), sink
+
+
+def _rope_attention_shape(q, k, v, k_cache, v_cache, pos, positions, *extra, dims, base, rope_scale, style, scale,
+                          mscale=1.0, window=None, softcap=None, chunk=None, score_mod=None, mask_mod=None,
+                          sinks=None, slot_rows=None):
+    freq_factors, sink = _extras(extra, sinks)
     for name, a in (("q", q), ("k", k), ("v", v), ("k_cache", k_cache), ("v_cache", v_cache)):
         if a.ndim != 3 or (a.dtype is not f32 and (name[2:] != "cache" or a.dtype.name not in KV_CACHE_TYPES)):
             kinds = f"one of {', '.join(KV_CACHE_TYPES)}" if name[2:] == "cache" else "f32"
@@ -167,18 +176,21 @@ def _rope_attention_shape(q, k, v, k_cache, v_cache, pos, positions, freq_factor
         raise ShapeError(f"rope_attention: rotary dims {dims} must be even and at most the head dim {D}")
     if freq_factors is not None and (freq_factors.dtype is not f32 or freq_factors.shape != (dims // 2,)):
         raise ShapeError(f"rope_attention: freq_factors must be f32[{dims // 2}], got {freq_factors}")
+    if sinks and (sink is None or sink.dtype is not f32 or sink.shape != (H,)):
+        raise ShapeError(f"rope_attention: sinks must be f32[{H}], one logit per query head, got {sink}")
     return Aval((T, H, v.shape[2]), f32), k_cache, v_cache
 
 
-def _rope_attention_impl(q, k, v, k_cache, v_cache, pos, positions, freq_factors=None, *,
-                         dims, base, rope_scale, style, scale, mscale=1.0, window=None, softcap=None,
-                         slot_rows=None):
+def _rope_attention_impl(q, k, v, k_cache, v_cache, pos, positions, *extra, dims, base, rope_scale, style, scale,
+                         mscale=1.0, slot_rows=None, sinks=None, **attend):
+    freq_factors, sink = _extras(extra, sinks)
     rope = dict(dims=dims, base=base, scale=rope_scale, style=style, mscale=mscale)
     qr = composites._np_rope(q, positions, freq_factors, **rope)                         # (T, H, D)
     kr = composites._np_rope(k, positions, freq_factors, **rope)                         # (T, Hkv, D)
-    attend = dict(scale=scale, window=window, softcap=softcap)
+    attend.update(scale=scale, sinks=sinks)
+    sink = () if sink is None else (sink,)
     if slot_rows is None:
-        return composites._np_attention(qr, kr, v, k_cache, v_cache, pos, **attend)
+        return composites._np_attention(qr, kr, v, k_cache, v_cache, pos, *sink, **attend)
     out = np.zeros((q.shape[0], q.shape[1], v.shape[2]), np.float32)
     slots = k_cache.shape[0] // slot_rows
     for s in np.unique(pos):                          # each sequence: its tokens, in order, as one step
@@ -187,7 +199,8 @@ def _rope_attention_impl(q, k, v, k_cache, v_cache, pos, positions, freq_factors
         if not 0 <= s < slots or np.any(p != p[0] + np.arange(len(idx))):
             raise ValueError(f"rope_attention: slot {s} (of {slots}) must have consecutive positions, got {p.tolist()}")
         kc, vc = (_slot_rows(c, s, slot_rows) for c in (k_cache, v_cache))
-        out[idx] = composites._np_attention(qr[idx], kr[idx], v[idx], kc, vc, int(p[0]), **attend)[0]
+        out[idx] = composites._np_attention(qr[idx], kr[idx], v[idx], kc, vc, int(p[0]), *sink, batch=int(s),
+                                            **attend)[0]
     return out, k_cache, v_cache
 
 
@@ -210,6 +223,8 @@ def _rope_attention_cost(eqn, dims):
     flops = 6 * T * (H + Hkv) * rot                           # rotate pairs
     flops += 2 * H * T * S * (D + Dv) + 5 * H * T * S         # q·kᵀ, p·v and the softmax
     flops += 10 * H * T * S if eqn.params.get("softcap") else 0
+    for mod in (eqn.params.get("score_mod"), eqn.params.get("mask_mod")):     # each op once per (query, key)
+        flops += H * T * S * sum(e.cost({})[0] for e in mod.graph.eqns) if mod is not None else 0
     kc, vc = eqn.inputs[3].aval.dtype, eqn.inputs[4].aval.dtype
     row = Hkv * (kc.row_bytes(D) + vc.row_bytes(Dv))          # bytes of one k row plus one v row in the caches
     moved = sum(a.aval.nbytes(dims) for a in eqn.inputs[:3] + eqn.inputs[6:]) + eqn.outputs[0].aval.nbytes(dims)
@@ -218,17 +233,24 @@ def _rope_attention_cost(eqn, dims):
 
 def rope_attention_slots(q, k, v, k_cache, v_cache, seq, positions, freq_factors=None, *, slot_rows: int,
                          dims: int, base: float, rope_scale: float = 1.0, style: str = "neox", mscale: float = 1.0,
-                         scale: float, window: int | None = None, softcap: float | None = None):
+                         scale: float, window: int | None = None, softcap: float | None = None, score_mod=None,
+                         mask_mod=None, sinks=None):
     """Rope and attention for a batch of sequences over slotted caches (``slot_rows`` rows per
-    sequence): token t is at ``positions[t]`` of sequence ``seq[t]``. Born fused: a batch has no
-    unfused form (it would need a scatter into the caches); its numpy rule is the reference."""
+    sequence): token t is at ``positions[t]`` of sequence ``seq[t]`` (a mod's b). Born fused: a
+    batch has no unfused form (it would need a scatter into the caches); its numpy rule is the
+    reference. The attention options are ops.attention's."""
+    from ggraph.ir.attention_mods import canonical
     from ggraph.ir.trace import bind
     params = dict(dims=int(dims), base=float(base), rope_scale=float(rope_scale), style=style, scale=float(scale),
-                  window=int(window) if window else None, softcap=float(softcap) if softcap else None,
                   slot_rows=int(slot_rows))
+    params.update(canonical(score_mod, mask_mod, window=int(window) if window else None,
+                            softcap=float(softcap) if softcap else None))
     if mscale != 1.0:
         params["mscale"] = float(mscale)
     extra = () if freq_factors is None else (freq_factors,)
+    if sinks is not None:
+        params["sinks"], extra = True, extra + (sinks,)
+    params = {k_: v_ for k_, v_ in params.items() if v_ is not None}
     return bind(rope_attention_p, q, k, v, k_cache, v_cache, seq, positions, *extra, **params)
 
 

@@ -65,11 +65,29 @@ def _transpose(self, *perm):
     return P.transpose(self, perm or tuple(reversed(range(self.ndim))))
 
 
+def _integers(op: str, x, y):
+    """Operands of an integer-only operator: ``//`` floors integers (ops.div); floats have no floor op."""
+    for a in (x, y):
+        if isinstance(a, Tracer) and a.dtype.is_float or isinstance(a, float):
+            raise TypeError(f"{op} is integer division; for {a.aval if isinstance(a, Tracer) else a!r} use /")
+    return x, y
+
+
+def _floats(op: str, x, y):
+    """Operands of ``/``, which numpy makes a float division: integer tracers must say which they mean."""
+    for a in (x, y):
+        if isinstance(a, Tracer) and not a.dtype.is_float:
+            raise TypeError(f"/ of {a.aval}: use // for integer (floor) division, or cast to f32 first")
+    return x, y
+
+
 _METHODS = {
     "__add__": P.add, "__radd__": lambda s, o: P.add(o, s),
     "__sub__": P.sub, "__rsub__": lambda s, o: P.sub(o, s),
     "__mul__": P.mul, "__rmul__": lambda s, o: P.mul(o, s),
-    "__truediv__": P.div, "__rtruediv__": lambda s, o: P.div(o, s),
+    "__truediv__": lambda s, o: P.div(*_floats("/", s, o)), "__rtruediv__": lambda s, o: P.div(*_floats("/", o, s)),
+    "__floordiv__": lambda s, o: P.div(*_integers("//", s, o)),
+    "__rfloordiv__": lambda s, o: P.div(*_integers("//", o, s)),
     "__neg__": P.neg,
     "__matmul__": dot, "__rmatmul__": lambda s, o: dot(o, s),
     "__lt__": P.less, "__gt__": P.greater, "__le__": P.less_equal, "__ge__": P.greater_equal,

@@ -232,7 +232,30 @@ sub_p = elementwise("sub", np.subtract, arity=2, emit=_arith("fsub", "sub"), sim
 mul_p = elementwise("mul", np.multiply, arity=2, emit=_arith("fmul", "mul"), simplify=(
     lambda e, prod, x, y: _same(e, x) if _is(y, 1) else None,                    # x*1 -> x
     lambda e, prod, x, y: _same(e, y) if _is(x, 1) else None))                   # 1*x -> x
-div_p = elementwise("div", np.divide, arity=2, emit=_arith("fdiv", None), simplify=(
+def _np_div(x, y):
+    """x / y; integers divide flooring, as Python's //, and x // 0 is 0 (numpy's result, without its warning)."""
+    if np.asarray(x).dtype.kind in "iu":
+        with np.errstate(divide="ignore", over="ignore"):                         # INT_MIN // -1 wraps
+            return np.floor_divide(x, y)
+    return np.divide(x, y)
+
+
+def _emit_div(ev, x, y):
+    """fdiv for floats; for integers floor division with numpy's answers where sdiv has none (x // 0 is 0,
+    INT_MIN // -1 wraps) instead of a trap."""
+    b = ev.b
+    if ev.is_float(x):
+        return b.fdiv(x, y)
+    zero, one, minus = ev.const(y, 0), ev.const(y, 1), ev.const(y, -1)
+    by_zero, by_minus = b.icmp_signed("==", y, zero), b.icmp_signed("==", y, minus)
+    safe = b.select(b.or_(by_zero, by_minus), one, y)
+    q, r = b.sdiv(x, safe), b.srem(x, safe)
+    down = b.and_(b.icmp_signed("!=", r, zero), b.icmp_signed("<", b.xor(r, safe), zero))
+    q = b.sub(q, b.zext(down, q.type))
+    return b.select(by_zero, zero, b.select(by_minus, b.sub(zero, x), q))
+
+
+div_p = elementwise("div", _np_div, arity=2, emit=_emit_div, simplify=(
     lambda e, prod, x, y: _same(e, x) if _is(y, 1) else None,))                  # x/1 -> x
 max_p = elementwise("max", np.maximum, arity=2, emit=_emit_max)
 less_p = elementwise("less", lambda x, y: np.less(x, y).astype(np.int8), arity=2,

@@ -57,6 +57,11 @@ def _split_top(text: str) -> list[str]:
 
 def _value(text: str, as_dims: bool):
     text = text.strip()
+    if text.startswith("{") and text.endswith("}"):                 # an attention score_mod or mask_mod
+        from ggraph.ir.attention_mods import parse_mod
+        return parse_mod(text)
+    if text in ("True", "False"):
+        return text == "True"
     if text.startswith("(") and text.endswith(")"):
         return tuple(_value(t, as_dims) for t in _split_top(text[1:-1]))
     if as_dims:

@@ -11,8 +11,9 @@ from llvmlite import ir
 
 from ggraph.backends.llvm.kernels import vmath
 from ggraph.backends.llvm.kernels.attention.params import BLOCK, PREFETCH_KEYS
-from ggraph.backends.llvm.kernels.attention.rows import (Rows, buffer, chunked, const_lanes, extract_lane,
-                                                         key_range, pow2, softcap, splat, typ, width_of, zeros)
+from ggraph.backends.llvm.kernels.attention.rows import (At, Rows, buffer, chunked, const_lanes, extract_lane,
+                                                         first_lanes, i32_of, key_range, modded, pow2, seen, splat,
+                                                         typ, width_of, zeros)
 from ggraph.backends.llvm.kernels.attention.split import part_range, partial_row
 from ggraph.backends.llvm.kernels.builder import Kernel, f32, i32, vec
 from ggraph.backends.llvm.kernels.kv_rows import KVRow
@@ -70,6 +71,15 @@ def _run(rows: Rows, bufs: dict, r, n: int, part) -> None:
     vnp = typ(NP)
     m = k.var(vnp, const_lanes(NP, -math.inf))
     total = k.var(vnp, zeros(NP))
+    G = attn.H // attn.Hkv
+    h0 = k.mul(g, G)                                                    # the group's first query head
+    if attn.sinks and part is None:                                     # a split step's sinks wait for kernel C
+        m.set(first_lanes(k, [rows.sink(k.add(h0, i)) for i in range(n)], NP, -math.inf))
+        total.set(first_lanes(k, [ir.Constant(f32, 1.0)] * n, NP, 0.0))
+    if rows.mods:
+        heads = i32_of(k, h0) if NP == 1 else b.add(k.splat(i32_of(k, h0), NP),
+                                                      ir.Constant(vec(i32, NP), list(range(NP))))
+        where = At(rows.batch(t), heads, i32_of(k, p), None)
     KB = _keys_per_step(rows, n)
     with k.loop(first, hi, step=BLOCK, name="blk") as j0:
         nk = b.sub(hi, j0)
@@ -79,8 +89,11 @@ def _run(rows: Rows, bufs: dict, r, n: int, part) -> None:
         live = [b.and_(b.icmp_signed("<", k.i64(jj), nk), b.icmp_signed(">=", k.add(j0, jj), lo)) for jj in range(BLOCK)]
         srows = []
         for jj in range(BLOCK):                                         # the live keys' scores
-            sj = softcap(rows, k.load(vnp, bufs["s"], 4 * jj * NP))
-            srows.append(b.select(live[jj], sj, const_lanes(NP, -math.inf)))
+            at = At(where.b, where.h, where.q, i32_of(k, k.add(j0, jj))) if rows.mods else None
+            sj = modded(rows, k.load(vnp, bufs["s"], 4 * jj * NP), at)
+            mask = seen(rows, at, NP) if rows.mods else None
+            cond = live[jj] if mask is None else b.and_(splat(k, live[jj], NP), mask)
+            srows.append(b.select(cond, sj, const_lanes(NP, -math.inf)))
         corr = softmax_step(rows, srows, m, total, bufs["s"])                # p over s, in place
         _values(rows, bufs, arow, n, j0, nk, g, [extract_lane(k, corr, i) for i in range(n)])
 
@@ -93,7 +106,7 @@ def _run(rows: Rows, bufs: dict, r, n: int, part) -> None:
             k.intrinsic("llvm.memcpy.p0.p0.i64", ir.VoidType(),
                         [k.addr(dst, 8), arow(i), k.i64(4 * attn.Dv), ir.Constant(ir.IntType(1), 0)])
         return
-    invs = [b.fdiv(ir.Constant(f32, 1.0), totals[i]) for i in range(n)]
+    invs = [rows.inverse(totals[i]) for i in range(n)]
 
     def finish(off, widths):
         o = 0

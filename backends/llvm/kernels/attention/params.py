@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from ggraph.backends.llvm.kernels.kv_rows import check_cache_type
 from ggraph.backends.llvm.target import Target
+from ggraph.ir.attention_mods import Mod
 from ggraph.ops import ROPE_STYLES
 
 BLOCK = 16                       # keys per online-softmax step in the vector kernel
@@ -48,6 +49,10 @@ class Attention:
     k_type: str = "f32"          # the caches' element types (kv_rows.CACHE_TYPES)
     v_type: str = "f32"
     slot_rows: int | None = None  # slotted caches: rows per sequence slot, and a seq i32[T] argument
+    chunk: int | None = None     # keys of the query's own chunk of positions only (Llama 4's chunked attention)
+    score_mod: Mod | None = None  # traced score and mask functions, emitted inline (ggraph.ir.attention_mods)
+    mask_mod: Mod | None = None
+    sinks: bool = False          # kernels B and C take sinks f32[H]: one more logit in each head's softmax
 
     def __post_init__(self):
         for t, n in ((self.k_type, self.D), (self.v_type, self.Dv)):
@@ -60,6 +65,12 @@ class Attention:
             raise ValueError(f"attention: window {self.window} must be at least 1")
         if self.softcap is not None and not self.softcap > 0:
             raise ValueError(f"attention: softcap {self.softcap} must be positive")
+        if self.chunk is not None and self.chunk < 1:
+            raise ValueError(f"attention: chunk {self.chunk} must be at least 1")
+        for name, kind in (("score_mod", "score_mod"), ("mask_mod", "mask_mod")):
+            mod = getattr(self, name)
+            if mod is not None and (not isinstance(mod, Mod) or mod.kind != kind):
+                raise ValueError(f"attention: {name} must be a traced {kind} (attention_mods.trace_mod), got {mod!r}")
         if self.slot_rows is not None and self.slot_rows < 1:
             raise ValueError(f"attention: slot_rows {self.slot_rows} must be at least 1")
 
@@ -74,9 +85,10 @@ def from_rope_attention(eqn) -> tuple[Attention, Rope]:
             raise ValueError(f"rope_attention: {name} = {d} must be static for the llvm kernels")
     p = eqn.params
     kt, vt = (a.aval.dtype.name for a in eqn.inputs[3:5])
-    attn = Attention(H, Hkv, D, Dv, float(p["scale"]), p.get("window"), p.get("softcap"), kt, vt, p.get("slot_rows"))
+    attn = Attention(H, Hkv, D, Dv, float(p["scale"]), p.get("window"), p.get("softcap"), kt, vt, p.get("slot_rows"),
+                     p.get("chunk"), p.get("score_mod"), p.get("mask_mod"), bool(p.get("sinks")))
     rope = Rope(int(p["dims"]), float(p["base"]), float(p["rope_scale"]), p["style"], float(p.get("mscale", 1.0)),
-                freq_factors=len(eqn.inputs) > 7)
+                freq_factors=len(eqn.inputs) - attn.sinks > 7)
     return attn, rope
 
 
@@ -92,9 +104,10 @@ def kernel_arg_names(rope: Rope | None, attn: Attention | None = None) -> tuple[
     """The names of kernel A's, B's and C's arguments before (ith, nth)."""
     ff = ("freq_factors",) if rope is not None and rope.freq_factors else ()
     seq = ("seq",) if attn is not None and attn.slot_rows else ()
+    sinks = ("sinks",) if attn is not None and attn.sinks else ()
     return (("k", "v", "k_cache", "v_cache", "positions") + seq + ff + ("T", "P"),
-            ("q", "k_cache", "v_cache", "positions") + seq + ff + ("partial", "out", "T", "P"),
-            ("partial", "out", "T", "P"))
+            ("q", "k_cache", "v_cache", "positions") + seq + ff + sinks + ("partial", "out", "T", "P"),
+            sinks + ("partial", "out", "T", "P"))
 
 
 def partial_bytes(attn: Attention) -> int:

@@ -1,5 +1,5 @@
 """What the attention kernels share: the pointer arguments, where a token's rows are, the rope of
-head rows, the causal window and softcap, and pieces of vectors.
+head rows, the causal window and chunk, softcap and the traced score and mask mods, and pieces of vectors.
 
 Rope angles are computed in the kernel once per position and shared by its rows, as ggml
 computes them (and the numpy rule, ``ops.rope_angles_table``): theta_0 = pos, theta_(i+1) =
@@ -9,14 +9,18 @@ x0*c - x1*s, x0*s + x1*c with the first product fused (an FMA), as ggml's C comp
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from llvmlite import ir
 
 from ggraph.backends.llvm.kernels import vmath
 from ggraph.backends.llvm.kernels.attention.params import Attention, Rope
 from ggraph.backends.llvm.kernels.builder import Kernel, f32, f64, i32, i64, splat_const, vec
+from ggraph.backends.llvm.kernels.elementwise import Evaluator
 from ggraph.backends.llvm.kernels.isa import Isa, vector_path
 from ggraph.backends.llvm.kernels.kv_rows import KVRow
 from ggraph.backends.llvm.target import Target
+from ggraph.ir.graph import Var
 
 
 def open_kernel(module, name: str, args: tuple[str, ...]) -> Kernel:
@@ -72,6 +76,16 @@ def extract_lane(k: Kernel, v: ir.Value, i: int) -> ir.Value:
     return v if width_of(v) == 1 else k.b.extract_element(v, ir.Constant(i32, i))
 
 
+def first_lanes(k: Kernel, values: list, w: int, pad: float) -> ir.Value:
+    """f32 scalars in the first lanes of a w-lane register, ``pad`` in the rest (a scalar when w is 1)."""
+    if w == 1:
+        return values[0]
+    v = const_lanes(w, pad)
+    for i, x in enumerate(values):
+        v = k.b.insert_element(v, x, ir.Constant(i32, i))
+    return v
+
+
 def pow2(n: int) -> int:
     return 1 << (n - 1).bit_length()
 
@@ -124,6 +138,29 @@ class Rows:
         first = k.mul(seq, self.attn.slot_rows * self.attn.Hkv)
         return (b.sext(self._position(t), i64), self.keys.at(k.arg["k_cache"], first),
                 self.values.at(k.arg["v_cache"], first))
+
+    @property
+    def mods(self) -> bool:
+        """Whether scores need their indices (a score_mod or mask_mod is emitted inline)."""
+        return self.attn.score_mod is not None or self.attn.mask_mod is not None
+
+    def batch(self, t) -> ir.Value:
+        """Token t's sequence slot as a mod's b (i32; 0 without slots)."""
+        if not self.attn.slot_rows:
+            return ir.Constant(i32, 0)
+        return self.k.load(i32, self.k.arg["seq"], self.k.mul(t, 4))
+
+    def sink(self, h) -> ir.Value:
+        """Head h's sink logit (f32)."""
+        return self.k.load(f32, self.k.arg["sinks"], self.k.mul(h, 4))
+
+    def inverse(self, total: ir.Value) -> ir.Value:
+        """1 / total, as the output's scale; 0 where a mask_mod left a row no key (total 0): zeros out."""
+        b = self.b
+        inv = b.fdiv(vmath.const(total, 1.0), total)
+        if self.attn.mask_mod is None:
+            return inv
+        return b.select(b.fcmp_ordered(">", total, vmath.const(total, 0.0)), inv, vmath.const(total, 0.0))
 
     def rope_rows(self, pairs: list, pos: ir.Value, mult: float | None) -> None:
         """dst[0:D] = rope(src[0:D]) * mult for each (src, dst), all at position pos: the angles,
@@ -191,20 +228,73 @@ class Rows:
 
 
 def key_range(rows: Rows, p) -> tuple[ir.Value, ir.Value]:
-    """[lo, hi) of the keys visible from position p: causal, and inside the window."""
-    k, b, window = rows.k, rows.b, rows.attn.window
+    """[lo, hi) of the keys visible from position p: causal, inside the window, in p's chunk."""
+    k, b, attn = rows.k, rows.b, rows.attn
     lo = k.i64(0)
-    if window is not None:
-        lo = k.add(p, 1 - window)
+    if attn.window is not None:
+        lo = k.add(p, 1 - attn.window)
         lo = b.select(b.icmp_signed("<", lo, k.i64(0)), k.i64(0), lo)
+    if attn.chunk is not None:                                     # p - p % C: positions are never negative
+        start = b.sub(p, b.srem(p, k.i64(attn.chunk)))
+        lo = b.select(b.icmp_signed(">", start, lo), start, lo)
     return lo, k.add(p, 1)
 
 
-def softcap(rows: Rows, s: ir.Value) -> ir.Value:
-    """c * tanh(s / c) (s unchanged without a softcap)."""
+@dataclass
+class At:
+    """What a block of scores stands for, as i32 scalars (alike in every lane) or vectors of lanes:
+    the sequence slot b, the query head h, the query's position q and the key's kv."""
+
+    b: ir.Value
+    h: ir.Value
+    q: ir.Value
+    kv: ir.Value
+
+
+def i32_of(k: Kernel, v) -> ir.Value:
+    """An i64 index (scalar or vector) as the i32 a mod's graph takes."""
+    t = v.type.element if isinstance(v.type, ir.VectorType) else v.type
+    if t.width == 32:
+        return v
+    return k.b.trunc(v, vec(i32, v.type.count) if isinstance(v.type, ir.VectorType) else i32)
+
+
+def modded(rows: Rows, s: ir.Value, at: At | None) -> ir.Value:
+    """The scores after softcap c * tanh(s / c) and the score_mod (unchanged without them)."""
     c = rows.attn.softcap
-    if c is None:
-        return s
-    b = rows.b
-    th = vmath.unary(rows.isa, "tanh", b.fmul(s, vmath.const(s, 1.0 / c)), rows.vector)
-    return b.fmul(th, vmath.const(s, c))
+    if c is not None:
+        b = rows.b
+        th = vmath.unary(rows.isa, "tanh", b.fmul(s, vmath.const(s, 1.0 / c)), rows.vector)
+        s = b.fmul(th, vmath.const(s, c))
+    if rows.attn.score_mod is not None:
+        s = _emit_mod(rows, rows.attn.score_mod, (s, at.b, at.h, at.q, at.kv), width_of(s))
+    return s
+
+
+def seen(rows: Rows, at: At, w: int) -> ir.Value | None:
+    """Where the mask_mod lets the queries see the key (i1 in w lanes), or None without one."""
+    if rows.attn.mask_mod is None:
+        return None
+    m = _emit_mod(rows, rows.attn.mask_mod, (at.b, at.h, at.q, at.kv), w)
+    return rows.b.icmp_signed("!=", m, ir.Constant(m.type, [0] * w if w > 1 else 0))
+
+
+def _emit_mod(rows: Rows, mod, args, w: int) -> ir.Value:
+    """A mod's graph on registers of w lanes, each op by its emit rule (as fused loops apply them)."""
+    k = rows.k
+    ev = Evaluator(k, rows.isa, rows.vector)
+
+    def lanes(v):
+        return k.splat(v, w) if w > 1 and not isinstance(v.type, ir.VectorType) else v
+
+    def literal(a):
+        reg = f32 if a.aval.dtype.is_float else ir.IntType(a.aval.dtype.type_size * 8)
+        v = float(a.value) if reg is f32 else int(a.value)
+        return ir.Constant(reg, v) if w == 1 else ir.Constant(vec(reg, w), [v] * w)
+    env = {v: lanes(a) for v, a in zip(mod.graph.invars, args)}
+    for e in mod.graph.eqns:
+        if e.prim.emit is None:
+            raise ValueError(f"llvm backend: op {e.prim.name} of {mod.kind} {mod} has no llvm emitter")
+        env[e.outputs[0]] = ev.apply(e, [env[a] if isinstance(a, Var) else literal(a) for a in e.inputs])
+    out = mod.graph.outvars[0]
+    return env[out] if isinstance(out, Var) else literal(out)

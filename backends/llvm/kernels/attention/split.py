@@ -121,16 +121,20 @@ def emit_combine(module, target: Target, attn: Attention, rope: Rope | None, nam
         n = n_parts(rows)
         start, end = k.thread_share(b.mul(k.arg["T"], k.i64(attn.H)))
         with k.loop(start, end, name="row") as r:
-            top = k.var(f32, -math.inf)
+            sink = rows.sink(b.urem(r, k.i64(attn.H))) if attn.sinks else None     # the head's sink logit
+            top = k.var(f32, -math.inf if sink is None else sink)
             with k.loop(0, n, name="max") as i:
                 top.set(isa.maxnum(top.get(), k.load(f32, partial_row(rows, i, r))))
-            total = k.var(f32, 0.0)
+            if rows.mods:                                              # every key hidden: zeros, not NaN
+                ninf = b.fcmp_ordered("==", top.get(), ir.Constant(f32, -math.inf))
+                top.set(b.select(ninf, ir.Constant(f32, 0.0), top.get()))
+            total = k.var(f32, 0.0 if sink is None else vmath.libm(isa, "exp", b.fsub(sink, top.get())))
             with k.loop(0, n, name="sum") as i:
                 src = partial_row(rows, i, r)
                 w = vmath.libm(isa, "exp", b.fsub(k.load(f32, src), top.get()))
                 total.set(isa.fma(w, k.load(f32, src, 4), total.get()))
             out = rows.row(k.arg["out"], r, attn.Dv)
-            inv = b.fdiv(ir.Constant(f32, 1.0), total.get())
+            inv = rows.inverse(total.get())
 
             def mix(off, widths):
                 o = 0

@@ -15,7 +15,8 @@ from llvmlite import ir
 
 from ggraph.backends.llvm.kernels.attention.grouped import softmax_step, unroll
 from ggraph.backends.llvm.kernels.attention.params import BLOCK, Attention
-from ggraph.backends.llvm.kernels.attention.rows import Rows, buffer, chunked, const_lanes, key_range, softcap, zeros
+from ggraph.backends.llvm.kernels.attention.rows import (At, Rows, buffer, chunked, const_lanes, first_lanes, i32_of,
+                                                         key_range, modded, seen, zeros)
 from ggraph.backends.llvm.kernels.blocks import pack
 from ggraph.backends.llvm.kernels.builder import f32, i32, i64, vec
 from ggraph.backends.llvm.kernels.kv_rows import KVRow
@@ -87,6 +88,13 @@ def _tile(rows: Rows, bufs: dict, tb, g, TQ: int) -> None:
         k.store(zeros(L), bufs["acc"], k.mul(d, 4 * L))
     m = k.var(vL, const_lanes(L, -math.inf))
     total = k.var(vL, zeros(L))
+    h0 = k.mul(g, G)
+    if attn.sinks:                                                                   # lane i: head h0 + i % G
+        m.set(first_lanes(k, [rows.sink(k.add(h0, i % G)) for i in range(n)], L, -math.inf))
+        total.set(first_lanes(k, [ir.Constant(f32, 1.0)] * n, L, 0.0))
+    if rows.mods:
+        heads = b.add(k.splat(i32_of(k, h0), L), ir.Constant(vec(i32, L), [i % G if i < n else 0 for i in range(L)]))
+        where = At(ir.Constant(i32, 0), heads, pack(k, lanes_of([k.add(k.arg["P"], tok) for tok in toks], 0)), None)
     with k.loop(jlo, jhi, step=BLOCK, name="kblk") as j0:
         krows, vrows = [], []
         for jj in range(BLOCK):
@@ -98,8 +106,11 @@ def _tile(rows: Rows, bufs: dict, tb, g, TQ: int) -> None:
         srows = []
         for jj, score in enumerate(_tile_scores(rows, bufs)):
             j = b.trunc(k.add(j0, jj), i32)
-            seen = b.and_(b.icmp_signed(">=", k.splat(j, L), lo_v), b.icmp_signed("<", k.splat(j, L), hi_v))
-            srows.append(b.select(seen, softcap(rows, score), const_lanes(L, -math.inf)))
+            live = b.and_(b.icmp_signed(">=", k.splat(j, L), lo_v), b.icmp_signed("<", k.splat(j, L), hi_v))
+            at = At(where.b, where.h, where.q, j) if rows.mods else None
+            mask = seen(rows, at, L) if rows.mods else None
+            live = live if mask is None else b.and_(live, mask)
+            srows.append(b.select(live, modded(rows, score, at), const_lanes(L, -math.inf)))
         corr = softmax_step(rows, srows, m, total, bufs["p"])
         ps = [k.load(vL, bufs["p"], 4 * jj * L) for jj in range(BLOCK)]
         step = 8 if Dv % 8 == 0 else 1
@@ -111,7 +122,7 @@ def _tile(rows: Rows, bufs: dict, tb, g, TQ: int) -> None:
                     accs[dd] = isa.fma(pj, vv, accs[dd])
             for dd, a in enumerate(accs):
                 k.store(a, bufs["acc"], k.mul(k.add(d0, dd), 4 * L))
-    inv = b.fdiv(const_lanes(L, 1.0), total.get())
+    inv = rows.inverse(total.get())
     for c in range(Dv // L):                                                         # out[row][d] = acc[d][lane] / total
         outs = k.transpose([k.load(vL, bufs["acc"], 4 * (c * L + j) * L) for j in range(L)])
         for i in range(n):
