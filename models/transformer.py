@@ -116,17 +116,22 @@ def attention(cfg: ModelConfig, blk: Layer, i: int, x, pos, P, k_cache, v_cache,
         factors = ops.to_tracer(lr.factors) if factors is None else factors * ops.to_tracer(lr.factors)
     rope = dict(base=lr.base, scale=lr.scale, dims=cfg.rope_dims, style=cfg.rope_style, freq_factors=factors,
                 mscale=lr.mscale)                                                  # q and k share these
-    window = cfg.sliding_window if cfg.is_swa(i) else None
+    mods = {}                                                                      # inlined into the kernels
+    if cfg.is_swa(i):
+        mods["mask_mod"] = ops.sliding_window(cfg.sliding_window)                  # q_idx - kv_idx < W
+    if cfg.attn_softcap:
+        mods["score_mod"] = ops.softcap(cfg.attn_softcap)                          # c * tanh(score / c)
+    if cfg.attn_sinks:
+        mods["sinks"] = blk["attn_sinks.weight"]                                   # (H,): one more logit per row
     if slots is not None:                                                          # a batch of sequences
         o, k_cache, v_cache = rope_attention_slots(
             q, k, v, k_cache, v_cache, slots["seq"], slots["positions"], rope["freq_factors"],
             slot_rows=slots["slot_rows"], dims=rope["dims"] or Dh, base=rope["base"], rope_scale=rope["scale"],
-            style=rope["style"], mscale=rope["mscale"], scale=cfg.scale, window=window, softcap=cfg.attn_softcap)
+            style=rope["style"], mscale=rope["mscale"], scale=cfg.scale, **mods)
     else:
         q, k = ops.rope(q, pos, **rope), ops.rope(k, pos, **rope)
-        o, k_cache, v_cache = ops.attention(q, k, v, k_cache, v_cache, P, scale=cfg.scale, window=window,
-                                            softcap=cfg.attn_softcap)              # (T, H, Dv)
-    o = ops.linear(o.reshape(T, H * Dv), blk["attn_output.weight"])               # (T, D)
+        o, k_cache, v_cache = ops.attention(q, k, v, k_cache, v_cache, P, scale=cfg.scale, **mods)   # (T, H, Dv)
+    o = ops.linear(o.reshape(T, H * Dv), blk["attn_output.weight"], blk.get("attn_output.bias"))   # (T, D)
     if cfg.post_norms:
         o = ops.rms_norm(o, blk["post_attention_norm.weight"], eps=cfg.norm_eps)
     return o, k_cache, v_cache
