@@ -71,8 +71,7 @@ def _run(rows: Rows, bufs: dict, r, n: int, part) -> None:
     vnp = typ(NP)
     m = k.var(vnp, const_lanes(NP, -math.inf))
     total = k.var(vnp, zeros(NP))
-    G = attn.H // attn.Hkv
-    h0 = k.mul(g, G)                                                    # the group's first query head
+    h0 = k.mul(g, attn.H // attn.Hkv) if attn.sinks or rows.mods else None   # the group's first query head
     if attn.sinks and part is None:                                     # a split step's sinks wait for kernel C
         m.set(first_lanes(k, [rows.sink(k.add(h0, i)) for i in range(n)], NP, -math.inf))
         total.set(first_lanes(k, [ir.Constant(f32, 1.0)] * n, NP, 0.0))

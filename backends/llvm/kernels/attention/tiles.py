@@ -88,7 +88,7 @@ def _tile(rows: Rows, bufs: dict, tb, g, TQ: int) -> None:
         k.store(zeros(L), bufs["acc"], k.mul(d, 4 * L))
     m = k.var(vL, const_lanes(L, -math.inf))
     total = k.var(vL, zeros(L))
-    h0 = k.mul(g, G)
+    h0 = k.mul(g, G) if attn.sinks or rows.mods else None                         # the group's first query head
     if attn.sinks:                                                                   # lane i: head h0 + i % G
         m.set(first_lanes(k, [rows.sink(k.add(h0, i % G)) for i in range(n)], L, -math.inf))
         total.set(first_lanes(k, [ir.Constant(f32, 1.0)] * n, L, 0.0))
