@@ -157,7 +157,7 @@ def test_the_pattern_written_by_hand_fuses():
 # -- grouped steps: tokens sorted by expert, then the prefill gemm ---------------------------------------
 
 GE, GN = 64, 48                   # Qwen3-MoE's 64 experts; 48 rows: a unit of 32 and a tail of 16
-GROUP_FROM = experts_plan("q8_0", GN, TARGETS[0]).group_from     # tokens per expert from which a step groups
+GROUP_FROM = experts_plan("q8_0", GN, TARGETS[0]).group_from     # tokens per expert from which a step is grouped
 
 
 def grouped_threshold(k_per: int) -> int:
@@ -199,22 +199,31 @@ def test_grouped_steps_match_numpy(target, wtype, k_per):
 
 @pytest.mark.parametrize("target", TARGETS, ids=lambda t: t.name)
 @pytest.mark.parametrize("wtype", TYPES[:4])
-def test_grouped_step_gives_the_prefill_kernels_numbers(target, wtype):
-    """In a grouped step each token's row against expert e equals the prefill qmatmul (T > 1) of expert e's
-    [N, K] matrix, bit for bit: the same gemm on the same blocks, whichever tokens share its groups."""
+def test_grouped_step_gives_the_prefill_and_decode_kernels_numbers(target, wtype):
+    """In a grouped step, the tokens of an expert with the plan's gemm_from tokens or more get the prefill
+    qmatmul's (T > 1) numbers for that expert's [N, K] matrix, bit for bit (the same gemm on the same blocks,
+    whichever tokens share its groups), and those of an expert with fewer, the decode qmatmul's (T = 1)."""
     w, _ = experts(wtype, GE, GN, K)
     dt = dtypes.from_name(wtype)
-    every = ggraph.trace(lambda x, w: ops.concat([ops.linear(x, ops.slice(w, 0, e, e + 1).reshape(GN, K))
-                                                 for e in range(GE)], -1),
-                         f32["T", K], param("blk.0.ffn_up_exps.weight", dt[GE, GN, K]))
-    T, k_per = grouped_threshold(8) + 3, 8
+    every = ggraph.compile(ggraph.trace(lambda x, w: ops.concat([ops.linear(x, ops.slice(w, 0, e, e + 1).reshape(GN, K))
+                                                                 for e in range(GE)], -1),
+                                        f32["T", K], param("blk.0.ffn_up_exps.weight", dt[GE, GN, K])),
+                           backend="llvm", target=target, threads=2)
+    k_per, gemm_from = 8, experts_plan(wtype, GN, target).gemm_from
+    T = max(grouped_threshold(k_per), gemm_from) + 3
     x = rng.standard_normal((T, K)).astype(np.float32)
-    ids = routings(T, k_per)["random"]
-    dense = ggraph.compile(every, backend="llvm", target=target, threads=2)(x, w).reshape(T, GE, GN)
+    ids = np.stack([np.r_[3, 4 + rng.permutation(GE - 4)[:k_per - 1]] for _ in range(T)]).astype(np.int32)
+    ids[: T // 2, 1] = 2                                          # expert 3 has every token, expert 2 half of them
+    prefill = every(x, w).reshape(T, GE, GN)
+    decode = np.stack([every(x[t:t + 1], w).reshape(GE, GN) for t in range(T)])
     g = ggraph.trace(lambda x, ids, w: ops.expert_linear(x, w, ids), f32["T", K], i32["T", k_per],
                      param("blk.0.ffn_up_exps.weight", dt[GE, GN, K]))
     got = ggraph.compile(g, backend="llvm", target=target, threads=2)(x, ids, w)
-    np.testing.assert_array_equal(got, dense[np.arange(T)[:, None], ids])
+    tokens = np.bincount(ids.reshape(-1), minlength=GE)
+    want = np.where((tokens[ids] >= gemm_from)[..., None], prefill[np.arange(T)[:, None], ids],
+                    decode[np.arange(T)[:, None], ids])
+    assert (tokens[ids] >= gemm_from).any() and (tokens[ids] < gemm_from).any() or gemm_from <= 1
+    np.testing.assert_array_equal(got, want)
 
 
 def test_grouped_step_reports_out_of_range_ids():

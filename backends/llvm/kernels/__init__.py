@@ -23,8 +23,8 @@ from ggraph.backends.llvm.kernels.fmatmul import fmatmul, float_weight
 from ggraph.backends.llvm.kernels.get_rows import dequant_rows, get_rows
 from ggraph.backends.llvm.kernels.kv_rows import kv_store
 from ggraph.backends.llvm.kernels.isa import vector_path
-from ggraph.backends.llvm.kernels.plan import (EXPERT_CHUNK_ROWS, EXPERT_GROUP_FROM, FORMATS, Layout, act_rows,
-                                               experts_plan, layouts, qmatmul_plan)
+from ggraph.backends.llvm.kernels.plan import (EXPERT_CHUNK_ROWS, FORMATS, Layout, act_rows, experts_plan, layouts,
+                                               qmatmul_plan)
 from ggraph.backends.llvm.kernels.qmatmul import act_format, qmatmul
 from ggraph.backends.llvm.target import Target
 
@@ -43,11 +43,12 @@ def describe(target: Target) -> dict[str, str]:
     out.update({f"get_rows {dt.name}": how for dt in QUANT_TYPES + FLOAT_TYPES})
     out["fused (elementwise)"] = elementwise.variant(target)
     out["rope_attention"] = attention.variant(target)
-    grouped = experts_plan(dtypes.q4_k, EXPERT_CHUNK_ROWS, target).grouped
+    grouped = experts_plan(dtypes.q4_k, EXPERT_CHUNK_ROWS, target)
     out["qmatmul_experts"] = (f"decode: each token's chosen experts, {EXPERT_CHUNK_ROWS} rows a unit, with the decode "
-                              f"dot of the weight type (qmatmul above); from {EXPERT_GROUP_FROM} tokens per expert, "
-                              f"tokens sorted by expert, each expert's rows x tokens by the {grouped.value}, units "
-                              f"taken in turn; float experts and batches per token")
+                              f"dot of the weight type (qmatmul above); from {grouped.group_from} token per expert, "
+                              f"tokens sorted by expert: an expert's {grouped.gemm_from}+ tokens by the "
+                              f"{grouped.grouped.value}, fewer by the decode dot, (expert, rows) units taken in turn; "
+                              f"float experts and batches per token")
     out["routing"] = "top_k, argmax, take_along_axis, segment_sum: scalar loops, vectorised by LLVM where contiguous"
     return out
 

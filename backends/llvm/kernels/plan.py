@@ -208,25 +208,28 @@ def fmatmul_plan(target: Target) -> FmatmulPlan:
 
 # -- expert-indexed matmul (qmatmul_experts) ----------------------------------------------------
 EXPERT_CHUNK_ROWS = 32     # rows of one expert (and one token, or one group of tokens) a thread takes at a time
-# tokens per expert (T·k / E, on average) from which a step groups its tokens by expert into the gemm:
-# below it each (token, expert) runs the decode row dot (docs/kernels.md, "Expert-indexed matmul")
-EXPERT_GROUP_FROM = 2
+# (docs/kernels.md, "Expert-indexed matmul"): tokens per expert, on average (T·k / E), from which a step sorts its
+# tokens by expert; and an expert's tokens from which they take the gemm together, not the decode dot one by one
+EXPERT_GROUP_FROM = 1
+_EXPERT_GEMM_FROM = {Method.GEMM: 4, Method.ROWS_GEMM: 4, Method.SCALAR: 1}
 
 
 @dataclass(frozen=True)
 class ExpertsPlan:
     """The expert-indexed matmul for one weight type, N rows per expert and target. ``matmul`` is the qmatmul
     plan of one expert's [N, K] matrix in the file's layout (None for float experts, which take fmatmul's row
-    dot). Below ``group_from`` tokens per expert, each (token, expert) runs its ``one`` method (gemv, or the
-    scalar twin) on ``chunk_rows`` rows at a time, threads splitting (token, expert, chunk) statically. From
-    there (block experts, not rows_only) the step's (token, expert) pairs are sorted by expert and each expert's
-    tokens run through ``grouped`` (the gemm its prefill would run: Method.GEMM, ROWS_GEMM, or the scalar twin)
-    against that expert's blocks, read once a step; threads take (expert, chunk of rows) units in turn."""
+    dot). Below ``group_from`` tokens per expert (decode), each (token, expert) runs its ``one`` method (gemv,
+    or the scalar twin) on ``chunk_rows`` rows at a time, threads splitting (token, expert, chunk) statically.
+    From there (block experts, not rows_only) the step's (token, expert) pairs are sorted by expert and threads
+    take (expert, chunk of rows) units in turn: an expert with ``gemm_from`` tokens or more runs them through
+    ``grouped`` (the gemm its prefill would run: Method.GEMM, ROWS_GEMM, or the scalar twin) against its
+    blocks, read once a step; an expert with fewer, each token through the decode dot."""
 
     matmul: QmatmulPlan | None
     chunk_rows: int
-    grouped: Method | None        # the arithmetic of grouped steps; None: every step per (token, expert)
+    grouped: Method | None        # the arithmetic of an expert's tokens in grouped steps; None: never grouped
     group_from: int               # tokens per expert (T·k >= group_from·E) from which a step is grouped
+    gemm_from: int                # an expert's tokens from which they take ``grouped`` together
 
 
 def experts_plan(dtype, N: int, target: Target, rows_only: bool = False) -> ExpertsPlan:
@@ -234,6 +237,7 @@ def experts_plan(dtype, N: int, target: Target, rows_only: bool = False) -> Expe
     every T, as rows_only qmatmuls do."""
     dt = dtypes.from_name(dtype)
     if dt in (dtypes.f32, dtypes.f16, dtypes.bf16):
-        return ExpertsPlan(None, EXPERT_CHUNK_ROWS, None, EXPERT_GROUP_FROM)
+        return ExpertsPlan(None, EXPERT_CHUNK_ROWS, None, EXPERT_GROUP_FROM, 0)
     plan = qmatmul_plan(dt, N, target)
-    return ExpertsPlan(plan, EXPERT_CHUNK_ROWS, None if rows_only else plan.many, EXPERT_GROUP_FROM)
+    grouped = None if rows_only else plan.many
+    return ExpertsPlan(plan, EXPERT_CHUNK_ROWS, grouped, EXPERT_GROUP_FROM, _EXPERT_GEMM_FROM.get(grouped, 0))

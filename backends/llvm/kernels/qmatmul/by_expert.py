@@ -71,6 +71,11 @@ def count(k: Kernel, E: int, k_per: int, L: int) -> Sort:
     return Sort(offsets, gstart)
 
 
+def _pair(k: Kernel, p) -> ir.Value:
+    """The pair (t·k + j) at sorted position p."""
+    return k.b.sext(k.load(i32, k.arg["order"], k.mul(p, 4)), i64)
+
+
 def _expert(k: Kernel, q) -> ir.Value:
     return k.b.sext(k.load(i32, k.arg["ids"], k.mul(q, 4)), i64)
 
@@ -148,12 +153,13 @@ def _copy_row(k: Kernel, lay: ActLayout, L: int, src, dst, lane) -> None:
             k.store(k.load(i16, src, lay.sums32(k, 1, s)), dst, lay.sums32(k, L, s, lane))
 
 
-def grouped_units(k: Kernel, E: int, k_per: int, N: int, L: int, w_bytes: int, group_bytes: int, chunk: int,
-                  rows) -> None:
+def grouped_units(k: Kernel, E: int, k_per: int, N: int, L: int, w_bytes: int, x_row: int, group_bytes: int,
+                  chunk: int, gemm_from: int, rows, row_dot) -> None:
     """The grouped step in the matmul kernel: units (expert, chunk of ``chunk`` rows), expert by expert, taken
-    in turn (``counter``): thread ith starts at unit ith, then takes the next nobody has. A unit binds its
-    expert's matrix, packed tokens and rows of ``ys`` and runs ``rows((r0, r1))`` (the gemm), then copies
-    those rows of each of its tokens to y[t, j]."""
+    in turn (``counter``): thread ith starts at unit ith, then takes the next nobody has. A unit of an expert
+    with ``gemm_from`` tokens or more binds the expert's matrix, packed tokens and rows of ``ys`` and runs
+    ``rows((r0, r1))`` (the gemm), then copies those rows of each of its tokens to y[t, j]; with fewer, each
+    of its tokens runs ``row_dot((r0, r1))`` (the decode dot, on the token's row of ``xq``) into y[t, j]."""
     b = k.b
     sort = count(k, E, k_per, L)
     chunks = (N + chunk - 1) // chunk
@@ -172,19 +178,26 @@ def grouped_units(k: Kernel, E: int, k_per: int, N: int, L: int, w_bytes: int, g
     e, c = b.sdiv(u, k.i64(chunks)), b.srem(u, k.i64(chunks))
     off = sort.at(k, sort.offsets, e)
     n_tok = b.sub(sort.at(k, sort.offsets, k.add(e, 1)), off)
-    with k.if_then(b.icmp_signed(">", n_tok, k.i64(0))):
-        r0 = k.mul(c, chunk)
-        r1 = b.select(b.icmp_signed("<", k.add(r0, chunk), k.i64(N)), k.add(r0, chunk), k.i64(N))
-        ys = k.addr(k.arg["ys"], k.mul(off, 4 * N))
-        with bound(k, w=k.addr(k.arg["w"], k.mul(e, w_bytes)), T=n_tok, y=ys,
-                   xq=k.addr(k.arg["xg"], k.mul(sort.at(k, sort.gstart, e), group_bytes))):
-            rows((r0, r1))
-        with k.loop(0, n_tok, name="scatter") as i:
-            q = b.sext(k.load(i32, k.arg["order"], k.mul(k.add(off, i), 4)), i64)
-            src = k.addr(ys, k.mul(k.add(k.mul(i, N), r0), 4))
-            dst = k.addr(k.arg["y"], k.mul(k.add(k.mul(q, N), r0), 4))
-            with k.loop(0, b.sub(r1, r0), name="n") as n:
-                k.store(k.load(f32, src, k.mul(n, 4)), dst, k.mul(n, 4))
+    r0 = k.mul(c, chunk)
+    r1 = b.select(b.icmp_signed("<", k.add(r0, chunk), k.i64(N)), k.add(r0, chunk), k.i64(N))
+    w = k.addr(k.arg["w"], k.mul(e, w_bytes))
+    with b.if_else(b.icmp_signed(">=", n_tok, k.i64(gemm_from))) as (many, few):
+        with many:
+            ys = k.addr(k.arg["ys"], k.mul(off, 4 * N))
+            with bound(k, w=w, T=n_tok, y=ys, xq=k.addr(k.arg["xg"], k.mul(sort.at(k, sort.gstart, e), group_bytes))):
+                rows((r0, r1))
+            with k.loop(0, n_tok, name="scatter") as i:
+                q = _pair(k, k.add(off, i))
+                src = k.addr(ys, k.mul(k.add(k.mul(i, N), r0), 4))
+                dst = k.addr(k.arg["y"], k.mul(k.add(k.mul(q, N), r0), 4))
+                with k.loop(0, b.sub(r1, r0), name="n") as n:
+                    k.store(k.load(f32, src, k.mul(n, 4)), dst, k.mul(n, 4))
+        with few:
+            with k.loop(0, n_tok, name="token") as i:
+                q = _pair(k, k.add(off, i))
+                x = k.addr(k.arg["xq"], k.mul(b.sdiv(q, k.i64(k_per)), x_row))
+                with bound(k, w=w, T=k.i64(1), y=k.addr(k.arg["y"], k.mul(q, 4 * N)), xq=x):
+                    row_dot((r0, r1))
     taken = b.atomic_rmw("add", k.arg["counter"], ir.Constant(i32, 1), "monotonic")
     u.add_incoming(b.add(nth, b.sext(taken, i64)), b.block)
     b.branch(head)

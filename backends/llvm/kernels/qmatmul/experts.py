@@ -1,6 +1,6 @@
 """The expert-indexed matmul: each token times its chosen experts, read straight from the [E, N, K] weight.
 
-    qmatmul_experts_<wtype>_k<K>_n<N>_e<E>_j<k>[_g<from>]_<target>(w: ptr [E, N, K], x: ptr,
+    qmatmul_experts_<wtype>_k<K>_n<N>_e<E>_j<k>[_g<g>m<m>]_<target>(w: ptr [E, N, K], x: ptr,
         ids: ptr i32 [T, k], y: ptr f32 [T, k, N], status: ptr i64 [2], [order: ptr, xg: ptr, ys: ptr,
         counter: ptr,] T, ith, nth)
 
@@ -47,7 +47,8 @@ def qmatmul_experts(module: ir.Module, dtype, K: int, N: int, E: int, k_per: int
     dt = dtypes.from_name(dtype)
     plan = experts_plan(dt, N, target, rows_only)
     grouped = plan.grouped is not None
-    name = f"qmatmul_experts_{dt.name}_k{K}_n{N}_e{E}_j{k_per}{f'_g{plan.group_from}' if grouped else ''}_{target.name}"
+    tag = f"_g{plan.group_from}m{plan.gemm_from}" if grouped else ""
+    name = f"qmatmul_experts_{dt.name}_k{K}_n{N}_e{E}_j{k_per}{tag}_{target.name}"
     if Kernel.exists(module, name):
         return name
     x_arg = "x" if plan.matmul is None else "xq"
@@ -66,7 +67,8 @@ def qmatmul_experts(module: ir.Module, dtype, K: int, N: int, E: int, k_per: int
     L = lanes(plan.grouped)
     with k.b.if_else(grouped_step(k, E, k_per, plan.group_from)) as (by_expert, per_token):
         with by_expert:
-            grouped_units(k, E, k_per, N, L, w_bytes, m.lay.group_bytes(L), plan.chunk_rows, _group_rows(m, L))
+            grouped_units(k, E, k_per, N, L, w_bytes, x_row, m.lay.group_bytes(L), plan.chunk_rows, plan.gemm_from,
+                          _group_rows(m, L), rows)
         with per_token:
             _per_token(k, E, k_per, N, plan.chunk_rows, x_arg, x_row, w_bytes, rows)
     return k.finish()
