@@ -10,7 +10,9 @@ model on the same chunks as ``ggraph perplexity`` (and prints the same running p
 through the program that the ``instrument_imatrix`` pass gives extra outputs: each step's
 Σ x² per column and row count, per weight. As llama.cpp's ``llama-imatrix`` does, it records
 the weights of the blocks (``blk.*``; ``output.weight`` too with ``process_output``), every
-token of every chunk, and no step of fewer than ``MIN_ROWS`` tokens.
+token of every chunk, and no step of fewer than ``MIN_ROWS`` tokens. Stacked experts [E, N, K]
+are recorded per expert, from the rows routed to each (every step, as llama.cpp records every
+``ggml_mul_mat_id``); an expert no token chose keeps a count of 0, and ``load`` gives it ones.
 
 The GGUF format (``general.type = imatrix``) keeps the raw sums: per weight ``NAME``,
 ``NAME.in_sum2`` f32 [n_mat, K] and ``NAME.counts`` f32 [n_mat, 1] (n_mat = 1 for a dense
@@ -169,37 +171,46 @@ def write(path, imx: Imatrix) -> None:
 # -- collecting --------------------------------------------------------------------------------
 
 class Sums:
-    """Σ x² per column (f64) and rows counted, per weight name, added up over steps."""
+    """Σ x² per column (f64) and rows counted, per weight name, added up over steps: [1, K] and [1] for a
+    matrix, [E, K] and [E] for stacked experts (per expert)."""
 
     def __init__(self, process_output: bool = False):
         self.process_output = process_output
         self.sums: dict[str, np.ndarray] = {}
-        self.rows: dict[str, int] = {}
+        self.rows: dict[str, np.ndarray] = {}
 
     def records(self, name: str) -> bool:
         """llama-imatrix's choice: the blocks' weights, and the output head's with --process-output."""
         return name.startswith("blk.") or (self.process_output and name == "output.weight")
 
-    def add(self, recorded: dict) -> None:
-        """Add one step's ``{weight name: (Σ x² f32[K], rows f32[1])}`` (the instrumented outputs)."""
+    def add(self, recorded: dict, small: bool = False) -> None:
+        """Add one step's ``{weight name: (Σ x² f32[K], rows f32[1])}`` (stacked experts: f32[E, K], f32[E]),
+        the instrumented outputs. ``small``: the step has fewer than MIN_ROWS tokens, which llama.cpp records
+        for expert matmuls only."""
         for name, (sq, rows) in recorded.items():
-            if not self.records(name):
+            experts = np.ndim(sq) == 2
+            if not experts and (small or not self.records(name)):
                 continue
+            sq = np.asarray(sq).reshape(np.size(rows), -1)
             if not np.all(np.isfinite(sq)):
                 raise ValueError(f"imatrix: non-finite activations reached {name}")
+            rows = np.rint(np.asarray(rows, np.float64)).astype(np.int64).reshape(-1)
             if name in self.sums:
+                if self.sums[name].shape != sq.shape:
+                    raise ValueError(f"imatrix: {name} gave sums of shape {sq.shape}, earlier {self.sums[name].shape}")
                 self.sums[name] += sq
+                self.rows[name] += rows
             else:
                 self.sums[name] = sq.astype(np.float64)
-            self.rows[name] = self.rows.get(name, 0) + int(round(float(rows[0])))
+                self.rows[name] = rows
 
     def imatrix(self, datasets: list[str], chunk_size: int) -> Imatrix:
         """The GGUF form; the chunk count is llama.cpp's: the most rows any weight saw, in whole chunks."""
         if not self.sums:
             raise ValueError("imatrix: no weight matmul was recorded (the model has no blk.* weights in matmuls)")
-        return Imatrix({n: s.astype(np.float32).reshape(1, -1) for n, s in sorted(self.sums.items())},
-                       {n: np.array([r], np.float32) for n, r in sorted(self.rows.items())},
-                       list(datasets), max(self.rows.values()) // chunk_size, chunk_size)
+        return Imatrix({n: s.astype(np.float32) for n, s in sorted(self.sums.items())},
+                       {n: r.astype(np.float32) for n, r in sorted(self.rows.items())},
+                       list(datasets), int(max(r.max() for r in self.rows.values())) // chunk_size, chunk_size)
 
 
 def steps(chunk: np.ndarray, batch: int) -> list[tuple[int, np.ndarray]]:
@@ -235,8 +246,7 @@ def collect(path, text: str, n_ctx: int = 512, n_chunks: int | None = None, thre
         for at, part in steps(chunk, session.ubatch):
             outs = prog.run_inputs([part, np.int32(at), *session.k_cache, *session.v_cache])
             (step_logits, _, _), recorded = tree_unflatten(prog.graph.out_tree, outs)
-            if part.size >= MIN_ROWS:
-                sums.add(recorded)
+            sums.add(recorded, small=part.size < MIN_ROWS)
             if ppl:
                 logits.append(step_logits)
         if not ppl:

@@ -10,6 +10,14 @@ advance as it goes), and a row length that is not a whole number of the chosen t
 back to a 32-wide type (Q4_K -> Q5_0, Q6_K -> Q8_0, ...). The block quantisers themselves are
 ``ggraph.gguf.quants.quantize``, bit-exact with ggml's, with the importance matrix when one is given.
 
+Mixture-of-experts files (``{arch}.expert_count`` > 1) follow llama.cpp's expert rules: the FFN
+rules read the layer from the tensor's name (``blk.N.``), not from a counter, so that a layer's
+stacked experts ``ffn_*_exps`` [E, N, K] and shared expert ``ffn_*_shexp`` get the same step;
+with exactly 8 experts attention K and V are q8_0 and attention output q5_k in the low-bit mixes.
+A stacked tensor is quantised as E matrices of N rows, each expert's rows weighted by its own
+slice of the importance matrix (an imatrix entry of E·K values). MXFP4_MOE gives the stacked
+experts mxfp4 blocks and every other matrix q8_0.
+
 The output keeps the input's metadata in order, with ``general.quantization_version`` and
 ``general.file_type`` moved to the end (llama.cpp sets them by removing and appending), the split
 keys dropped, and llama-quantize's ``quantize.imatrix.*`` keys appended when an imatrix was used.
@@ -65,6 +73,7 @@ FILE_TYPES: dict[str, FileType] = {ft.name: ft for ft in (
     _ft("Q5_K_M", 17, "q5_k", "q5_k; about half of attn_v and ffn_down q6_k"),
     _ft("Q6_K", 18, "q6_k", "q6_k (6.56 bpw)"),
     _ft("Q8_0", 7, "q8_0", "q8_0 (8.5 bpw)"),
+    _ft("MXFP4_MOE", 38, "mxfp4", "stacked experts mxfp4 (4.25 bpw), every other matrix q8_0"),
     _ft("F16", 1, "f16", "f16"),
     _ft("BF16", 32, "bf16", "bf16"),
     _ft("F32", 0, "f32", "f32"),
@@ -72,7 +81,7 @@ FILE_TYPES: dict[str, FileType] = {ft.name: ft for ft in (
 FILE_TYPE_NAMES = {ft.id: ft.name for ft in FILE_TYPES.values()}    # general.file_type -> name
 ALIASES = {"Q3_K": "Q3_K_M", "Q4_K": "Q4_K_M", "Q5_K": "Q5_K_M"}
 # llama.cpp's file types whose block types ggraph cannot read (so cannot check or run)
-FOREIGN = ("Q1_0", "Q2_0", "MXFP4_MOE", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ2_M", "IQ1_S", "IQ1_M", "TQ1_0",
+FOREIGN = ("Q1_0", "Q2_0", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ2_M", "IQ1_S", "IQ1_M", "TQ1_0",
            "TQ2_0", "IQ3_XXS", "IQ3_S", "IQ3_M", "IQ3_XS", "COPY")
 
 
@@ -156,6 +165,7 @@ class _Model:
     arch: str
     n_layer: int
     n_gqa: int
+    n_expert: int
     is_70b: bool
     tied: bool
     has_imatrix: bool
@@ -163,6 +173,23 @@ class _Model:
     i_attn_v: int = 0
     i_ffn: dict = field(default_factory=lambda: {"ffn_down": 0, "ffn_gate": 0, "ffn_up": 0})
     fallbacks: list = field(default_factory=list)
+
+    def ffn_layer(self, cat: str, name: str) -> int:
+        """The layer an FFN rule sees: the tensor's place among its kind (dense), or with experts the
+        ``blk.N.`` of its name (llama.cpp's layer_info: a layer's experts and shared expert are one step);
+        advances the kind's counter either way."""
+        i = self.i_ffn[cat]
+        self.i_ffn[cat] += 1
+        if self.n_expert <= 1:
+            return i
+        m = _LAYER.match(name)
+        if m is None:
+            raise ValueError(f"quantize: cannot tell the layer of tensor '{name}' (no blk.N. prefix) in a model "
+                             f"with {self.n_expert} experts")
+        i = int(m[1])
+        if not 0 <= i < self.n_layer:
+            raise ValueError(f"quantize: tensor '{name}' is in layer {i}, outside the model's {self.n_layer} layers")
+        return i
 
 
 def _model(f: GGUFFile, names, has_imatrix: bool) -> _Model:
@@ -177,13 +204,17 @@ def _model(f: GGUFFile, names, has_imatrix: bool) -> _Model:
     n_layer = hparam("block_count")
     n_head = hparam("attention.head_count", 0) or 0
     n_head_kv = hparam("attention.head_count_kv", n_head) or 0
+    n_expert = hparam("expert_count", 0) or 0
     if not isinstance(n_layer, int) or n_layer <= 0:
         raise ValueError(f"quantize: {f.path}: {arch}.block_count is missing or not a positive integer")
+    if not isinstance(n_expert, int) or n_expert < 0:
+        raise ValueError(f"quantize: {f.path}: {arch}.expert_count is not a whole number: {n_expert!r}")
     from ggraph.models.config import check_layers
     check_layers(arch, n_layer, names, shared_decoder=False)   # the mix counts layers: a lying count moves it
-    is_70b = n_layer == 80 and (arch == "qwen2" or (arch == "llama" and n_head != n_head_kv))
-    return _Model(arch=arch, n_layer=n_layer, n_gqa=n_head // n_head_kv if n_head_kv else 0, is_70b=is_70b,
-                  tied="output.weight" not in names, has_imatrix=has_imatrix,
+    # llama.cpp's LLM_TYPE_70B: 80 layers of qwen2, or of a llama with GQA (and not 8 experts: 8x7B, 8x22B)
+    is_70b = n_layer == 80 and (arch == "qwen2" or (arch == "llama" and n_head != n_head_kv and n_expert != 8))
+    return _Model(arch=arch, n_layer=n_layer, n_gqa=n_head // n_head_kv if n_head_kv else 0, n_expert=n_expert,
+                  is_70b=is_70b, tied="output.weight" not in names, has_imatrix=has_imatrix,
                   n_attn_v=sum(_category(n) in _ATTN_V for n in names))
 
 
@@ -192,13 +223,19 @@ def _use_more_bits(i: int, n: int) -> bool:
     return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
 
 
-def _mix(m: _Model, ft: str, cat: str, t: DType, ncols: int) -> DType:
-    """llama_tensor_get_type_impl for a dense model: the type of one tensor under file type ``ft``."""
-    q = dtypes
+# the low-bit file types whose attention output llama.cpp raises to q5_k in a model of 8 experts
+_ATTN_OUTPUT_8_EXPERTS = ("Q2_K", "Q3_K_S", "Q3_K_M", "IQ4_NL", "Q4_K_S", "Q4_K_M", "IQ4_XS")
+
+
+def _mix(m: _Model, ft: str, cat: str, t: DType, name: str, shape: tuple) -> DType:
+    """llama_tensor_get_type_impl: the type of one tensor under file type ``ft``."""
+    q, ncols = dtypes, shape[-1]
     if cat == "output" or (m.tied and cat == "token_embd"):
-        if m.arch == "falcon" or ncols % t.block_size:
+        if ft == "MXFP4_MOE" or m.arch == "falcon" or ncols % t.block_size:
             return q.q8_0
         return t if t is q.q8_0 else q.q6_k
+    if ft == "MXFP4_MOE":                           # stacked experts [E > 1, N, K] mxfp4, the rest q8_0
+        return q.mxfp4 if len(shape) >= 3 and shape[-3] > 1 else q.q8_0
     if cat == "token_embd":
         return t
     if cat in _ATTN_V:
@@ -220,10 +257,11 @@ def _mix(m: _Model, ft: str, cat: str, t: DType, ncols: int) -> DType:
             t = q.q5_k
         if m.is_70b and t in (q.q3_k, q.q4_k):
             t = q.q5_k
-        return t
+        return q.q8_0 if m.n_expert == 8 else t     # "for the 8-expert model, bumping this to Q8_0 trades ~128MB"
+    if cat == "attn_k":
+        return q.q8_0 if m.n_expert == 8 else t
     if cat == "ffn_down":
-        i, n = m.i_ffn["ffn_down"], m.n_layer
-        m.i_ffn["ffn_down"] += 1
+        i, n = m.ffn_layer(cat, name), m.n_layer
         falcon = m.arch == "falcon"
         if ft == "Q2_K":
             t = q.q3_k
@@ -248,11 +286,13 @@ def _mix(m: _Model, ft: str, cat: str, t: DType, ncols: int) -> DType:
             t = q.q4_1 if ft == "Q4_0" else q.q5_1
         return t
     if cat == "attn_output":
-        if m.arch != "falcon":
-            return {"Q2_K": q.q3_k, "Q3_K_M": q.q4_k, "Q3_K_L": q.q5_k}.get(ft, t)
-        return q.q4_k if ft == "Q3_K_L" else t
+        if m.arch == "falcon":
+            return q.q4_k if ft == "Q3_K_L" else t
+        if m.n_expert == 8:
+            return q.q5_k if ft in _ATTN_OUTPUT_8_EXPERTS else t
+        return {"Q2_K": q.q3_k, "Q3_K_M": q.q4_k, "Q3_K_L": q.q5_k}.get(ft, t)
     if cat in ("ffn_gate", "ffn_up"):
-        m.i_ffn[cat] += 1
+        m.ffn_layer(cat, name)                      # no rule of a type ggraph makes reads it; the name is checked
     return t
 
 
@@ -306,8 +346,10 @@ def plan(f: GGUFFile, ftype: str | FileType, *, has_imatrix: bool = False, pure:
             types[name] = ft.default
         else:
             t = ft.default
-            if not pure:
-                t = out_t if m.tied and cat == "token_embd" and out_t is not None else _mix(m, ft.name, cat, t, ncols)
+            if m.tied and cat == "token_embd" and out_t is not None and not pure:
+                t = out_t
+            elif not pure:
+                t = _mix(m, ft.name, cat, t, name, info.shape)
             types[name] = _fallback(m, name, t, ncols)
     return Plan(types, m.fallbacks)
 
@@ -337,25 +379,33 @@ def imatrix_keys(path: str, datasets, n_entries: int, n_chunks: int) -> dict:
     return keys
 
 
+def _n_matrices(shape) -> int:
+    """The matrices a tensor holds: E for stacked experts [E, N, K], 1 for a matrix [N, K]."""
+    return int(np.prod(shape[:-2], dtype=np.int64)) if len(shape) > 2 else 1
+
+
 def _row_weights(name: str, info, imatrix: Mapping[str, np.ndarray] | None):
-    """The importance vector for tensor ``name`` (None if the imatrix has none), its length checked."""
+    """The importance vectors for tensor ``name``, f32 (n_mat, K): one per matrix (per expert of stacked
+    experts, as llama-quantize slices an imatrix entry of E·K values); None if the imatrix has none."""
     if not imatrix or name not in imatrix:
         return None
     w = np.asarray(imatrix[name], np.float32)
-    if w.shape != (info.shape[-1],):
+    n_mat, cols = _n_matrices(info.shape), info.shape[-1]
+    if w.shape != (n_mat * cols,):
         if _category(name) == "token_embd":
             return None                                 # llama.cpp ignores a mismatched token_embd entry
-        raise ValueError(f"quantize: imatrix entry '{name}' has {w.size} values, the tensor's rows have "
-                         f"{info.shape[-1]}")
+        rows = f"{cols}" if n_mat == 1 else f"{cols} in each of its {n_mat} experts (so {n_mat * cols} values)"
+        raise ValueError(f"quantize: imatrix entry '{name}' has {w.size} values, the tensor's rows have {rows}")
     if not np.isfinite(w).all():
         raise ValueError(f"quantize: imatrix entry '{name}' has non-finite values")
-    return w
+    return w.reshape(n_mat, cols)
 
 
 def _converter(f: GGUFFile, name: str, new: DType, ft: FileType, imatrix, allow_requantize: bool,
                bar: Progress, pool: ThreadPoolExecutor, workers: int):
     """produce() for one tensor: its bytes as they are, or dequantised and quantised to ``new``
-    in slabs of rows on ``pool``'s threads (rows quantise independently: the bytes are the same)."""
+    in slabs of rows on ``pool``'s threads (rows quantise independently: the bytes are the same).
+    A slab never crosses from one expert's rows to the next's: each has its own importance."""
     info = f.tensors[name]
     if info.dtype is new:
         def copy():
@@ -372,16 +422,20 @@ def _converter(f: GGUFFile, name: str, new: DType, ft: FileType, imatrix, allow_
         raise ValueError(f"quantize: Q2_K_S needs importance data for tensor '{name}' (--imatrix FILE)")
 
     def convert():
-        cols = info.shape[-1]
+        cols, n_mat = info.shape[-1], _n_matrices(info.shape)
         src = f.dequantize(name).reshape(-1, cols)
         n = src.shape[0]
+        per_mat = n // n_mat
         step = max(1, min((1 << 22) // cols, -(-n // workers)))   # <= 16 MiB of f32, a slab per thread
         out = np.empty((n, new.row_bytes(cols)), np.uint8)
+        slabs = [(e, i, min(i + step, (e + 1) * per_mat)) for e in range(n_mat)
+                 for i in range(e * per_mat, (e + 1) * per_mat, step)]
 
-        def slab(i: int) -> int:
-            out[i:i + step] = quants.quantize(src[i:i + step], new, imatrix=weights)
-            return min(step, n - i)
-        for done in pool.map(slab, range(0, n, step)):
+        def slab(job) -> int:
+            e, i, j = job
+            out[i:j] = quants.quantize(src[i:j], new, imatrix=None if weights is None else weights[e])
+            return j - i
+        for done in pool.map(slab, slabs):
             bar.advance(info.nbytes * done / n)
         return out.reshape(-1)
     return convert

@@ -15,14 +15,16 @@ examples:
   ggraph quantize model-f16.gguf model-iq4_xs.gguf IQ4_XS --imatrix imatrix.gguf
   ggraph quantize model-f16.gguf - Q5_K_M --dry-run      # the plan only: types and sizes
 
-types (llama.cpp's names and mixes; in every quantised type but Q8_0, output.weight, or token_embd.weight
-when the output is tied to it, is q6_k; norms and other 1-D tensors stay as they are):
+types (llama.cpp's names and mixes; in every quantised type but Q8_0 and MXFP4_MOE, output.weight, or
+token_embd.weight when the output is tied to it, is q6_k; norms, other 1-D tensors and MoE routers stay as
+they are; in a model of 8 experts attn_k and attn_v are q8_0 and most k-quant mixes give attn_output q5_k; the
+FFN rules read each expert tensor's layer from its name):
 """
 
 
 def _types_help() -> str:
     from ggraph.quantize import ALIASES, FILE_TYPES
-    rows = [f"  {ft.name:<8} {ft.about}" for ft in FILE_TYPES.values()]
+    rows = [f"  {ft.name:<9} {ft.about}" for ft in FILE_TYPES.values()]
     return EXAMPLES + "\n".join(rows) + "\n  aliases: " + ", ".join(f"{a} = {b}" for a, b in ALIASES.items())
 
 
