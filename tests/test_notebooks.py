@@ -6,7 +6,8 @@ import nbformat
 import pytest
 
 NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
-NAMES = ["01_new_architecture.ipynb", "02_graphs_and_passes.ipynb", "03_fused_vs_unfused.ipynb"]
+NAMES = ["01_new_architecture.ipynb", "02_graphs_and_passes.ipynb", "03_fused_vs_unfused.ipynb",
+         "04_mixture_of_experts.ipynb"]
 
 
 def execute(name: str):
@@ -55,3 +56,12 @@ def test_03_fused_vs_unfused():
     nb = execute(NAMES[2])
     out = text_of(nb)
     assert "engine     passes   threads" in out and "MB per token" in out and images_in(nb) == 2
+
+
+def test_04_mixture_of_experts():
+    nb = execute(NAMES[3])
+    out = text_of(nb)
+    assert "ggraph and numpy choose the same experts: True" in out             # router and experts vs numpy
+    assert "= top_k[k=4]" in out and "= qmatmul_experts" in out                 # the fused graph's routing
+    assert "matmul · take(blk.0.ffn_gate_exps.weight, ids) -> qmatmul_experts on q8_0" in out   # --explain
+    assert "sigmoid: fused over unfused" in out and "expert matmuls:" in out and images_in(nb) == 2
