@@ -5,12 +5,18 @@
     convert("path/to/hf-model", "model-f16.gguf", outtype="f16")
 
 The folder holds ``config.json``, whose ``architectures`` entry picks the family
-(``families.py``: llama, qwen2, phi3, gemma2, gemma3), the weights as ``*.safetensors``
-(``checkpoint.py``: one file, or shards and their index) and the tokenizer (``vocab.py``).
+(``families.py``: llama, qwen2, phi3, gemma2, gemma3, qwen3, olmo2, and with experts qwen3moe, olmoe,
+qwen2moe and Mixtral), the weights as ``*.safetensors`` (``checkpoint.py``: one file, or shards and
+their index) and the tokenizer (``vocab.py``).
+
+A layer's experts become three stacked tensors ``ffn_{gate,up,down}_exps`` [E, rows, cols], as
+llama.cpp's converter stacks them: from one matrix per expert (what transformers saves), or from the
+fused ``experts.gate_up_proj`` [E, 2F, D] (gate rows first) and ``experts.down_proj`` [E, D, F].
 
 Output types: ``f32``, ``f16``, ``bf16`` and ``q8_0``. Only matrices take it: 1-D tensors (norms,
-biases, rope factors) and every ``*_norm.weight`` stay f32, as llama.cpp keeps them, and a
-q8_0 matrix whose rows are not whole 32-element blocks falls back to f16.
+biases, rope factors), every ``*_norm.weight`` and the routers (``ffn_gate_inp``, ``ffn_gate_inp_shexp``)
+stay f32, as llama.cpp keeps them, and a q8_0 matrix whose rows are not whole 32-element blocks falls
+back to f16.
 
 Nothing is converted up front: the header is written from the tensors' names, types and
 shapes, then each tensor is read from the checkpoint's mmap, changed (families.py says how),
@@ -19,6 +25,7 @@ cast and written before the next, into ``OUT.partial``, which becomes ``OUT`` on
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -86,35 +93,115 @@ def file_metadata(fam: Family, arch_keys: dict, cfg: HFConfig, folder: Path, out
     return md | tokenizer_metadata(folder, cfg.n_vocab, cfg.data, tokenizer_pre)
 
 
+@dataclass(frozen=True)
+class Stacked:
+    """Experts' matrices (checkpoint tensor names, in expert order) stacked on a new first axis: [E, rows, cols]."""
+    names: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Half:
+    """Half ``half`` (0: gate, 1: up) of the rows of a fused gate_up_proj [E, 2F, D]: [E, F, D]."""
+    name: str
+    half: int
+
+
 def tensor_sources(fam: Family, cfg: HFConfig, ck: Checkpoint) -> dict:
-    """GGUF name -> its source (a checkpoint tensor name, or an array made from config.json), in GGUF
-    order, after checking that the checkpoint has every tensor config.json implies, each of that
-    shape, and no other."""
-    found = {}
+    """GGUF name -> its source (a checkpoint tensor name, Stacked experts, a Half of a fused gate_up_proj,
+    or an array made from config.json), in GGUF order, after checking that the checkpoint has every
+    tensor config.json implies, each of that shape, and no other."""
+    found: dict[str, dict] = {}                  # GGUF name -> {Piece: checkpoint name}
     for hf in ck.tensors:
         if hf.endswith(UNUSED_SUFFIXES) or (hf == "lm_head.weight" and not fam.writes_lm_head):
             continue
-        found[fam.gguf_name(hf)] = hf
+        for piece in fam.pieces(hf):
+            found.setdefault(piece.name, {})[piece] = hf
     expected, optional = fam.expected(cfg), fam.optional(cfg)
-    missing = [f"{fam.hf_name(n)} ({n})" for n in expected if n not in found]
+    missing = [what for name in expected for what in _missing(fam, name, expected[name], found.get(name, {}))]
     if missing:
         more = ", ..." if len(missing) > 3 else ""
         raise ValueError(f"{ck.folder}: the checkpoint has no {', '.join(missing[:3])}{more} ({len(missing)} "
                          f"missing; config.json implies them)")
-    for gguf, hf in found.items():
-        shape = expected.get(gguf, optional.get(gguf))
-        if shape is None:
-            raise ValueError(f"tensor {hf} ({gguf}) is not part of a {fam.hf_arch} with this config.json")
-        if ck.tensors[hf].shape != shape:
-            raise ValueError(f"tensor {hf} has shape {list(ck.tensors[hf].shape)}, but config.json "
-                             f"(hidden_size, heads, head_dim, intermediate_size, vocab_size) implies {list(shape)}")
-    ordered = fam.generated(cfg)
-    return ordered | {n: found[n] for n in [*expected, *optional] if n in found}
+    sources = fam.generated(cfg)
+    for gguf in [*expected, *optional]:
+        if gguf in found:
+            sources[gguf] = _source(fam, ck, gguf, expected.get(gguf, optional.get(gguf)), found.pop(gguf))
+    for gguf, pieces in found.items():
+        hf = next(iter(pieces.values()))
+        raise ValueError(f"tensor {hf} ({gguf}) is not part of a {fam.hf_arch} with this config.json")
+    return sources
+
+
+def _missing(fam: Family, gguf: str, shape: tuple[int, ...], pieces: dict) -> list[str]:
+    """The checkpoint tensors GGUF tensor ``gguf`` needs and ``pieces`` lacks, named as in the checkpoint."""
+    if not pieces:
+        if len(shape) == 3:                                   # an expert stack: name its experts
+            return [f"{fam.hf_name(gguf, x)} (expert {x} of {gguf})" for x in range(shape[0])]
+        return [f"{fam.hf_name(gguf)} ({gguf})"]
+    experts = {p.expert for p in pieces if p.expert is not None}
+    if not experts:
+        return []
+    return [f"{fam.hf_name(gguf, x)} (expert {x} of {gguf})" for x in range(shape[0]) if x not in experts]
+
+
+def _source(fam: Family, ck: Checkpoint, gguf: str, shape: tuple[int, ...], pieces: dict):
+    """The source of GGUF tensor ``gguf`` of numpy ``shape`` from its checkpoint ``pieces``, each checked."""
+    if len(pieces) > 1 or next(iter(pieces)).expert is not None:       # one expert's matrix each
+        names = {p.expert: hf for p, hf in pieces.items() if p.expert is not None}
+        whole = [hf for p, hf in pieces.items() if p.expert is None]
+        if whole:
+            raise ValueError(f"tensor {whole[0]} ({gguf}) and the experts' {names[min(names)]} both give {gguf}")
+        extra = [x for x in names if x >= shape[0]]
+        if extra:
+            raise ValueError(f"tensor {names[extra[0]]} is expert {extra[0]} of {gguf}, but config.json has "
+                             f"{shape[0]} experts (num_local_experts or num_experts)")
+        for x in range(shape[0]):
+            _check_shape(ck, names[x], shape[1:], gguf)
+        return Stacked(tuple(names[x] for x in range(shape[0])))
+    (piece, hf), = pieces.items()
+    if piece.half is not None:
+        _check_shape(ck, hf, (shape[0], 2 * shape[1], shape[2]), gguf)
+        return Half(hf, piece.half)
+    _check_shape(ck, hf, shape, gguf)
+    return hf
+
+
+def _check_shape(ck: Checkpoint, hf: str, shape: tuple[int, ...], gguf: str) -> None:
+    if ck.tensors[hf].shape != shape:
+        why = ("experts, hidden_size, the experts' intermediate size" if "_exps." in gguf or "_inp" in gguf else
+               "hidden_size, heads, head_dim, intermediate_size, vocab_size")
+        raise ValueError(f"tensor {hf} has shape {list(ck.tensors[hf].shape)}, but config.json ({why}) implies "
+                         f"{list(shape)}")
+
+
+def source_shape(ck: Checkpoint, source) -> tuple[int, ...]:
+    """The numpy shape of the tensor ``source`` gives (see ``tensor_sources``), read from no data."""
+    if isinstance(source, np.ndarray):
+        return source.shape
+    if isinstance(source, Stacked):
+        return (len(source.names), *ck.tensors[source.names[0]].shape)
+    if isinstance(source, Half):
+        e, rows, cols = ck.tensors[source.name].shape
+        return (e, rows // 2, cols)
+    return ck.tensors[source].shape
+
+
+def read_source(fam: Family, cfg: HFConfig, ck: Checkpoint, name: str, source) -> np.ndarray:
+    """The float32 data of GGUF tensor ``name`` from its ``source`` (see ``tensor_sources``)."""
+    if isinstance(source, np.ndarray):
+        return source
+    if isinstance(source, Stacked):
+        return np.stack([ck.read(hf) for hf in source.names])
+    if isinstance(source, Half):
+        x = ck.read(source.name)
+        rows = x.shape[1] // 2
+        return x[:, source.half * rows:(source.half + 1) * rows]
+    return fam.transform(cfg, name, ck.read(source))
 
 
 def tensor_type(name: str, shape: tuple[int, ...], matrix_type: dtypes.DType) -> dtypes.DType:
-    """llama.cpp's choice: 1-D tensors and norms stay f32; q8_0 falls back to f16 for ragged rows."""
-    if len(shape) <= 1 or name.endswith("_norm.weight"):
+    """llama.cpp's choice: 1-D tensors, norms and routers stay f32; q8_0 falls back to f16 for ragged rows."""
+    if len(shape) <= 1 or name.endswith(("_norm.weight", ".ffn_gate_inp.weight", ".ffn_gate_inp_shexp.weight")):
         return dtypes.f32
     if shape[-1] % matrix_type.block_size:
         warn(f"convert: {name} has rows of {shape[-1]}, not a multiple of {matrix_type.name}'s "
@@ -125,11 +212,11 @@ def tensor_type(name: str, shape: tuple[int, ...], matrix_type: dtypes.DType) ->
 
 def _deferred(fam: Family, cfg: HFConfig, ck: Checkpoint, name: str, source, matrix_type, bar) -> Deferred:
     """The tensor ``name`` as the writer's Deferred: its type and shape now, its bytes when written."""
-    shape = source.shape if isinstance(source, np.ndarray) else ck.tensors[source].shape
+    shape = source_shape(ck, source)
     dtype = tensor_type(name, shape, matrix_type)
 
     def produce() -> np.ndarray:
-        x = source if isinstance(source, np.ndarray) else fam.transform(cfg, name, ck.read(source))
+        x = read_source(fam, cfg, ck, name, source)
         raw = quants.quantize(x, dtype)
         bar.advance()
         return raw

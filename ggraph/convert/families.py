@@ -91,6 +91,18 @@ class HFConfig:
         return self.int("vocab_size")
 
     @property
+    def n_expert(self) -> int:
+        """The routed experts of each layer (Mixtral's and transformers 5's num_local_experts, else num_experts)."""
+        key = next((k for k in ("num_local_experts", "num_experts") if self.get(k) is not None), None)
+        if key is None:
+            raise ValueError(f"{self.path}: num_local_experts (or num_experts) is missing")
+        return self.int(key)
+
+    @property
+    def n_expert_used(self) -> int:
+        return self.int("num_experts_per_tok")
+
+    @property
     def rope_full(self) -> dict:
         """The rope parameters of the global (full-attention) layers."""
         return self.rope.get("full_attention", self.rope)
@@ -258,6 +270,77 @@ def gemma3_keys(cfg: HFConfig) -> dict:
     return gemma_keys(cfg, 62, 6)
 
 
+def _no_biases(cfg: HFConfig, *keys: str) -> None:
+    for key in keys:
+        if cfg.get(key):
+            raise ValueError(f"{cfg.path}: {key} = true is not supported (the decoder has no place for those biases)")
+
+
+def qwen3_keys(cfg: HFConfig) -> dict:
+    _no_biases(cfg, "attention_bias")
+    return qwen2_keys(cfg)
+
+
+def olmo2_keys(cfg: HFConfig) -> dict:
+    """OLMo 2; OLMo 3's sliding-window layers (``sliding_window``) are refused, as ggraph's olmo2 refuses them."""
+    _check_activation(cfg, ("silu",))
+    _no_biases(cfg, "attention_bias")
+    if cfg.get("clip_qkv") is not None:
+        raise ValueError(f"{cfg.path}: clip_qkv = {cfg.get('clip_qkv')!r} is not supported (no GGUF key of olmo2 "
+                         f"clamps q, k and v)")
+    if cfg.get("sliding_window") is not None:
+        raise ValueError(f"{cfg.path}: sliding_window = {cfg.get('sliding_window')!r} (OLMo 3's sliding-window "
+                         f"layers) is not supported yet")
+    return common_keys(cfg)
+
+
+def expert_keys(cfg: HFConfig, arch: str, renormalised: bool | None) -> dict:
+    """expert_count and expert_used_count, after checking what the GGUF file cannot say: dense layers among
+    the sparse ones, and top-k weights renormalised (``norm_topk_prob``) other than ``arch`` does it in
+    llama.cpp (None: transformers always does, as llama.cpp)."""
+    n, used = cfg.n_expert, cfg.n_expert_used
+    if used > n:
+        raise ValueError(f"{cfg.path}: num_experts_per_tok = {used} is more than the {n} experts")
+    dense = cfg.get("mlp_only_layers") or []
+    if dense or cfg.int("decoder_sparse_step", 1) != 1:
+        what = f"mlp_only_layers = {dense}" if dense else f"decoder_sparse_step = {cfg.get('decoder_sparse_step')}"
+        raise ValueError(f"{cfg.path}: {what} makes dense layers among the experts' ones, which llama.cpp's {arch} "
+                         f"does not have")
+    norm = cfg.data.get("norm_topk_prob")
+    if renormalised is not None and norm is not None and bool(norm) != renormalised:
+        does = "always renormalises" if renormalised else "does not renormalise"
+        raise ValueError(f"{cfg.path}: norm_topk_prob = {str(bool(norm)).lower()} is not supported: llama.cpp's "
+                         f"{arch} {does} the chosen experts' weights")
+    return {"expert_count": n, "expert_used_count": used}
+
+
+def qwen3moe_keys(cfg: HFConfig) -> dict:
+    return (qwen3_keys(cfg) | expert_keys(cfg, "qwen3moe", True)
+            | {"expert_feed_forward_length": cfg.int("moe_intermediate_size")})
+
+
+def olmoe_keys(cfg: HFConfig) -> dict:
+    """OLMoE: llama.cpp writes its rms epsilon as 1e-5 (OLMoE's), ggraph the config's."""
+    return olmo2_keys(cfg) | expert_keys(cfg, "olmoe", False)
+
+
+def qwen2moe_keys(cfg: HFConfig) -> dict:
+    if cfg.data.get("qkv_bias") is False:
+        raise ValueError(f"{cfg.path}: qkv_bias = false is not supported (llama.cpp's qwen2moe has q, k and v biases)")
+    return (qwen2_keys(cfg) | expert_keys(cfg, "qwen2moe", False)
+            | {"expert_feed_forward_length": cfg.int("moe_intermediate_size"),
+               "expert_shared_feed_forward_length": cfg.int("shared_expert_intermediate_size")})
+
+
+def mixtral_keys(cfg: HFConfig) -> dict:
+    """Mixtral is llama with experts (llama.expert_count); transformers renormalises its top-k weights, as
+    llama.cpp does."""
+    if cfg.get("sliding_window") is not None:
+        raise ValueError(f"{cfg.path}: sliding_window = {cfg.get('sliding_window')} is not supported: llama.cpp's "
+                         f"llama attends to the whole context")
+    return llama_keys(cfg) | expert_keys(cfg, "llama", None)
+
+
 # ---------------------------------------------------------------- tensors
 
 _GLOBAL = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
@@ -267,9 +350,23 @@ _BLOCK = {
     "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
     "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm",
     "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down", "mlp.gate_up_proj": "ffn_up",
+    "mlp.shared_expert.gate_proj": "ffn_gate_shexp", "mlp.shared_expert.up_proj": "ffn_up_shexp",
+    "mlp.shared_expert.down_proj": "ffn_down_shexp", "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
 }
+# an expert's matrices (model.layers.N.<experts>.experts.X.<name>.weight) -> the stacked GGUF tensor
+_EXPERT_WEIGHTS = {"mlp": {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps"},
+                   "block_sparse_moe": {"w1": "ffn_gate_exps", "w3": "ffn_up_exps", "w2": "ffn_down_exps"}}
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 UNUSED_SUFFIXES = (".rotary_emb.inv_freq", ".attention.masked_bias", ".attention.bias")
+
+
+@dataclasses.dataclass(frozen=True)
+class Piece:
+    """Where one Hugging Face tensor goes: GGUF tensor ``name`` whole, or as expert ``expert`` of a stack
+    [E, rows, cols], or as ``half`` 0 (gate) or 1 (up) of a fused gate_up_proj [E, 2F, D]."""
+    name: str
+    expert: int | None = None
+    half: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -282,10 +379,39 @@ class Family:
     norm_shift: float = 0.0               # added to every norm weight (gemma: 1)
     permute_qk: bool = False              # llama: halves -> interleaved pairs in q and k
     writes_lm_head: bool = True           # gemma2: never, the output is the embedding
-    qkv_bias: bool = False                # qwen2
+    qkv_bias: bool = False                # qwen2, qwen2moe
     fused: bool = False                   # phi3: attn_qkv and a gate|up ffn_up
-    qk_norm: bool = False                 # gemma3
-    post_norms: bool = False              # gemma2, gemma3
+    qk_norm: str | None = None            # "head": one norm of head_dim (gemma3, qwen3); "full": over q and k whole (olmo)
+    pre_norms: bool = True                # olmo2: no norm before attention and the FFN
+    post_norms: bool = False              # gemma2, gemma3, olmo2
+    experts: str | None = None            # the MoE block's HF name ("mlp"; Mixtral's "block_sparse_moe"); None: dense
+    expert_width: str = "intermediate_size"   # the config key of each expert's FFN width
+    shared_expert: bool = False           # qwen2moe: a shared expert under a sigmoid gate
+
+    def _parts(self) -> dict[str, str]:
+        """HF block part -> GGUF block part; this family's own come first, which ``hf_name`` takes."""
+        own = {"post_attention_layernorm": self.post_attention_layernorm}
+        if self.fused:
+            own["mlp.gate_up_proj"] = "ffn_up"
+        if self.experts:
+            own[f"{self.experts}.gate"] = "ffn_gate_inp"
+        return own | {k: v for k, v in _BLOCK.items() if k not in own}
+
+    def pieces(self, hf: str) -> list[Piece]:
+        """Where Hugging Face tensor ``hf`` goes: one expert's matrix to its place in a stack, a fused
+        gate_up_proj to two stacks, anything else whole (``gguf_name``)."""
+        m = _LAYER.fullmatch(hf)
+        if m and self.experts:
+            blk, names = f"blk.{m[1]}.", _EXPERT_WEIGHTS[self.experts]
+            one = re.fullmatch(rf"{self.experts}\.experts\.(\d+)\.(\w+)\.weight", m[2])
+            if one and one[2] in names:
+                return [Piece(f"{blk}{names[one[2]]}.weight", expert=int(one[1]))]
+            fused = re.fullmatch(rf"{self.experts}\.experts\.(gate_up_proj|down_proj)(\.weight)?", m[2])
+            if fused and fused[1] == "down_proj":
+                return [Piece(f"{blk}ffn_down_exps.weight")]
+            if fused:
+                return [Piece(f"{blk}ffn_gate_exps.weight", half=0), Piece(f"{blk}ffn_up_exps.weight", half=1)]
+        return [Piece(self.gguf_name(hf))]
 
     def gguf_name(self, hf: str) -> str:
         """The GGUF name of a Hugging Face tensor; ValueError for one this family does not have."""
@@ -294,23 +420,22 @@ class Family:
             if stem in _GLOBAL:
                 return f"{_GLOBAL[stem]}.{suffix}"
             m = _LAYER.fullmatch(stem)
-            if m:
-                part = self.post_attention_layernorm if m[2] == "post_attention_layernorm" else _BLOCK.get(m[2])
-                if part is not None:
-                    return f"blk.{m[1]}.{part}.{suffix}"
+            part = self._parts().get(m[2]) if m else None
+            if part is not None:
+                return f"blk.{m[1]}.{part}.{suffix}"
         raise ValueError(f"cannot map tensor {hf!r} of a {self.hf_arch} to a GGUF name")
 
-    def hf_name(self, gguf: str) -> str:
-        """The Hugging Face tensor this family reads GGUF tensor ``gguf`` from (``gguf_name`` backwards)."""
+    def hf_name(self, gguf: str, expert: int | None = None) -> str:
+        """The Hugging Face tensor this family reads GGUF tensor ``gguf`` (or its expert ``expert``) from."""
         stem, _, suffix = gguf.rpartition(".")
         for hf, name in _GLOBAL.items():
             if stem == name:
                 return f"{hf}.{suffix}"
         _, layer, part = stem.split(".", 2)
-        if part == self.post_attention_layernorm:
-            return f"model.layers.{layer}.post_attention_layernorm.{suffix}"
-        fused_up = "mlp.gate_up_proj" if self.fused else "mlp.up_proj"
-        hf = next(h for h, p in _BLOCK.items() if p == part and (p != "ffn_up" or h == fused_up))
+        if expert is not None:
+            weight = next(w for w, p in _EXPERT_WEIGHTS[self.experts].items() if p == part)
+            return f"model.layers.{layer}.{self.experts}.experts.{expert}.{weight}.{suffix}"
+        hf = next(h for h, p in self._parts().items() if p == part)
         return f"model.layers.{layer}.{hf}.{suffix}"
 
     def transform(self, cfg: HFConfig, name: str, x: np.ndarray) -> np.ndarray:
@@ -322,7 +447,8 @@ class Family:
         return x
 
     def expected(self, cfg: HFConfig) -> dict[str, tuple[int, ...]]:
-        """Every checkpoint tensor the GGUF file must have, by GGUF name, with its numpy shape."""
+        """Every checkpoint tensor the GGUF file must have, by GGUF name, with its numpy shape (an expert
+        stack's is [E, rows, cols])."""
         d, dh, ff, v = cfg.n_embd, cfg.head_dim, cfg.n_ff, cfg.n_vocab
         nq, nkv = cfg.n_head * dh, cfg.n_head_kv * dh
         shapes = {"token_embd.weight": (v, d), "output_norm.weight": (d,)}
@@ -330,20 +456,41 @@ class Family:
             shapes["output.weight"] = (v, d)
         for i in range(cfg.n_layer):
             b = f"blk.{i}."
-            shapes[b + "attn_norm.weight"] = (d,)
+            if self.pre_norms:
+                shapes[b + "attn_norm.weight"] = (d,)
             if self.fused:
                 shapes[b + "attn_qkv.weight"] = (nq + 2 * nkv, d)
-                shapes[b + "ffn_up.weight"] = (2 * ff, d)
             else:
-                shapes |= {b + "attn_q.weight": (nq, d), b + "attn_k.weight": (nkv, d), b + "attn_v.weight": (nkv, d),
-                           b + "ffn_gate.weight": (ff, d), b + "ffn_up.weight": (ff, d)}
+                shapes |= {b + "attn_q.weight": (nq, d), b + "attn_k.weight": (nkv, d), b + "attn_v.weight": (nkv, d)}
             if self.qkv_bias:
                 shapes |= {b + "attn_q.bias": (nq,), b + "attn_k.bias": (nkv,), b + "attn_v.bias": (nkv,)}
             if self.qk_norm:
-                shapes |= {b + "attn_q_norm.weight": (dh,), b + "attn_k_norm.weight": (dh,)}
+                full = self.qk_norm == "full"
+                shapes |= {b + "attn_q_norm.weight": (nq if full else dh,), b + "attn_k_norm.weight": (nkv if full else dh,)}
+            shapes[b + "attn_output.weight"] = (d, nq)
             if self.post_norms:
-                shapes |= {b + "post_attention_norm.weight": (d,), b + "post_ffw_norm.weight": (d,)}
-            shapes |= {b + "attn_output.weight": (d, nq), b + "ffn_norm.weight": (d,), b + "ffn_down.weight": (d, ff)}
+                shapes[b + "post_attention_norm.weight"] = (d,)
+            if self.pre_norms:
+                shapes[b + "ffn_norm.weight"] = (d,)
+            shapes |= self._ffn(cfg, b)
+            if self.post_norms:
+                shapes[b + "post_ffw_norm.weight"] = (d,)
+        return shapes
+
+    def _ffn(self, cfg: HFConfig, b: str) -> dict[str, tuple[int, ...]]:
+        """One layer's FFN tensors: gate, up (phi3: gate|up) and down, or a router, expert stacks and a shared expert."""
+        d, ff = cfg.n_embd, cfg.n_ff
+        if not self.experts:
+            if self.fused:
+                return {b + "ffn_up.weight": (2 * ff, d), b + "ffn_down.weight": (d, ff)}
+            return {b + "ffn_gate.weight": (ff, d), b + "ffn_up.weight": (ff, d), b + "ffn_down.weight": (d, ff)}
+        e, fe = cfg.n_expert, cfg.int(self.expert_width)
+        shapes = {b + "ffn_gate_inp.weight": (e, d), b + "ffn_gate_exps.weight": (e, fe, d),
+                  b + "ffn_up_exps.weight": (e, fe, d), b + "ffn_down_exps.weight": (e, d, fe)}
+        if self.shared_expert:
+            fs = cfg.int("shared_expert_intermediate_size")
+            shapes |= {b + "ffn_gate_inp_shexp.weight": (1, d), b + "ffn_gate_shexp.weight": (fs, d),
+                       b + "ffn_up_shexp.weight": (fs, d), b + "ffn_down_shexp.weight": (d, fs)}
         return shapes
 
     def optional(self, cfg: HFConfig) -> dict[str, tuple[int, ...]]:
@@ -395,7 +542,16 @@ FAMILIES = {f.hf_arch: f for f in (
     Family("Gemma2ForCausalLM", "gemma2", gemma2_keys, post_attention_layernorm="post_attention_norm",
            norm_shift=1.0, writes_lm_head=False, post_norms=True),
     Family("Gemma3ForCausalLM", "gemma3", gemma3_keys, post_attention_layernorm="post_attention_norm",
-           norm_shift=1.0, qk_norm=True, post_norms=True),
+           norm_shift=1.0, qk_norm="head", post_norms=True),
+    Family("Qwen3ForCausalLM", "qwen3", qwen3_keys, qk_norm="head"),
+    Family("Olmo2ForCausalLM", "olmo2", olmo2_keys, post_attention_layernorm="post_attention_norm", qk_norm="full",
+           pre_norms=False, post_norms=True),
+    Family("Qwen3MoeForCausalLM", "qwen3moe", qwen3moe_keys, qk_norm="head", experts="mlp",
+           expert_width="moe_intermediate_size"),
+    Family("OlmoeForCausalLM", "olmoe", olmoe_keys, qk_norm="full", experts="mlp"),
+    Family("Qwen2MoeForCausalLM", "qwen2moe", qwen2moe_keys, qkv_bias=True, experts="mlp",
+           expert_width="moe_intermediate_size", shared_expert=True),
+    Family("MixtralForCausalLM", "llama", mixtral_keys, permute_qk=True, experts="block_sparse_moe"),
 )}
 
 
