@@ -208,7 +208,7 @@ def _sentencepiece(folder: Path, n_vocab: int, tc: dict) -> dict:
         tokens[i], scores[i], types[i] = text, ADDED_SCORE, kind
     return {"tokenizer.ggml.model": "llama", "tokenizer.ggml.pre": "default", "tokenizer.ggml.tokens": tokens,
             "tokenizer.ggml.scores": Typed(scores, "f32"), "tokenizer.ggml.token_type": Typed(types, "i32"),
-            "tokenizer.ggml.add_space_prefix": add_prefix}
+            **_space_prefix(add_prefix)}
 
 
 def read_sentencepiece(path) -> tuple[list[tuple[str, float, int]], bool]:
@@ -289,7 +289,13 @@ def _byte_fallback_bpe(tj: dict, n_vocab: int) -> dict:
         types.append(_piece_type(text, added.get(i), model.get("unk_token")))
     return {"tokenizer.ggml.model": "llama", "tokenizer.ggml.pre": "default", "tokenizer.ggml.tokens": tokens,
             "tokenizer.ggml.scores": Typed(scores, "f32"), "tokenizer.ggml.token_type": Typed(types, "i32"),
-            "tokenizer.ggml.add_space_prefix": _prepends_space(tj)}
+            **_space_prefix(_prepends_space(tj))}
+
+
+def _space_prefix(add: bool) -> dict:
+    """tokenizer.ggml.add_space_prefix, written only when false: llama.cpp's converter leaves it out of a
+    SentencePiece vocabulary and its readers (and ggraph's) take true then."""
+    return {} if add else {"tokenizer.ggml.add_space_prefix": False}
 
 
 def _piece_type(text: str | None, special: bool | None, unk: str | None) -> int:
