@@ -67,7 +67,8 @@ def llama_cpp_file(family: str, outtype: str) -> Path:
     src, folder = llama_tools.llama_cpp_source(), hf_models.hf_folder(family)
     out = hf_models.converted(family).parent / f"llama-cpp-{os.getpid()}" / f"{family}-{outtype}.gguf"
     out.parent.mkdir(exist_ok=True)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(src / "gguf-py"), os.environ.get("PYTHONPATH")])))
+    path = os.pathsep.join(filter(None, [str(src / "gguf-py"), os.environ.get("PYTHONPATH")]))
+    env = dict(os.environ, PYTHONPATH=path)
     cmd = [sys.executable, str(src / "convert_hf_to_gguf.py"), str(folder), "--outfile", str(out), "--outtype", outtype]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0 and out.is_file(), proc.stderr[-3000:]

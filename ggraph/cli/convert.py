@@ -8,10 +8,11 @@ from ggraph.cli.common import add_force_arg, check_output
 
 def cmd_convert(args) -> int:
     """Convert a Hugging Face model folder to a GGUF file that llama.cpp and ggraph both run, as
-    llama.cpp's convert_hf_to_gguf.py does: llama, qwen2, phi3, gemma2 and gemma3 (text) models,
-    their safetensors weights (one file or shards), the tokenizer (tokenizer.json or
-    tokenizer.model) and the chat template. Matrices take --outtype; norms and other 1-D tensors
-    stay f32."""
+    llama.cpp's convert_hf_to_gguf.py does: llama, qwen2, phi3, gemma2, gemma3 (text), qwen3 and
+    olmo2 models, and the mixtures of experts qwen3moe, olmoe, qwen2moe and Mixtral (as llama with
+    experts); their safetensors weights (one file or shards), the tokenizer (tokenizer.json or
+    tokenizer.model) and the chat template. Matrices take --outtype; norms, routers and other 1-D
+    tensors stay f32."""
     from ggraph.convert import convert
     from ggraph.units import fmt_bytes
     check_output(args.out, args.force, "output")

@@ -1,29 +1,43 @@
-"""The five families ``ggraph convert`` reads: each one's config.json as GGUF ``<arch>.*`` keys, and
-its Hugging Face tensors as GGUF tensors, following llama.cpp's ``convert_hf_to_gguf.py``.
+"""The families ``ggraph convert`` reads: each one's config.json as GGUF ``<arch>.*`` keys, and its
+Hugging Face tensors as GGUF tensors, following llama.cpp's ``convert_hf_to_gguf.py``. Dense: llama,
+qwen2, phi3, gemma2, gemma3, qwen3, olmo2; with experts: qwen3moe, olmoe, qwen2moe, and Mixtral
+(``MixtralForCausalLM``), which becomes ``llama`` with ``llama.expert_count``.
 
 Tensor names (the decoder blocks are ``model.layers.N.*`` -> ``blk.N.*``)::
 
     model.embed_tokens          token_embd         self_attn.q_proj/k_proj/v_proj/o_proj  attn_q/k/v/output
     model.norm                  output_norm        self_attn.qkv_proj (phi3)              attn_qkv
-    lm_head                     output             self_attn.q_norm/k_norm (gemma3)       attn_q_norm/k_norm
+    lm_head                     output             self_attn.q_norm/k_norm (gemma3, qwen3, olmo) attn_q/k_norm
     input_layernorm             attn_norm          mlp.gate_proj/up_proj/down_proj        ffn_gate/up/down
     post_attention_layernorm    ffn_norm           mlp.gate_up_proj (phi3)                ffn_up
-      (gemma: post_attention_norm)                 pre_/post_feedforward_layernorm (gemma) ffn_norm/post_ffw_norm
+      (gemma, olmo2: post_attention_norm)          pre_/post_feedforward_layernorm        ffn_norm/post_ffw_norm
+    mlp.gate (Mixtral: block_sparse_moe.gate)      ffn_gate_inp           (the router, [E, D])
+    mlp.experts.X.gate_proj/up_proj/down_proj      ffn_gate/up/down_exps  (Mixtral: block_sparse_moe.experts.X.w1/w3/w2)
+    mlp.shared_expert.gate_proj/up_proj/down_proj  ffn_gate/up/down_shexp (qwen2moe)
+    mlp.shared_expert_gate                         ffn_gate_inp_shexp     (qwen2moe, [1, D])
 
 What changes on the way:
 
-- llama: Hugging Face rotates the two halves of each head (``rotate_half``), llama.cpp's llama
-  rotates adjacent pairs, so the rows of q and k are permuted per head from
+- llama (and Mixtral): Hugging Face rotates the two halves of each head (``rotate_half``), llama.cpp's
+  llama rotates adjacent pairs, so the rows of q and k are permuted per head from
   [x0..x(d/2-1), y0..] to [x0, y0, x1, y1, ...] (``permute``). Llama 3's ``rope_type: llama3``
   becomes the ``rope_freqs`` tensor of per-pair frequency divisors;
 - gemma2/gemma3: their RMSNorm multiplies by ``1 + w``, so every norm weight gets +1; gemma2's
   output is always the embedding (``lm_head`` is never written); attention and final logit
   softcaps, the sliding window and which layers slide (``layer_types``) become keys;
 - phi3: q/k/v and gate/up are already fused in both formats; LongRoPE's ``long_factor`` and
-  ``short_factor`` become ``rope_factors_long/short`` and its attention factor a key.
+  ``short_factor`` become ``rope_factors_long/short`` and its attention factor a key;
+- olmo2: no norm before attention or the FFN, norms after both; olmo2 and olmoe norm q and k over
+  the whole projection (all heads), qwen3 and qwen3moe per head;
+- experts: each layer's E expert matrices are stacked into one [E, rows, cols] tensor per projection
+  (``Piece``: where each checkpoint tensor goes); transformers 5's fused ``mlp.experts.gate_up_proj``
+  [E, 2F, D] splits into gate (first F rows) and up. Keys: expert_count, expert_used_count, and
+  qwen2moe/qwen3moe's expert_feed_forward_length (``moe_intermediate_size``), qwen2moe's
+  expert_shared_feed_forward_length.
 
 Anything the GGUF file cannot say (a q·k scale that llama.cpp would not use, a sliding window
-on qwen2 layers, biases the decoder has no place for) is an error naming the config key.
+on qwen2 or Mixtral layers, biases the decoder has no place for, dense layers among the experts'
+ones, a top-k renormalisation other than llama.cpp's) is an error naming the config key.
 """
 from __future__ import annotations
 
@@ -381,7 +395,7 @@ class Family:
     writes_lm_head: bool = True           # gemma2: never, the output is the embedding
     qkv_bias: bool = False                # qwen2, qwen2moe
     fused: bool = False                   # phi3: attn_qkv and a gate|up ffn_up
-    qk_norm: str | None = None            # "head": one norm of head_dim (gemma3, qwen3); "full": over q and k whole (olmo)
+    qk_norm: str | None = None            # "head": a norm of head_dim (gemma3, qwen3); "full": q, k whole (olmo)
     pre_norms: bool = True                # olmo2: no norm before attention and the FFN
     post_norms: bool = False              # gemma2, gemma3, olmo2
     experts: str | None = None            # the MoE block's HF name ("mlp"; Mixtral's "block_sparse_moe"); None: dense
@@ -466,7 +480,8 @@ class Family:
                 shapes |= {b + "attn_q.bias": (nq,), b + "attn_k.bias": (nkv,), b + "attn_v.bias": (nkv,)}
             if self.qk_norm:
                 full = self.qk_norm == "full"
-                shapes |= {b + "attn_q_norm.weight": (nq if full else dh,), b + "attn_k_norm.weight": (nkv if full else dh,)}
+                shapes |= {b + "attn_q_norm.weight": (nq if full else dh,),
+                           b + "attn_k_norm.weight": (nkv if full else dh,)}
             shapes[b + "attn_output.weight"] = (d, nq)
             if self.post_norms:
                 shapes[b + "post_attention_norm.weight"] = (d,)
@@ -478,7 +493,7 @@ class Family:
         return shapes
 
     def _ffn(self, cfg: HFConfig, b: str) -> dict[str, tuple[int, ...]]:
-        """One layer's FFN tensors: gate, up (phi3: gate|up) and down, or a router, expert stacks and a shared expert."""
+        """One layer's FFN: gate, up (phi3: gate|up) and down, or a router, expert stacks and a shared expert."""
         d, ff = cfg.n_embd, cfg.n_ff
         if not self.experts:
             if self.fused:
