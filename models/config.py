@@ -63,6 +63,8 @@ class ModelConfig:
     n_expert_used: int = 0              # the top k experts each token's router picks
     n_ff_exp: int = 0                   # each expert's FFN width
     expert_weights_norm: bool = False   # the chosen experts' router weights renormalised to sum to 1
+    n_ff_shexp: int = 0                 # a shared expert of this width beside the routed ones (0: none),
+    #                                     scaled per token by sigmoid(h · ffn_gate_inp_shexp) (qwen2moe)
     extra: Mapping = dataclasses.field(default_factory=dict, compare=False, hash=False)
     #                                     flags of an architecture with its own forward that are not fields here
 
@@ -224,6 +226,10 @@ def _check_flags(cfg: ModelConfig) -> None:
     if cfg.n_expert and not (0 < cfg.n_expert_used <= cfg.n_expert and cfg.n_ff_exp > 0):
         raise ValueError(f"{cfg.arch}: expert_used_count = {cfg.n_expert_used} must be 1..expert_count = "
                          f"{cfg.n_expert}, and expert_feed_forward_length = {cfg.n_ff_exp} at least 1")
+    if isinstance(cfg.n_ff_shexp, bool) or not isinstance(cfg.n_ff_shexp, int) or cfg.n_ff_shexp < 0 \
+            or (cfg.n_ff_shexp and not cfg.n_expert):
+        raise ValueError(f"{cfg.arch}: expert_shared_feed_forward_length = {cfg.n_ff_shexp!r} must be a whole number "
+                         f"of at least 0, and a shared expert needs routed ones (expert_count = {cfg.n_expert})")
     if cfg.qk_norm not in (False, True, "head", "full"):
         raise ValueError(f"{cfg.arch}: qk_norm {cfg.qk_norm!r} must be False, \"head\" (or True) or \"full\"")
 

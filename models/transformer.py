@@ -141,7 +141,8 @@ def ffn(cfg: ModelConfig, blk: Layer, x):
     F = cfg.n_ff
     h = ops.rms_norm(x, blk["ffn_norm.weight"], eps=cfg.norm_eps) if cfg.pre_norms else x   # (T, D)
     if cfg.n_expert:
-        return moe_ffn(cfg, blk, h)
+        y = moe_ffn(cfg, blk, h)
+        return y + shared_expert(cfg, blk, h) if cfg.n_ff_shexp else y
     if cfg.fused_gate_up:
         gu = ops.linear(h, blk["ffn_up.weight"])                                   # (T, 2F)
         g, u = gu[:, :F], gu[:, F:]
@@ -168,3 +169,12 @@ def moe_ffn(cfg: ModelConfig, blk: Layer, h):
     y = ops.expert_linear(a, blk["ffn_down_exps.weight"], chosen.reshape(T * k, 1))   # (T*k, 1, D), [E, D, F]
     y = y.reshape(T, k, D) * weight.reshape(T, k, 1)
     return ops.reduce_sum(ops.transpose(y, (0, 2, 1))).reshape(T, D)              # the k experts summed
+
+
+def shared_expert(cfg: ModelConfig, blk: Layer, h):
+    """qwen2moe's shared expert: a SwiGLU FFN every token takes, scaled by a sigmoid gate of its own,
+    as llama.cpp computes it (the sigmoid as silu(z) / z)."""
+    g, u = ops.linear(h, blk["ffn_gate_shexp.weight"]), ops.linear(h, blk["ffn_up_shexp.weight"])   # (T, Fs)
+    y = ops.linear(ops.swiglu(g, u), blk["ffn_down_shexp.weight"])                # (T, D)
+    z = ops.linear(h, blk["ffn_gate_inp_shexp.weight"].reshape(1, cfg.n_embd))    # (T, 1): the gate [D] (or [1, D])
+    return y * (ops.silu(z) / z)

@@ -62,7 +62,7 @@ def check(cfg: ModelConfig, tensors: Mapping, metadata: Mapping, shared_decoder:
             if name not in tensors:
                 raise ValueError(f"tensor {name} is missing ({why} says the {a} decoder needs {_fmt(want)})")
             got = tuple(tensors[name].shape)
-            if got != want:
+            if got != want and not (name.endswith(ONE_ROW_OK) and got == (1, *want)):
                 raise ValueError(f"tensor {name} is {_fmt(got)}, but {why} say {_fmt(want)}")
             dt = tensors[name].dtype
             if not (dt.np_dtype is None or dt.is_float):
@@ -73,6 +73,8 @@ def check(cfg: ModelConfig, tensors: Mapping, metadata: Mapping, shared_decoder:
 
 
 ROPE_FACTOR_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
+# [N] tensors a file may hold as one row [1, N] (ne [N, 1]), which llama.cpp reads alike (qwen2moe's shared gate)
+ONE_ROW_OK = ("ffn_gate_inp_shexp.weight",)
 MAX_TOKEN_TYPE = 6             # llama.cpp's llama_token_type: 0 undefined .. 6 byte
 
 
@@ -135,11 +137,18 @@ def expected_shapes(cfg: ModelConfig, names: set) -> dict[str, tuple[tuple, str]
         if cfg.n_expert:
             E, Fe = cfg.n_expert, cfg.n_ff_exp
             e = f"{a}.expert_count = {E}"
-            fe = f"{a}.expert_feed_forward_length = {Fe}"
+            fe = f"{a}.{'expert_' if Fe != F else ''}feed_forward_length = {Fe}"     # llama, olmoe: n_ff wide
             out[b + "ffn_gate_inp.weight"] = ((E, D), f"{e} by {d}")
             out[b + "ffn_gate_exps.weight"] = ((E, Fe, D), f"{e}, {fe} by {d}")
             out[b + "ffn_up_exps.weight"] = ((E, Fe, D), f"{e}, {fe} by {d}")
             out[b + "ffn_down_exps.weight"] = ((E, D, Fe), f"{e}, {d} by {fe}")
+            if cfg.n_ff_shexp:
+                Fs = cfg.n_ff_shexp
+                fs = f"{a}.expert_shared_feed_forward_length = {Fs}"
+                out[b + "ffn_gate_inp_shexp.weight"] = ((D,), d)
+                out[b + "ffn_gate_shexp.weight"] = ((Fs, D), f"{fs} by {d}")
+                out[b + "ffn_up_shexp.weight"] = ((Fs, D), f"{fs} by {d}")
+                out[b + "ffn_down_shexp.weight"] = ((D, Fs), f"{d} by {fs}")
         elif cfg.fused_gate_up:
             out[b + "ffn_up.weight"] = ((2 * F, D), f"2 × {ff} (gate and up) by {d}")
         else:

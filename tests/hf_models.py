@@ -2,6 +2,7 @@
 
     path = hf_models.converted("qwen3", "q4_k_m")     # a GGUF file, made once per arguments
     want = hf_models.hf_logits("qwen3", ids)          # transformers' f32 logits of the same weights
+    f32 = hf_models.dequantised("qwen3", "q4_k_m")    # that file's weights dequantised, as an f32 file
 
 Each model is made with ``transformers`` (a fixed seed, norm weights moved off 1 so that they
 count), saved as a Hugging Face folder with a tokenizer, converted to an f32 GGUF by
@@ -12,9 +13,9 @@ Q4_K_M by llama.cpp's ``llama_model_quantize``. Everything lands in
 it borrows from test_convert.py and the versions of every package that decides the bytes.
 
 Tokenizers: llama.cpp's converter names a BPE pre-tokenizer by the hash of a real vocabulary's
-output, so a BPE trained here is refused. qwen3 takes the converter's SentencePiece path
-(test_convert's 400-piece model); olmo2 and qwen3moe have no such path and get GPT-2's real BPE,
-rebuilt from tests/data/vocab/ggml-vocab-gpt-2.gguf, which the converter recognises as "gpt-2".
+output, so a BPE trained here is refused. qwen3 and mixtral take the converter's SentencePiece path
+(test_convert's 400-piece model); olmo2, olmoe, qwen3moe and qwen2moe have no such path and get GPT-2's
+real BPE, rebuilt from tests/data/vocab/ggml-vocab-gpt-2.gguf, which the converter recognises as "gpt-2".
 """
 from __future__ import annotations
 
@@ -61,6 +62,27 @@ FAMILIES = {
                       pad_token_id=50256, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=128,
                       norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
                       rope_parameters=dict(rope_type="default", rope_theta=20000.0)), "gpt-2", 50304),
+    # OLMoE-1B-7B's layout, shrunk: OLMo's whole-projection q/k norms with pre-norms, as many kv heads as heads
+    # (llama.cpp's olmoe has no GQA), 8 experts (64 in the real model) of width 256 (whole k-quant blocks), top-2,
+    # weights not renormalised; untied
+    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM",
+              dict(num_key_value_heads=4, intermediate_size=256, bos_token_id=None, eos_token_id=50256,
+                   pad_token_id=50256, num_experts=8, num_experts_per_tok=2, norm_topk_prob=False, rms_norm_eps=1e-5,
+                   rope_parameters=dict(rope_type="default", rope_theta=10000.0)), "gpt-2", 50304),
+    # Qwen1.5-MoE-A2.7B's layout, shrunk: qkv biases, 8 experts of width 128, top-2, weights not renormalised,
+    # and a shared expert of width 256 under its sigmoid gate; untied
+    "qwen2moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM",
+                 dict(tie_word_embeddings=False, bos_token_id=None, eos_token_id=50256, pad_token_id=50256,
+                      num_experts=8, num_experts_per_tok=2, moe_intermediate_size=128,
+                      shared_expert_intermediate_size=256, norm_topk_prob=False, decoder_sparse_step=1,
+                      mlp_only_layers=[], use_sliding_window=False,
+                      rope_parameters=dict(rope_type="default", rope_theta=20000.0)), "gpt-2", 50304),
+    # Mixtral-8x7B's layout, shrunk: llama with 8 experts of width 256, top-2, weights renormalised; llama.cpp
+    # converts it to arch "llama" with llama.expert_count; SentencePiece as Mixtral's
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM",
+                dict(intermediate_size=256, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+                     pad_token_id=0, num_local_experts=8, num_experts_per_tok=2, sliding_window=None,
+                     rope_parameters=dict(rope_type="default", rope_theta=1000000.0)), "spm", 416),
 }
 
 
@@ -82,6 +104,24 @@ def hf_logits(family: str, ids, **overrides) -> np.ndarray:
     model = _hf_model(hf_folder(family, **overrides))
     with torch.no_grad():
         return model(torch.tensor([list(map(int, ids))])).logits[0].float().numpy()
+
+
+def dequantised(family: str, mix: str, **overrides) -> Path:
+    """An f32 copy of ``family``'s ``mix`` file with every tensor dequantised and nothing else changed: the
+    same weights for llama.cpp to run with f32 activations, as ggraph's numpy reference runs them (llama.cpp
+    rounds a quantised matmul's activations to 8 bits)."""
+    import gguf_edit
+    from ggraph.gguf import GGUFFile, quants
+    src = converted(family, mix, **overrides)
+    out = src.with_name(f"{src.stem}-dequantised.gguf")
+    if not out.exists():
+        with GGUFFile(str(src)) as f:
+            weights = {n: np.asarray(quants.dequantize(t.data, t.dtype, t.shape), np.float32).reshape(t.shape)
+                       for n, t in f.tensors.items() if t.dtype.name != "f32"}
+        tmp = out.with_name(f".{out.name}.{os.getpid()}")
+        gguf_edit.edited(src, tmp, keys={"general.file_type": 0}, tensors=weights)     # LLAMA_FTYPE_ALL_F32
+        tmp.rename(out)                       # atomic: another process may write the same bytes
+    return out
 
 
 @lru_cache(maxsize=4)

@@ -1,4 +1,5 @@
-"""qwen3 and olmo2 against llama.cpp and transformers, on models llama.cpp converted itself.
+"""The families of hf_models (qwen3, olmo2 and the mixtures of experts) against llama.cpp and transformers,
+on models llama.cpp converted itself.
 
 Tiny random models are made with transformers and converted by llama.cpp's convert_hf_to_gguf.py,
 then quantised q8_0 and Q4_K_M by llama.cpp (hf_models.py, cached across runs). On each file, on
@@ -8,7 +9,20 @@ token, with the dense families' tolerances (test_models.py, test_llvm_models.py)
 on quantised files, > 0.99999 on f32 files; Q4_K_M on every feature set this host runs. On the f32
 files transformers agrees with both (cosine >= 0.9999) and greedy text equals llama.cpp's; a batch
 of sequences gives each what it gets alone; ``ggraph run`` generates from every file.
+
+Files with experts, on the numpy backend: llama.cpp rounds a quantised matmul's activations to 8 bits
+and the numpy reference does not, which moves hidden states by a little and, where a router's k-th and
+(k+1)-th experts nearly tie, picks another expert: a jump in the logits, not a drift (on Q4_K_M, up to
+8 positions of 24 at cosine 0.90-0.99 against llama.cpp). llama.cpp does the same to itself: its logits
+on a quantised file differ from its logits on an f32 copy of the same weights dequantised
+(hf_models.dequantised) at exactly those positions, by the same cosines, while the numpy backend equals
+that f32 run at every position (cosine >= 0.9999998; measured 2026-12-07 on qwen3moe, olmoe, qwen2moe and
+mixtral, q8_0 and Q4_K_M), and the llvm backend, whose activations are rounded as ggml's, equals llama.cpp
+on the quantised file at every position (>= 0.9999998). So the numpy backend on a quantised file with
+experts is compared with llama.cpp on its dequantised copy, under the f32 bar.
 """
+from functools import lru_cache
+
 import numpy as np
 import pytest
 
@@ -19,10 +33,8 @@ from ggraph.runtime.session import Session
 from test_models import EXACT, agreement
 
 FAMILIES = list(hf_models.FAMILIES)
-# positions allowed to miss the bars below, per (family, mix): on qwen3moe's Q4_K_M, at IDS[21], llama.cpp
-# differs from transformers run on that file's own dequantised weights while ggraph does not (the
-# measurements are in tests/test_moe_families.py's docstring)
-MISSES = {("qwen3moe", "q4_k_m"): 1}
+# positions allowed to miss the bars below, per (family, mix), each with its measured reason
+MISSES = {}
 MIXES = list(hf_models.MIXES)
 BACKENDS = ["numpy", "llvm"]
 IDS = [int(t) for t in np.random.default_rng(0).integers(3, 400, 24)]     # ids both vocabularies hold
@@ -32,6 +44,21 @@ pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
 def session(path, backend, ctx=64):
     return Session(path, backend=backend, threads=2, ctx=ctx, **EXACT)
+
+
+@lru_cache(maxsize=None)
+def has_experts(path) -> bool:
+    from ggraph.models import load
+    return load(path).config.n_expert > 0
+
+
+def reference(family, mix, backend):
+    """(the file llama.cpp runs, the mix whose bar applies): the file itself, but for the numpy backend on
+    a quantised file with experts its dequantised f32 copy (the module docstring says why)."""
+    path = hf_models.converted(family, mix)
+    if backend == "numpy" and mix != "f32" and has_experts(path):
+        return hf_models.dequantised(family, mix), "f32"
+    return path, mix
 
 
 def assert_agrees(got, want, mix, backend, what, misses=0):
@@ -54,7 +81,8 @@ def test_prefill_logits_match_llama_cpp(family, mix, backend):
     path = hf_models.converted(family, mix)
     got = session(path, backend).logits(IDS)
     assert got.shape == (len(IDS), hf_models.FAMILIES[family][4]) and got.dtype == np.float32
-    assert_agrees(got, oracle.llama_logits(path, IDS, n_ctx=64), mix, backend, f"{family} {mix} {backend}",
+    ref, bar = reference(family, mix, backend)
+    assert_agrees(got, oracle.llama_logits(ref, IDS, n_ctx=64), bar, backend, f"{family} {mix} {backend}",
                   MISSES.get((family, mix), 0))
 
 
@@ -67,8 +95,9 @@ def test_token_by_token_logits_match_llama_cpp(family, mix, backend):
     path = hf_models.converted(family, mix)
     s = session(path, backend)
     got = np.concatenate([s.step([t], last_only=False) for t in IDS])
-    want = oracle.llama_logits_stepwise(path, IDS, n_ctx=64)
-    assert_agrees(got, want, mix, backend, f"{family} {mix} {backend} decode", MISSES.get((family, mix), 0))
+    ref, bar = reference(family, mix, backend)
+    want = oracle.llama_logits_stepwise(ref, IDS, n_ctx=64)
+    assert_agrees(got, want, bar, backend, f"{family} {mix} {backend} decode", MISSES.get((family, mix), 0))
 
 
 @pytest.mark.slow
