@@ -196,7 +196,7 @@ def moe_config(family: str, **changes) -> dict:
 def write_checkpoint(folder: Path, config: dict, drop: str | None = None, edit=None) -> Path:
     """config.json and random weights of every tensor it implies, named as transformers saves them (one
     matrix per expert); ``drop`` leaves one out, ``edit(name, array)`` changes one."""
-    from safetensors.numpy import save_file
+    save_file = pytest.importorskip("safetensors.numpy").save_file
     folder.mkdir(exist_ok=True)
     (folder / "config.json").write_text(json.dumps(config))
     cfg = HFConfig(config, folder / "config.json")
