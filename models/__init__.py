@@ -1,8 +1,8 @@
 """Model architectures: a config read from GGUF metadata, and one shared traced decoder.
 
 Architectures are registered by name (``register_architecture``, see ``registry.py``); the
-shipped ones are llama (Mixtral's experts too), qwen2, phi3, gemma2, gemma3, qwen3, qwen3moe, qwen2moe, olmo2
-and olmoe, and plugins add more.
+shipped ones are llama (Mixtral's experts too), qwen2, phi3, gemma2, gemma3, qwen3, qwen3moe, qwen2moe, olmo2,
+olmoe and gpt-oss, and plugins add more.
 
     model = ggraph.models.load("model.gguf")
     graph = model.graph(ctx=4096)            # prefill/decode step: tokens, P, KV caches -> logits
@@ -14,7 +14,8 @@ from pathlib import Path
 from ggraph.ir.dtypes import Aval, dim, f32, i32, param
 from ggraph.ir.graph import Graph
 # the shipped architectures register themselves, in this order
-from ggraph.models import llama, qwen2, phi3, gemma2, gemma3, qwen3, qwen3moe, olmo2, olmoe, qwen2moe  # noqa: F401,I001
+from ggraph.models import (llama, qwen2, phi3, gemma2, gemma3, qwen3, qwen3moe, olmo2, olmoe, qwen2moe,  # noqa: F401,I001
+                           gpt_oss)
 from ggraph.models.registry import ARCHITECTURES, Architecture, architecture, register_architecture
 
 __all__ = ["ARCHITECTURES", "Architecture", "Model", "architecture", "load", "register_architecture"]

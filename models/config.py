@@ -44,12 +44,16 @@ class ModelConfig:
     rope_scale_local: float | None = None
     rope_freq_factors: str | None = None   # tensors dividing rope frequencies: "rope_freqs" (llama 3.1+),
     #                                        "rope_factors" (phi3's _long/_short, by context length)
-    act: str = "silu"                   # gated FFN activation: silu or gelu_tanh
+    act: str = "silu"                   # gated FFN activation: silu, gelu_tanh, or swiglu_oai (gpt-oss's
+    #                                     clamped SwiGLU, ggml_swiglu_oai with alpha 1.702 and limit 7)
     fused_qkv: bool = False             # one attn_qkv weight (phi3)
     fused_gate_up: bool = False         # ffn_up holds gate then up (phi3)
     qkv_bias: bool = False              # q/k/v biases (qwen2)
+    attn_output_bias: bool = False      # attn_output.bias (gpt-oss)
+    attn_sinks: bool = False            # attn_sinks [H]: a learned logit per head in every softmax's denominator
     pre_norms: bool = True              # RMS norms before attention and the FFN (OLMo 2 has none)
     post_norms: bool = False            # post-attention and post-FFN norms (gemma, olmo2)
+    ffn_norm: str = "ffn_norm"          # the FFN's pre-norm tensor (gpt-oss: post_attention_norm)
     qk_norm: bool | str = False         # RMS norm of q and k: "head" (or True) per head (gemma3, qwen3),
     #                                     "full" over all heads' q and k at once (olmo2)
     embed_scale: float | None = None    # multiply embeddings by this (gemma: sqrt(n_embd))
@@ -65,6 +69,9 @@ class ModelConfig:
     expert_weights_norm: bool = False   # the chosen experts' router weights renormalised to sum to 1
     n_ff_shexp: int = 0                 # a shared expert of this width beside the routed ones (0: none),
     #                                     scaled per token by sigmoid(h · ffn_gate_inp_shexp) (qwen2moe)
+    expert_gating: str = "softmax"      # router: "softmax" of all logits, then their top k; "softmax_weight":
+    #                                     the top k logits, then softmax over those (gpt-oss)
+    expert_bias: bool = False           # biases of the router and of each expert's gate, up and down (gpt-oss)
     extra: Mapping = dataclasses.field(default_factory=dict, compare=False, hash=False)
     #                                     flags of an architecture with its own forward that are not fields here
 
@@ -221,8 +228,13 @@ def _check_flags(cfg: ModelConfig) -> None:
         raise ValueError(f"{cfg.arch}: {len(cfg.swa_layers)} sliding-window flags for {cfg.n_layer} layers")
     if cfg.rope_style not in ("neox", "interleaved"):
         raise ValueError(f"{cfg.arch}: rope_style {cfg.rope_style!r} must be neox or interleaved")
-    if cfg.act not in ("silu", "gelu_tanh"):
-        raise ValueError(f"{cfg.arch}: act {cfg.act!r} must be silu or gelu_tanh")
+    if cfg.act not in ("silu", "gelu_tanh", "swiglu_oai"):
+        raise ValueError(f"{cfg.arch}: act {cfg.act!r} must be silu, gelu_tanh or swiglu_oai")
+    if cfg.expert_gating not in ("softmax", "softmax_weight"):
+        raise ValueError(f"{cfg.arch}: expert_gating {cfg.expert_gating!r} must be softmax or softmax_weight")
+    if cfg.post_norms and cfg.ffn_norm == "post_attention_norm":
+        raise ValueError(f"{cfg.arch}: ffn_norm post_attention_norm is the post-attention norm's tensor "
+                         f"when post_norms is set")
     if cfg.n_expert and not (0 < cfg.n_expert_used <= cfg.n_expert and cfg.n_ff_exp > 0):
         raise ValueError(f"{cfg.arch}: expert_used_count = {cfg.n_expert_used} must be 1..expert_count = "
                          f"{cfg.n_expert}, and expert_feed_forward_length = {cfg.n_ff_exp} at least 1")

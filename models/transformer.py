@@ -6,6 +6,8 @@ tokens in the cache, D = n_embd, H/Hkv heads, Dh head dim, F = n_ff, V = n_vocab
 """
 from __future__ import annotations
 
+import numpy as np
+
 from ggraph import ops
 from ggraph.ir.dims import Sym
 from ggraph.ir.fused import rope_attention_slots
@@ -139,7 +141,7 @@ def attention(cfg: ModelConfig, blk: Layer, i: int, x, pos, P, k_cache, v_cache,
 
 def ffn(cfg: ModelConfig, blk: Layer, x):
     F = cfg.n_ff
-    h = ops.rms_norm(x, blk["ffn_norm.weight"], eps=cfg.norm_eps) if cfg.pre_norms else x   # (T, D)
+    h = ops.rms_norm(x, blk[cfg.ffn_norm + ".weight"], eps=cfg.norm_eps) if cfg.pre_norms else x   # (T, D)
     if cfg.n_expert:
         y = moe_ffn(cfg, blk, h)
         return y + shared_expert(cfg, blk, h) if cfg.n_ff_shexp else y
@@ -148,27 +150,59 @@ def ffn(cfg: ModelConfig, blk: Layer, x):
         g, u = gu[:, :F], gu[:, F:]
     else:
         g, u = ops.linear(h, blk["ffn_gate.weight"]), ops.linear(h, blk["ffn_up.weight"])   # (T, F)
-    a = ops.swiglu(g, u) if cfg.act == "silu" else ops.gelu_tanh(g, f16_table=True) * u   # ggml's GELU
-    o = ops.linear(a, blk["ffn_down.weight"])                                      # (T, D)
+    o = ops.linear(glu(cfg, g, u), blk["ffn_down.weight"])                        # (T, D)
     if cfg.post_norms:
         o = ops.rms_norm(o, blk["post_ffw_norm.weight"], eps=cfg.norm_eps)
     return o
 
 
 def moe_ffn(cfg: ModelConfig, blk: Layer, h):
-    """A mixture of SwiGLU experts, as llama.cpp's build_moe_ffn with softmax gating: each token's router
-    probabilities pick its top k experts, whose outputs are summed weighted by those probabilities."""
+    """A mixture of gated experts, as llama.cpp's build_moe_ffn: each token's router probabilities pick its
+    top k experts, whose outputs are summed weighted by those probabilities (``expert_gating``: a softmax
+    over all experts, or over the top k logits only)."""
     T, D, k, F = h.shape[0], cfg.n_embd, cfg.n_expert_used, cfg.n_ff_exp
-    probs = ops.softmax(ops.linear(h, blk["ffn_gate_inp.weight"]))                # (T, E), router [E, D]
-    weight, chosen = ops.top_k(probs, k)                                          # (T, k), i32 (T, k)
+    logits = ops.linear(h, blk["ffn_gate_inp.weight"], blk.get("ffn_gate_inp.bias"))   # (T, E), router [E, D]
+    if cfg.expert_gating == "softmax_weight":                                     # gpt-oss: the top k logits,
+        weight, chosen = ops.top_k(logits, k)                                     # then softmax over those
+        weight = ops.softmax(weight)                                              # (T, k), i32 (T, k)
+    else:
+        weight, chosen = ops.top_k(ops.softmax(logits), k)                        # (T, k), i32 (T, k)
     if cfg.expert_weights_norm:                                                   # ggml clamps the sum at f16's
         weight = weight / ops.maximum(ops.reduce_sum(weight), 6.103515625e-5)     # smallest normal
-    g = ops.expert_linear(h, blk["ffn_gate_exps.weight"], chosen)                 # (T, k, F), experts [E, F, D]
-    u = ops.expert_linear(h, blk["ffn_up_exps.weight"], chosen)                   # (T, k, F)
-    a = ops.swiglu(g, u).reshape(T * k, F)                                        # one row per (token, expert)
-    y = ops.expert_linear(a, blk["ffn_down_exps.weight"], chosen.reshape(T * k, 1))   # (T*k, 1, D), [E, D, F]
-    y = y.reshape(T, k, D) * weight.reshape(T, k, 1)
+    g = expert_bias(blk, "ffn_gate_exps", chosen, ops.expert_linear(h, blk["ffn_gate_exps.weight"], chosen))
+    u = expert_bias(blk, "ffn_up_exps", chosen, ops.expert_linear(h, blk["ffn_up_exps.weight"], chosen))
+    a = glu(cfg, g, u).reshape(T * k, F)                                          # (T, k, F) -> a row per
+    y = ops.expert_linear(a, blk["ffn_down_exps.weight"], chosen.reshape(T * k, 1))   # (token, expert); [E, D, F]
+    y = expert_bias(blk, "ffn_down_exps", chosen, y.reshape(T, k, D)) * weight.reshape(T, k, 1)
     return ops.reduce_sum(ops.transpose(y, (0, 2, 1))).reshape(T, D)              # the k experts summed
+
+
+def expert_bias(blk: Layer, name: str, chosen, y):
+    """y (T, k, N) plus each chosen expert's bias row, where the file has ``<name>.bias`` [E, N] (gpt-oss)."""
+    b = blk.get(name + ".bias")
+    return y if b is None else y + ops.take(b, chosen)                            # (T, k, N)
+
+
+def glu(cfg: ModelConfig, g, u):
+    """The gated FFN activation of gate g and up u: silu(g)·u, ggml's GELU(g)·u, or gpt-oss's clamped SwiGLU."""
+    if cfg.act == "swiglu_oai":
+        return swiglu_oai(g, u, alpha=1.702, limit=7.0)
+    return ops.swiglu(g, u) if cfg.act == "silu" else ops.gelu_tanh(g, f16_table=True) * u   # ggml's GELU
+
+
+def _np_swiglu_oai(g, u, *, alpha, limit):
+    x, y = np.minimum(g, np.float32(limit)), np.clip(u, np.float32(-limit), np.float32(limit))
+    with np.errstate(over="ignore"):                                              # exp(-alpha x) = inf: 0
+        return (x / (np.exp(np.float32(alpha) * -x) + np.float32(1)) * (y + np.float32(1))).astype(np.float32)
+
+
+@ops.composite("swiglu_oai", _np_swiglu_oai)
+def swiglu_oai(g, u, *, alpha, limit):
+    """gpt-oss's clamped SwiGLU as ggml_swiglu_oai computes it: x·σ(alpha·x)·(y + 1) with x = min(g, limit)
+    and y = clamp(u, -limit, limit)."""
+    x = -ops.maximum(-g, -limit)                                                  # min(g, limit)
+    y = -ops.maximum(-ops.maximum(u, -limit), -limit)                             # clamp(u, -limit, limit)
+    return x / (ops.exp(-x * alpha) + 1.0) * (y + 1.0)
 
 
 def shared_expert(cfg: ModelConfig, blk: Layer, h):

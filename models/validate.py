@@ -129,8 +129,12 @@ def expected_shapes(cfg: ModelConfig, names: set) -> dict[str, tuple[tuple, str]
             out[b + "attn_q_norm.weight"] = ((Dh,), f"{a}.attention.key_length = {Dh}")
             out[b + "attn_k_norm.weight"] = ((Dh,), f"{a}.attention.key_length = {Dh}")
         out[b + "attn_output.weight"] = ((D, H * Dv), f"{d} by {a}.attention.head_count × value_length = {H} × {Dv}")
+        if cfg.attn_output_bias:
+            out[b + "attn_output.bias"] = ((D,), d)
+        if cfg.attn_sinks:
+            out[b + "attn_sinks.weight"] = ((H,), f"{a}.attention.head_count = {H}")
         if cfg.pre_norms:
-            out[b + "ffn_norm.weight"] = ((D,), d)
+            out[b + cfg.ffn_norm + ".weight"] = ((D,), d)
         if cfg.post_norms:
             out[b + "post_attention_norm.weight"] = ((D,), d)
             out[b + "post_ffw_norm.weight"] = ((D,), d)
@@ -142,6 +146,11 @@ def expected_shapes(cfg: ModelConfig, names: set) -> dict[str, tuple[tuple, str]
             out[b + "ffn_gate_exps.weight"] = ((E, Fe, D), f"{e}, {fe} by {d}")
             out[b + "ffn_up_exps.weight"] = ((E, Fe, D), f"{e}, {fe} by {d}")
             out[b + "ffn_down_exps.weight"] = ((E, D, Fe), f"{e}, {d} by {fe}")
+            if cfg.expert_bias:
+                out[b + "ffn_gate_inp.bias"] = ((E,), e)
+                out[b + "ffn_gate_exps.bias"] = ((E, Fe), f"{e} by {fe}")
+                out[b + "ffn_up_exps.bias"] = ((E, Fe), f"{e} by {fe}")
+                out[b + "ffn_down_exps.bias"] = ((E, D), f"{e} by {d}")
             if cfg.n_ff_shexp:
                 Fs = cfg.n_ff_shexp
                 fs = f"{a}.expert_shared_feed_forward_length = {Fs}"

@@ -14,8 +14,8 @@ it borrows from test_convert.py and the versions of every package that decides t
 
 Tokenizers: llama.cpp's converter names a BPE pre-tokenizer by the hash of a real vocabulary's
 output, so a BPE trained here is refused. qwen3 and mixtral take the converter's SentencePiece path
-(test_convert's 400-piece model); olmo2, olmoe, qwen3moe and qwen2moe have no such path and get GPT-2's
-real BPE, rebuilt from tests/data/vocab/ggml-vocab-gpt-2.gguf, which the converter recognises as "gpt-2".
+(test_convert's 400-piece model); olmo2, olmoe, qwen3moe, qwen2moe and gpt-oss have no such path and get
+GPT-2's real BPE, rebuilt from tests/data/vocab/ggml-vocab-gpt-2.gguf, which the converter recognises as "gpt-2".
 """
 from __future__ import annotations
 
@@ -83,7 +83,19 @@ FAMILIES = {
                 dict(intermediate_size=256, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
                      pad_token_id=0, num_local_experts=8, num_experts_per_tok=2, sliding_window=None,
                      rope_parameters=dict(rope_type="default", rope_theta=1000000.0)), "spm", 416),
+    # gpt-oss-20b's layout, shrunk: attention with biases and sinks, sliding (even) and full (odd) layers with a
+    # window of 8 (so that it bites within the tests' 24 tokens), YaRN rope as gpt-oss's (factor 32 over 4096),
+    # 8 experts of width 256 with biases, top-2 of the router logits, the clamped SwiGLU; untied
+    "gpt-oss": ("GptOssConfig", "GptOssForCausalLM",
+                dict(head_dim=64, intermediate_size=256, num_local_experts=8, num_experts_per_tok=2, sliding_window=8,
+                     max_position_embeddings=131072, tie_word_embeddings=False, bos_token_id=None,
+                     eos_token_id=50256, pad_token_id=50256,
+                     rope_parameters=dict(rope_type="yarn", rope_theta=150000.0, factor=32.0, beta_fast=32.0,
+                                          beta_slow=1.0, truncate=False, original_max_position_embeddings=4096)),
+                "gpt-2", 50304),
 }
+# parameters transformers initialises to zero, moved off it for the families whose tests need them to count
+OFF_ZERO = {"gpt-oss": ("bias", "sinks")}
 
 
 def converted(family: str, mix: str = "f32", **overrides) -> Path:
@@ -175,6 +187,8 @@ def build_hf_model(folder: Path, family: str, **overrides) -> None:
         for name, p in model.named_parameters():
             if "norm" in name:                # off their initial 1s, so that a missed norm shows
                 p.add_(torch.randn_like(p) * 0.3)
+            elif any(part in name for part in OFF_ZERO.get(family, ())):
+                p.add_(torch.randn_like(p))
     folder.mkdir(parents=True)
     model.save_pretrained(folder)
     if tokenizer == "spm":
