@@ -143,7 +143,10 @@ def test_a_batch_of_sequences_gives_each_what_it_gets_alone(family):
     got, want = run_both(path, "llvm")
     np.testing.assert_array_equal(got, want)
     got, want = run_both(path, "llvm", single=Session)
-    assert agreement(got, want)[0] > 0.9999
+    # a Session's prefill takes the grouped (gemm) kernels and a batch the per-token ones: 2.5e-7 apart per
+    # matmul on AVX2, which the next matmul's 8-bit rounding of its input can make 1/127 of an element, and a
+    # router amplifies (measured on an AVX2 host at Q4_K_M: 0.99981-0.99984 for qwen3moe, olmoe and mixtral)
+    assert agreement(got, want)[0] > (0.999 if has_experts(path) else 0.9999)
 
 
 @pytest.mark.slow
