@@ -21,6 +21,8 @@ experts mxfp4 blocks and every other matrix q8_0.
 The output keeps the input's metadata in order, with ``general.quantization_version`` and
 ``general.file_type`` moved to the end (llama.cpp sets them by removing and appending), the split
 keys dropped, and llama-quantize's ``quantize.imatrix.*`` keys appended when an imatrix was used.
+Tensor infos keep the dims ggml counts (``ggml_n_dims``): a [1, N] tensor (qwen2moe's shared-expert
+gate) is written as [N], as llama-quantize writes it.
 """
 from __future__ import annotations
 
@@ -461,7 +463,8 @@ def quantize_file(src, dst, ftype, *, imatrix: Mapping[str, np.ndarray] | None =
         todo = plan(f, ft, has_imatrix=bool(imatrix), pure=pure, leave_output=leave_output,
                     output_type=output_type, token_embedding_type=token_embedding_type)
         with Progress(f.nbytes, f"quantize {ft.name}", unit="B") as bar, ThreadPoolExecutor(workers) as pool:
-            tensors = {name: Deferred(t, f.tensors[name].shape,
+            # shapes as ggml's writer stores them: [1, N] as [N] (llama.cpp writes ggml_n_dims dims)
+            tensors = {name: Deferred(t, ggml_dims(f.tensors[name].shape),
                                       _converter(f, name, t, ft, imatrix, allow_requantize, bar, pool, workers))
                        for name, t in todo.types.items()}
             write(dst, _metadata(f, ft, imatrix_meta or {}), tensors)

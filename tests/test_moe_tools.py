@@ -31,8 +31,8 @@ from test_perplexity import CALIBRATION, CALIBRATION_PATH
 def write_qwen2moe(path, *, n_layer=8, n_embd=256, n_head=4, n_head_kv=1, n_expert=8, n_ff_exp=128,
                    n_ff_shexp=256, n_vocab=96, seed=0):
     """An f16 qwen2moe file, random weights: per layer attention with biases, a router, stacked experts
-    [E, F, D] / [E, D, F] and a shared expert with its 1-D gate. llama_model_quantize reads only its
-    hyper-parameters and tensor names, so no tokenizer is needed."""
+    [E, F, D] / [E, D, F] and a shared expert with its [1, D] gate (which llama-quantize writes as [D]).
+    llama_model_quantize reads only its hyper-parameters and tensor names, so no tokenizer is needed."""
     rng = np.random.default_rng(seed)
 
     def w(*shape):
@@ -52,7 +52,7 @@ def write_qwen2moe(path, *, n_layer=8, n_embd=256, n_head=4, n_head_kv=1, n_expe
             b + "ffn_gate_inp.weight": w(n_expert, D).astype(np.float32),
             b + "ffn_gate_exps.weight": w(n_expert, n_ff_exp, D), b + "ffn_up_exps.weight": w(n_expert, n_ff_exp, D),
             b + "ffn_down_exps.weight": w(n_expert, D, n_ff_exp),
-            b + "ffn_gate_inp_shexp.weight": w(D).astype(np.float32),
+            b + "ffn_gate_inp_shexp.weight": w(1, D).astype(np.float32),     # [1, D], as llama.cpp converts it
             b + "ffn_gate_shexp.weight": w(n_ff_shexp, D), b + "ffn_up_shexp.weight": w(n_ff_shexp, D),
             b + "ffn_down_shexp.weight": w(D, n_ff_shexp),
         })
@@ -359,6 +359,32 @@ def test_qwen3moe_imatrix_matches_llama_imatrix(ggraph_imatrix, llama_imatrices)
     assert max(diffs.values()) < 1e-5, {n: f"{d:.1e}" for n, d in diffs.items()}
 
 
+# quantised files: (tokens routed elsewhere than llama.cpp routes them, worst and median relative difference).
+# Both tools round the activations to 8 bits, in other orders; measured: Q4_K_M routes every token alike,
+# worst 2.5e-3 (blk.1.ffn_down_exps), median 1.5e-4; q8_0 sends one token of blk.1 to expert 1 where
+# llama.cpp picks expert 4 (a near tie of their router probabilities), which moves those experts' vectors:
+# worst 1.5e-2, median 1.5e-4. The dense demo model's bounds (test_imatrix) are 1e-2 and 2e-3.
+QUANTISED_IMATRIX = {"q4_k_m": (0, 1e-2, 2e-3), "q8_0": (1, 2e-2, 2e-3)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mix", QUANTISED_IMATRIX)
+def test_quantised_qwen3moe_imatrix_close_to_llama_imatrix(mix, tmp_path):
+    from test_imatrix import llama_imatrix
+    path = hf_models.converted("qwen3moe", mix)
+    llama_imatrix(path, tmp_path / "l.gguf", IMX_CTX, IMX_CHUNKS)
+    mine, _ = imatrix.collect(path, CALIBRATION, n_ctx=IMX_CTX, n_chunks=IMX_CHUNKS, threads=2,
+                              dataset=str(CALIBRATION_PATH), ppl=False)
+    theirs = imatrix.read(tmp_path / "l.gguf")
+    assert sorted(mine.sums) == sorted(theirs.sums) and mine.chunk_count == theirs.chunk_count
+    moved, worst, median = QUANTISED_IMATRIX[mix]
+    for name, c in mine.counts.items():
+        assert c.sum() == theirs.counts[name].sum() and np.abs(c - theirs.counts[name]).sum() <= 2 * moved, name
+    diffs = relative_differences(mine.vectors(), theirs.vectors())
+    assert max(diffs.values()) < worst and float(np.median(list(diffs.values()))) < median, \
+        {n: f"{d:.1e}" for n, d in diffs.items()}
+
+
 @pytest.mark.slow
 def test_llama_imatrix_dat_and_gguf_give_the_same_expert_vectors(llama_imatrices):
     from_gguf, from_dat = imatrix.load(llama_imatrices[0]), imatrix.load(llama_imatrices[1])
@@ -378,13 +404,19 @@ def test_quantize_with_ggraphs_moe_imatrix_equals_llama_quantize(qwen3moe, ggrap
     run = run_tool("llama-quantize", "--imatrix", "imatrix.gguf", qwen3moe, "ref.gguf", ftype, 2)
     n = len(imatrix.read(ggraph_imatrix).sums)
     assert f"loaded {n} importance matrix entries" in run.stdout
-    assert "did not find weights" not in run.stdout + run.stderr
+    assert "did not find weights for blk." not in run.stdout + run.stderr      # (token_embd is no matmul)
     assert main(["quantize", "--imatrix", "imatrix.gguf", str(qwen3moe), "ours.gguf", ftype]) == 0
     files_equal(tmp_path / "ref.gguf", tmp_path / "ours.gguf")
 
 
+# measured (-c 128, 4 chunks, f16 caches): f32 1.4e-6 apart, q8_0 7.7e-4, Q4_K_M 2.0e-3. The quantised files'
+# activations are rounded to 8 bits in both tools, in other orders, which moves the random model's
+# near-uniform predictions (PPL ~1.6e5) a little; the bound there is the dense demo test's 0.5%
+PPL_BOUND = {"f32": 1e-5, "q8_0": 5e-3, "q4_k_m": 5e-3}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("mix", ["f32", "q4_k_m"])
+@pytest.mark.parametrize("mix", PPL_BOUND)
 def test_qwen3moe_perplexity_matches_llama_perplexity(mix):
     from ggraph.perplexity import perplexity
     from llama_tools import llama_tool
@@ -396,9 +428,6 @@ def test_qwen3moe_perplexity_matches_llama_perplexity(mix):
     theirs = float(re.search(r"Final estimate: PPL = ([\d.]+)", run.stdout + run.stderr)[1])
     mine = perplexity(path, CALIBRATION, n_ctx=128, n_chunks=4, threads=2, out=io.StringIO())
     assert abs(mine.ppl / theirs - 1) < PPL_BOUND[mix], f"ggraph {mine.ppl:.4f} vs llama.cpp {theirs:.4f}"
-
-
-PPL_BOUND = {"f32": 1e-4, "q4_k_m": 5e-3}
 
 
 # -- bench, dump, diff, split -------------------------------------------------------------------
@@ -438,7 +467,7 @@ def test_split_and_merge_round_trip_expert_tensors(tmp_path):
         want = {n: bytes(t.data) for n, t in f.tensors.items()}
     assert any(n.endswith("_exps.weight") for n in want)
     for how, ours, theirs in ((["--max-tensors", "10"], "ours-n", ["--split-max-tensors", "10"]),
-                              (["--max-size", "5M"], "ours-s", ["--split-max-size", "5M"])):
+                              (["--max-size", "11M"], "ours-s", ["--split-max-size", "11M"])):
         assert main(["split", str(path), str(tmp_path / ours), *how]) == 0
         run_tool("llama-gguf-split", "--split", *theirs, path, tmp_path / f"llama-{ours}")
         mine = sorted(tmp_path.glob(f"{ours}-*.gguf"))
