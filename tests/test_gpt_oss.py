@@ -3,7 +3,8 @@
 Its flags from metadata, its clamped SwiGLU against ggml's kernel transcribed, its attention as one fused
 rope_attention kernel with the sinks in it, its experts as qmatmul_experts kernels, and a file whose
 experts are MXFP4 blocks (llama.cpp's MXFP4_MOE mix of the tiny converted model, as real gpt-oss files
-store them) against llama.cpp, prefill and decode, on both backends.
+store them) against llama.cpp, prefill and decode, on both backends; ggraph's own quantiser writes that
+file byte for byte.
 """
 from types import SimpleNamespace
 
@@ -166,3 +167,15 @@ def test_mxfp4_experts_match_llama_cpp(mxfp4_files, backend):
     if backend == "llvm":
         graph = str(s.program(False).graph)
         assert graph.count("qmatmul_experts") == 6 and "dequant" not in graph, graph
+
+
+@pytest.mark.slow
+def test_ggraph_quantize_writes_llama_quantizes_mxfp4_moe_file(mxfp4_files, tmp_path):
+    """MXFP4_MOE by ggraph's own quantiser: the same types and bytes, tensor by tensor, as llama-quantize's."""
+    from ggraph.gguf import GGUFFile
+    from ggraph.quantize import quantize_file
+    quantize_file(hf_models.converted("gpt-oss", "f32"), tmp_path / "ggraph.gguf", "MXFP4_MOE", threads=2)
+    with GGUFFile(str(tmp_path / "ggraph.gguf")) as got, GGUFFile(str(mxfp4_files[0])) as want:
+        assert list(got.tensors) == list(want.tensors)
+        for name, t in want.tensors.items():
+            assert (got.tensors[name].dtype.name, bytes(got.tensors[name].data)) == (t.dtype.name, bytes(t.data)), name
