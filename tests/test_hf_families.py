@@ -145,8 +145,9 @@ def test_a_batch_of_sequences_gives_each_what_it_gets_alone(family):
     got, want = run_both(path, "llvm", single=Session)
     # a Session's prefill takes the grouped (gemm) kernels and a batch the per-token ones: 2.5e-7 apart per
     # matmul on AVX2, which the next matmul's 8-bit rounding of its input can make 1/127 of an element, and a
-    # router amplifies (measured on an AVX2 host at Q4_K_M: 0.99981-0.99984 for qwen3moe, olmoe and mixtral)
-    assert agreement(got, want)[0] > (0.999 if has_experts(path) else 0.9999)
+    # router amplifies (measured on an AVX2 host at Q4_K_M: 0.99981-0.99984 for qwen3moe, olmoe and mixtral,
+    # 0.99973 for gpt-oss, and 0.99981 for the dense olmo2; above 0.9999 where gemm and gemv sum alike)
+    assert agreement(got, want)[0] > 0.999
 
 
 @pytest.mark.slow
