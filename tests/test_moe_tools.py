@@ -214,6 +214,17 @@ def test_qwen3moe_files_equal_llama_quantize(qwen3moe, ftype, with_imatrix, tmp_
     files_equal(tmp_path / "ref.gguf", tmp_path / "ours.gguf")
 
 
+@pytest.mark.slow
+def test_requantized_experts_equal_llama_quantize(tmp_path, monkeypatch):
+    """llama.cpp's Q4_K_M qwen3moe (stacked q4_k and q5_0 experts) dequantised and quantised again to Q5_K_M."""
+    from llama_tools import run_tool
+    monkeypatch.chdir(tmp_path)
+    src = hf_models.converted("qwen3moe", "q4_k_m")
+    run_tool("llama-quantize", "--allow-requantize", src, "ref.gguf", "Q5_K_M", 2)
+    assert main(["quantize", "--allow-requantize", str(src), "ours.gguf", "Q5_K_M"]) == 0
+    files_equal(tmp_path / "ref.gguf", tmp_path / "ours.gguf")
+
+
 def test_expert_imatrix_of_the_wrong_size_is_refused(small_moe, tmp_path, capsys):
     bad = tmp_path / "bad.gguf"
     write(bad, {"general.type": "imatrix", "imatrix.datasets": Typed(["x"], "str"),
