@@ -49,30 +49,36 @@ IDS = [int(t) for t in np.random.default_rng(0).integers(3, 400, 24)]     # ids 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
 
-@lru_cache(maxsize=None)
-def ggraph_file(family: str, outtype: str = "f32") -> Path:
-    """``ggraph convert`` of hf_models' folder of ``family``, through the command line, made once per run."""
-    out = hf_models.converted(family).parent / f"ggraph-{os.getpid()}" / f"{family}-{outtype}.gguf"
-    out.parent.mkdir(exist_ok=True)
-    assert main(["convert", str(hf_models.hf_folder(family)), str(out), "--outtype", outtype, "--force"]) == 0
+def ggraph_convert(family: str, outtype: str, out: Path) -> Path:
+    """``ggraph convert`` of hf_models' folder of ``family``, through the command line."""
+    assert main(["convert", str(hf_models.hf_folder(family)), str(out), "--outtype", outtype]) == 0
     return out
 
 
-@lru_cache(maxsize=None)
-def llama_cpp_file(family: str, outtype: str) -> Path:
+def llama_cpp_convert(family: str, outtype: str, out: Path) -> Path:
     """llama.cpp's converter run on the same folder with ``--outtype`` (hf_models keeps only its f32)."""
     if outtype == "f32":
         return hf_models.converted(family, "f32")
     import llama_tools
     src, folder = llama_tools.llama_cpp_source(), hf_models.hf_folder(family)
-    out = hf_models.converted(family).parent / f"llama-cpp-{os.getpid()}" / f"{family}-{outtype}.gguf"
-    out.parent.mkdir(exist_ok=True)
     path = os.pathsep.join(filter(None, [str(src / "gguf-py"), os.environ.get("PYTHONPATH")]))
     env = dict(os.environ, PYTHONPATH=path)
     cmd = [sys.executable, str(src / "convert_hf_to_gguf.py"), str(folder), "--outfile", str(out), "--outtype", outtype]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0 and out.is_file(), proc.stderr[-3000:]
     return out
+
+
+@pytest.fixture(scope="module")
+def made(tmp_path_factory):
+    """``made(tool, family, outtype)``: the file ``ggraph`` or ``llama.cpp`` converts, each made once per module."""
+    root = tmp_path_factory.mktemp("families")
+
+    @lru_cache(maxsize=None)
+    def made(tool: str, family: str, outtype: str = "f32") -> Path:
+        how = ggraph_convert if tool == "ggraph" else llama_cpp_convert
+        return how(family, outtype, root / f"{tool}-{family}-{outtype}.gguf")
+    return made
 
 
 def tensors(path: Path) -> dict[str, tuple]:
@@ -98,25 +104,25 @@ def assert_same_tensors(got: Path, want: Path) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("family", NEW)
-def test_every_tensor_equals_llama_cpps(family):
+def test_every_tensor_equals_llama_cpps(made, family):
     """f32: names, shapes, types and bytes, expert stacks and routers included."""
-    assert_same_tensors(ggraph_file(family), llama_cpp_file(family, "f32"))
+    assert_same_tensors(made("ggraph", family), made("llama.cpp", family, "f32"))
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("outtype", ["f16", "bf16", "q8_0"])
 @pytest.mark.parametrize("family", MOE)
-def test_every_tensor_equals_llama_cpps_in_each_outtype(family, outtype):
+def test_every_tensor_equals_llama_cpps_in_each_outtype(made, family, outtype):
     """The routers stay f32, the expert stacks take the type, as llama.cpp's converter chooses."""
-    assert_same_tensors(ggraph_file(family, outtype), llama_cpp_file(family, outtype))
+    assert_same_tensors(made("ggraph", family, outtype), made("llama.cpp", family, outtype))
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("family", NEW)
-def test_every_key_equals_llama_cpps(family):
+def test_every_key_equals_llama_cpps(made, family):
     """Every key llama.cpp writes (the architecture's, the experts', the tokenizer's, general.file_type), the
     naming keys aside; ggraph writes no other."""
-    got, want = metadata(ggraph_file(family)), metadata(llama_cpp_file(family, "f32"))
+    got, want = metadata(made("ggraph", family)), metadata(made("llama.cpp", family, "f32"))
     assert sorted(set(got) - NAMING) == sorted(set(want) - NAMING), (set(got) ^ set(want)) - NAMING
     for key in sorted(set(want) - NAMING):
         assert got[key] == want[key], (key, got[key] if not isinstance(got[key], list) else len(got[key]),
@@ -125,11 +131,11 @@ def test_every_key_equals_llama_cpps(family):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("family", NEW)
-def test_logits_on_ggraphs_file_equal_llama_cpps_on_its_own(family):
+def test_logits_on_ggraphs_file_equal_llama_cpps_on_its_own(made, family):
     """ggraph runs its converted file as llama.cpp runs the file llama.cpp converted (f32 bars of test_hf_families)."""
-    want = oracle.llama_logits(llama_cpp_file(family, "f32"), IDS, n_ctx=64)
+    want = oracle.llama_logits(made("llama.cpp", family, "f32"), IDS, n_ctx=64)
     for backend in ("numpy", "llvm"):
-        got = Session(ggraph_file(family), backend=backend, threads=2, ctx=64, **EXACT).logits(IDS)
+        got = Session(made("ggraph", family), backend=backend, threads=2, ctx=64, **EXACT).logits(IDS)
         cos = (got * want).sum(1) / np.linalg.norm(got, axis=1) / np.linalg.norm(want, axis=1)
         assert cos.min() > 0.99999 and (got.argmax(1) == want.argmax(1)).mean() >= 0.9, (family, backend, cos.min())
 
@@ -165,14 +171,14 @@ def test_fused_experts_convert_to_the_same_bytes(family, tmp_path):
 
 
 @pytest.mark.slow
-def test_what_the_decoder_reads():
+def test_what_the_decoder_reads(made):
     """The flags ggraph's models take from the converted files: experts, widths, the shared expert."""
     from ggraph.models import load
     for family, want in [("qwen3moe", (8, 2, 128, 0)), ("olmoe", (8, 2, 256, 0)), ("qwen2moe", (8, 2, 128, 256)),
                          ("mixtral", (8, 2, 256, 0))]:
-        cfg = load(ggraph_file(family)).config
+        cfg = load(made("ggraph", family)).config
         assert (cfg.n_expert, cfg.n_expert_used, cfg.n_ff_exp, cfg.n_ff_shexp) == want, family
-    assert load(ggraph_file("mixtral")).config.arch == "llama"
+    assert load(made("ggraph", "mixtral")).config.arch == "llama"
 
 
 # ---------------------------------------------------------------- bad input
