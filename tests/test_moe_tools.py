@@ -1,9 +1,14 @@
 """The weight tools on mixture-of-experts files: quantize, imatrix, perplexity, bench, dump/diff, split/merge.
 
 Each is checked against llama.cpp on the tiny qwen3moe model that llama.cpp's own converter made
-(``hf_models``: 2 layers, 8 experts of width 128, top-2), and the quantiser's expert rules also on
-small hand-written qwen2moe files (8 layers, shared experts beside stacked ones, 4 or 8 experts),
-where llama.cpp reads the FFN's layer from each tensor's name rather than counting tensors.
+(``hf_models``: 2 layers, 8 experts of width 128, top-2); quantize and imatrix also on every other MoE
+family of ``hf_models`` (qwen2moe, olmoe, mixtral, gpt-oss), and the quantiser's expert rules on small
+hand-written qwen2moe files (8 layers, shared experts beside stacked ones, 4 or 8 experts), where
+llama.cpp reads the FFN's layer from each tensor's name rather than counting tensors.
+
+Bit for bit: every file type's per-tensor types, whole quantised files (with and without a per-expert
+imatrix, requantised too), split files. To a tolerance: imatrix values (float accumulation on f32 files;
+8-bit activation rounding on quantised ones) and perplexity, with the measured numbers beside each bound.
 """
 from __future__ import annotations
 
@@ -111,9 +116,15 @@ def test_mix_rules_match_llama_cpp_on_small_moe(small_moe, model, tmp_path):
     plans_agree(small_moe[model], tmp_path)
 
 
+# hf_models' families whose FFN is a mixture of experts (shared experts in qwen2moe, expert biases and MXFP4-ready
+# experts in gpt-oss): each tool is checked on every one of them
+MOE_FAMILIES = [f for f in ("qwen3moe", "qwen2moe", "olmoe", "mixtral", "gpt-oss") if f in hf_models.FAMILIES]
+
+
 @pytest.mark.slow
-def test_mix_rules_match_llama_cpp_on_qwen3moe(qwen3moe, tmp_path):
-    plans_agree(qwen3moe, tmp_path)
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_mix_rules_match_llama_cpp_on_every_moe_family(family, tmp_path):
+    plans_agree(hf_models.converted(family, "f32"), tmp_path)
 
 
 def test_expert_rules_read_the_layer_from_the_name(small_moe):
@@ -222,6 +233,22 @@ def test_requantized_experts_equal_llama_quantize(tmp_path, monkeypatch):
     src = hf_models.converted("qwen3moe", "q4_k_m")
     run_tool("llama-quantize", "--allow-requantize", src, "ref.gguf", "Q5_K_M", 2)
     assert main(["quantize", "--allow-requantize", str(src), "ours.gguf", "Q5_K_M"]) == 0
+    files_equal(tmp_path / "ref.gguf", tmp_path / "ours.gguf")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ftype, with_imatrix", [("Q4_K_M", True), ("MXFP4_MOE", False)])
+@pytest.mark.parametrize("family", [f for f in MOE_FAMILIES if f != "qwen3moe"])
+def test_moe_family_files_equal_llama_quantize(family, ftype, with_imatrix, tmp_path, monkeypatch):
+    from llama_tools import run_tool
+    monkeypatch.chdir(tmp_path)
+    src = hf_models.converted(family, "f32")
+    args = []
+    if with_imatrix:
+        moe_imatrix_file(tmp_path / "imatrix.gguf", src, seed=2)
+        args = ["--imatrix", "imatrix.gguf"]
+    run_tool("llama-quantize", *args, src, "ref.gguf", ftype, 2)
+    assert main(["quantize", *args, str(src), "ours.gguf", ftype]) == 0
     files_equal(tmp_path / "ref.gguf", tmp_path / "ours.gguf")
 
 
@@ -368,6 +395,24 @@ def test_qwen3moe_imatrix_matches_llama_imatrix(ggraph_imatrix, llama_imatrices)
     assert {n: c.tolist() for n, c in mine.counts.items()} == {n: c.tolist() for n, c in theirs.counts.items()}
     diffs = relative_differences(mine.vectors(), theirs.vectors())
     assert max(diffs.values()) < 1e-5, {n: f"{d:.1e}" for n, d in diffs.items()}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", [f for f in MOE_FAMILIES if f != "qwen3moe"])
+def test_moe_family_imatrix_matches_llama_imatrix(family, tmp_path):
+    """Every MoE family's f32 file: the same entries (shared experts and their gates too) and counts; values
+    to float accumulation (measured worst: qwen2moe 1.6e-5, mixtral 9.5e-6, olmoe 4.2e-6, gpt-oss 3.8e-6,
+    each a blk.1.ffn_down_exps: llama.cpp sums every chunk's squares in f32)."""
+    from test_imatrix import llama_imatrix
+    path = hf_models.converted(family, "f32")
+    llama_imatrix(path, tmp_path / "l.gguf", IMX_CTX, IMX_CHUNKS)
+    mine, _ = imatrix.collect(path, CALIBRATION, n_ctx=IMX_CTX, n_chunks=IMX_CHUNKS, threads=2,
+                              dataset=str(CALIBRATION_PATH), ppl=False)
+    theirs = imatrix.read(tmp_path / "l.gguf")
+    assert sorted(mine.sums) == sorted(theirs.sums) and mine.chunk_count == theirs.chunk_count
+    assert {n: c.tolist() for n, c in mine.counts.items()} == {n: c.tolist() for n, c in theirs.counts.items()}
+    diffs = relative_differences(mine.vectors(), theirs.vectors())
+    assert max(diffs.values()) < 5e-5, {n: f"{d:.1e}" for n, d in diffs.items()}
 
 
 # quantised files: (tokens routed elsewhere than llama.cpp routes them, worst and median relative difference).
