@@ -139,8 +139,7 @@ def _expert_squares(emit: _Emitter, x: Var, w: Var, ids: Var) -> tuple[Var, Var]
 
 @graph_pass("instrument_imatrix", explain=True)
 def instrument_imatrix(graph: Graph) -> Graph:
-    """Each weight matmul also outputs Σ_rows x² per input column and its row count (for an imatrix); an
-    expert matmul, per expert over the rows routed to it."""
+    """Each weight matmul also outputs Σ_rows x² per input column and its rows (per expert for experts): imatrix."""
     producers = graph.producers()
     rw = Rewriter(graph)
     squares: dict[Var, Var] = {}                        # activation -> its Σ x² per column, made once
