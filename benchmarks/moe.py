@@ -3,7 +3,8 @@
 
     python benchmarks/moe.py --write /tmp/qwen3moe-bench.gguf     # 16 layers, width 1024, 64 experts of 512, top 8
     python benchmarks/moe.py /tmp/qwen3moe-bench.gguf --threads 1,2 --rounds 3 \\
-        --llama-bench PATH/llama-bench --ik-bench PATH/llama-bench       # each optional
+        --llama-bench PATH/llama-bench --ik-bench PATH/llama-bench \\
+        --ik-bench "PATH/llama-bench -rtr 1"                         # each optional; options after a binary
     python benchmarks/moe.py /tmp/qwen3moe-bench.gguf --profile         # where a decode step's time goes
 
 The file is random weights (N(0, 1/fan_in); the router's rows too, so routing spreads over the experts
@@ -101,9 +102,11 @@ def write(path: Path, s: dict, seed: int = 0) -> Path:
 
 
 def llama_bench(exe: str, path: Path, pp: int, tg: int, threads: int) -> tuple[float, float]:
-    """(prefill, decode) tok/s of one llama-bench repetition of ``-p pp -n tg``."""
+    """(prefill, decode) tok/s of one llama-bench repetition of ``-p pp -n tg``; ``exe`` may carry the
+    engine's own options after it ("PATH -rtr 1")."""
+    exe, *extra = exe.split()
     out = subprocess.run([exe, "-m", str(path), "-p", str(pp), "-n", str(tg), "-t", str(threads), "-r", "1",
-                          "-o", "json"], capture_output=True, text=True, check=True)
+                          "-o", "json", *extra], capture_output=True, text=True, check=True)
     rows = json.loads(out.stdout)
     pp_s = next(r["avg_ts"] for r in rows if r["n_prompt"] == pp and r["n_gen"] == 0)
     tg_s = next(r["avg_ts"] for r in rows if r["n_gen"] == tg and r["n_prompt"] == 0)
@@ -162,8 +165,9 @@ def main(argv=None) -> int:
     p.add_argument("--pp", type=int, default=512)
     p.add_argument("--tg", type=int, default=128)
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--llama-bench", help="llama.cpp's llama-bench binary")
-    p.add_argument("--ik-bench", help="ik_llama.cpp's llama-bench binary")
+    p.add_argument("--llama-bench", help="llama.cpp's llama-bench binary (and options of its own, in one string)")
+    p.add_argument("--ik-bench", action="append", default=[],
+                   help="ik_llama.cpp's llama-bench binary (and options of its own, in one string); repeatable")
     p.add_argument("--profile", action="store_true", help="profile a decode step's experts instead")
     args = p.parse_args(argv)
     sys.path.insert(0, str(ROOT / "tests"))
@@ -181,7 +185,10 @@ def main(argv=None) -> int:
         for t in threads:
             print(profile(args.model, t))
         return 0
-    engines = {name: exe for name, exe in (("llama.cpp", args.llama_bench), ("ik_llama.cpp", args.ik_bench)) if exe}
+    engines = {"llama.cpp": args.llama_bench} if args.llama_bench else {}
+    for exe in args.ik_bench:
+        extra = " ".join(exe.split()[1:])
+        engines[f"ik_llama.cpp {extra}".strip()] = exe
     print(f"| threads | engine | prefill {args.pp} tok/s | decode {args.tg} tok/s | ggraph's ratio (pp / tg) |")
     print("|---|---|---|---|---|")
     for t in threads:
