@@ -1,17 +1,18 @@
 """Grouped steps of the expert-indexed matmul: the step's (token, expert) pairs sorted by expert, each
 expert's tokens packed together in the activation layout its gemm reads, then that gemm per expert.
 
-    qmatmul_experts_pack_<fmt>_k<K>_e<E>_j<k>_l<L>_<target>(xq: ptr [T rows], ids: ptr i32 [T, k],
-                              order: ptr i32 [T*k], xg: ptr, y: ptr f32 [T, k, N], status: ptr i64 [2], T, ith, nth)
+    qmatmul_experts_pack_<fmt>_k<K>_n<N>_e<E>_j<k>_l<L>_g<from>_<target>(xq: ptr [T rows], ids: ptr i32 [T, k],
+        order: ptr i32 [T*k], xg: ptr, y: ptr f32 [T, k, N], status: ptr i64 [2], T, ith, nth)
 
 Every thread counts the pairs per expert itself (T·k ids, read-only), so the sort needs no barrier of its
 own: expert e's pairs are positions offsets[e] .. offsets[e+1] of the sort (stable: in token order), and
 its packed tokens start at group gstart[e] of ``xg`` (groups of L tokens, each expert's last one padded
 with zeros; L = 1 is act_quant's row layout, L = GROUP its gemm's interleaved groups). ``pack`` copies
 each pair's quantised row (``xq``, quantised once per token, one row per token) into its place and writes
-``order`` (position -> pair); the matmul kernel (experts.py) then runs each expert's rows x its tokens
-through the gemm into ``ys`` (in sorted order) and copies each row back to y[t, j] (``scatter``). A pair
-whose id is outside [0, E) is left out of the sort; ``pack`` zeroes its row of y and reports it.
+``order`` (position -> pair); the matmul kernel (experts.py) then runs the rows x tokens of each expert with
+enough tokens through the gemm into ``ys`` (in sorted order) and copies each row back to y[t, j]
+(``scatter``), and each token of an expert with fewer through the decode row dot, into y[t, j] directly. A
+pair whose id is outside [0, E) is left out of the sort; ``pack`` zeroes its row of y and reports it.
 """
 from __future__ import annotations
 

@@ -14,9 +14,10 @@ float weights (f32, f16, bf16) it is f32 [T, K]. Which arithmetic runs is the pl
   zeroed and {1, id} goes to ``status``, which the run turns into an error.
 - From there (block weights; prefill), the pack kernel before it (by_expert.py) has sorted the pairs by
   expert and packed each expert's tokens into ``xg`` (``order``: sorted position -> pair); units are
-  (expert, chunk of rows), taken in turn through ``counter`` since experts get unequal numbers of tokens,
-  each running the prefill gemm (gemm, rows gemm or the scalar twin) on its expert's rows x tokens into
-  ``ys`` and copying the rows to y[t, j]. Each chosen expert's blocks are read once a step.
+  (expert, chunk of rows), taken in turn through ``counter`` since experts get unequal numbers of tokens.
+  A unit of an expert with ``gemm_from`` tokens or more runs the prefill gemm (gemm, rows gemm or the scalar
+  twin) on its rows x tokens into ``ys`` and copies the rows to y[t, j]; with fewer, each token the decode
+  row dot. Each chosen expert's blocks are read once a step (from cache after its first token).
 
 Float experts and rows_only programs (a batch, every token computed as if alone) keep the per-token units at
 every T (``order``, ``xg``, ``ys`` and ``counter`` unused).
