@@ -28,7 +28,7 @@ import numpy as np
 
 from ggraph.ir import dtypes
 from ggraph.ir.dtypes import Aval
-from ggraph.ir.graph import Graph, Literal, Var, evaluate
+from ggraph.ir.graph import Graph, Literal, Var, evaluate, inlined
 from ggraph.ir.primitive import ShapeError, get_primitive
 
 ARGS = {"score_mod": ("score", "b", "h", "q_idx", "kv_idx"), "mask_mod": ("b", "h", "q_idx", "kv_idx")}
@@ -108,19 +108,8 @@ def trace_mod(kind: str, fn) -> Mod:
 
 def _flat(graph: Graph) -> Graph:
     """The graph with composite bodies inlined, so that every eqn is a primitive."""
-    eqns, subst = [], {}
-
-    def walk(g: Graph, env: dict):
-        for e in g.eqns:
-            ins = tuple(env.get(a, a) if isinstance(a, Var) else a for a in e.inputs)
-            if e.body is None:
-                eqns.append(e.replace(inputs=ins))
-                continue
-            inner = dict(zip(e.body.invars, ins))
-            walk(e.body, inner)
-            for o, v in zip(e.outputs, e.body.outvars):
-                env[o] = inner.get(v, v) if isinstance(v, Var) else v
-    walk(graph, subst)
+    subst: dict = {}
+    eqns = inlined(graph, subst)
     outs = [subst.get(o, o) if isinstance(o, Var) else o for o in graph.outvars]
     return Graph(graph.invars, (), eqns, outs)
 

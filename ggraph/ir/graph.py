@@ -206,6 +206,22 @@ class Graph:
         return f"<Graph {self.name or ''} {len(self.invars)} in, {len(self.params)} params, {len(self.eqns)} eqns>"
 
 
+def inlined(graph: Graph, subst: dict) -> list:
+    """The graph's eqns with nested composites' bodies inlined; ``subst`` gains, for each composite output,
+    the inner atom that stands for it."""
+    out = []
+    for e in graph.eqns:
+        ins = tuple(subst.get(a, a) if isinstance(a, Var) else a for a in e.inputs)
+        if e.body is not None:
+            inner = dict(zip(e.body.invars, ins))
+            out += inlined(e.body, inner)
+            for o, v in zip(e.outputs, e.body.outvars):
+                subst[o] = inner.get(v, v) if isinstance(v, Var) else v
+        else:
+            out.append(e.replace(inputs=ins))
+    return out
+
+
 def evaluate(graph: Graph, args: Sequence, apply) -> list:
     """Run ``graph`` on values for its invars (then params): the one eqn loop every interpreter shares.
 

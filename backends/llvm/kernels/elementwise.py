@@ -40,7 +40,7 @@ from llvmlite import ir
 from ggraph.ir import dtypes
 from ggraph.ir.dims import Sym
 from ggraph.ir.dtypes import Aval
-from ggraph.ir.graph import Graph, Literal, Var
+from ggraph.ir.graph import Graph, Literal, Var, inlined
 from ggraph.ir.prims import broadcast_shapes
 from ggraph.backends.llvm.kernels import vmath
 from ggraph.backends.llvm.kernels.builder import Kernel, f32, f64, i8, i16, i32, mangle, vec
@@ -129,21 +129,6 @@ def _check_eqn(e) -> None:
 # the plan: the iteration space, operand layouts, and reduction levels
 # ---------------------------------------------------------------------------------------
 
-def _flatten(graph: Graph, subst: dict) -> list:
-    """The body's eqns with nested composites inlined (their outputs renamed to inner atoms)."""
-    out = []
-    for e in graph.eqns:
-        ins = tuple(subst.get(a, a) if isinstance(a, Var) else a for a in e.inputs)
-        if e.body is not None:
-            inner = dict(zip(e.body.invars, ins))
-            out += _flatten(e.body, inner)
-            for o, v in zip(e.outputs, e.body.outvars):
-                subst[o] = inner.get(v, v) if isinstance(v, Var) else v
-        else:
-            out.append(e.replace(inputs=ins))
-    return out
-
-
 @dataclass(frozen=True)
 class Space:
     """The iteration space: leading dims (the rows) and the row length N; any may be symbolic."""
@@ -206,7 +191,7 @@ class Plan:
             if not Aval.__eq__(a, v.aval):
                 raise ValueError(f"fused: output {i} is {a} but the body's output is {v.aval}")
         self.body = body
-        self.eqns = _needed(_flatten(body, {}), body.outvars)
+        self.eqns = _needed(inlined(body, {}), body.outvars)
         for e in self.eqns:
             _check_eqn(e)
         self.producer = {o: e for e in self.eqns for o in e.outputs}
@@ -279,7 +264,7 @@ def _needed(eqns: list, outvars) -> list:
 
 def fused_symbols(body: Graph) -> tuple[str, ...]:
     """The symbols a fused kernel for ``body`` takes as i64 arguments, in order."""
-    eqns = _flatten(body, {})
+    eqns = inlined(body, {})
     return _space([v.aval for v in body.invars] + [a.aval for e in eqns for a in e.inputs + e.outputs]).symbols
 
 
