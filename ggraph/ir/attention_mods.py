@@ -294,7 +294,10 @@ def softcap_of(mod: Mod) -> float | None:
 def canonical(score_mod, mask_mod, *, window, softcap) -> dict:
     """The attention params for the given mods and structured options: a known form becomes its
     structured param; what is left stays a Mod. Giving a form twice is an error."""
-    out = dict(window=window, softcap=softcap, chunk=None, score_mod=None, mask_mod=None)
+    if window is not None and (isinstance(window, bool) or not isinstance(window, (int, np.integer)) or window < 1):
+        raise ValueError(f"attention: window {window!r} must be a whole number of positions, at least 1")
+    out = dict(window=int(window) if window else None, softcap=float(softcap) if softcap else None, chunk=None,
+               score_mod=None, mask_mod=None)
     if score_mod is not None:
         mod = score_mod if isinstance(score_mod, Mod) else trace_mod("score_mod", score_mod)
         c = softcap_of(mod)

@@ -387,10 +387,7 @@ def attention(q, k, v, k_cache=None, v_cache=None, pos=None, *, scale: float, wi
     H, Hkv = q.shape[1], k.shape[1]
     if H % Hkv:
         raise ShapeError(f"attention: {H} query heads are not a multiple of {Hkv} kv heads")
-    if window is not None and (isinstance(window, bool) or not isinstance(window, (int, np.integer)) or window < 1):
-        raise ValueError(f"attention: window {window!r} must be a whole number of positions, at least 1")
-    params = dict(scale=float(scale), **canonical(score_mod, mask_mod, window=int(window) if window else None,
-                                                  softcap=float(softcap) if softcap else None))
+    params = dict(scale=float(scale), **canonical(score_mod, mask_mod, window=window, softcap=softcap))
     extra = ()
     if sinks is not None:
         sinks = sinks if isinstance(sinks, Tracer) else to_tracer(sinks)

@@ -242,8 +242,7 @@ def rope_attention_slots(q, k, v, k_cache, v_cache, seq, positions, freq_factors
     from ggraph.ir.attention_mods import canonical
     from ggraph.ir.trace import bind
     params = dict(dims=int(dims), base=float(base), rope_scale=float(rope_scale), style=style, scale=float(scale))
-    params.update(canonical(score_mod, mask_mod, window=int(window) if window else None,
-                            softcap=float(softcap) if softcap else None), slot_rows=int(slot_rows))
+    params.update(canonical(score_mod, mask_mod, window=window, softcap=softcap), slot_rows=int(slot_rows))
     if mscale != 1.0:
         params["mscale"] = float(mscale)
     extra = () if freq_factors is None else (freq_factors,)
