@@ -11,7 +11,7 @@ from ggraph.backends import debug_nans
 from ggraph.backends.inputs import bind_symbols
 from ggraph.backends.program import Program
 from ggraph.ir.dims import Sym
-from ggraph.ir.graph import Graph, Var, evaluate
+from ggraph.ir.graph import Graph, Var, evaluate, subgraphs
 from ggraph.ir.prims import dequant_p
 
 
@@ -58,7 +58,7 @@ class NumpyProgram(Program):
             if e.prim is dequant_p and e.inputs[0] in params:
                 out = self._cached_dequant(e.inputs[0], vals[0])
             else:
-                out = eval_eqn(e, vals, dims)
+                out = eval_eqn(e, vals, dims, apply)
             if self.debug_nans:
                 check_finite(e, vals, out)
             return out
@@ -80,15 +80,27 @@ def check_finite(e, vals: list, out) -> None:
             raise debug_nans.error(e, i, where, list(zip(e.inputs, vals)))
 
 
-def eval_eqn(e, vals: list, dims: dict[str, int]):
-    """Apply the numpy rule of ``e`` (a composite without one runs its body); check the result's shapes."""
+def _run_subgraph(e, g, vals, apply) -> list:
+    """Evaluate graph ``g`` that eqn ``e`` runs; a non-finite value found in it names its eqn, inside ``e``."""
+    try:
+        return evaluate(g, vals, apply)
+    except debug_nans.NonFiniteError as err:
+        raise debug_nans.NonFiniteError(f"{err} (inside {e.prim.name} at {e.scope or 'top level'})") from None
+
+
+def eval_eqn(e, vals: list, dims: dict[str, int], apply=None):
+    """Apply the numpy rule of ``e`` (a composite without one runs its body); check the result's shapes.
+    ``apply(eqn, values)`` evaluates the eqns of bodies (this function by default)."""
+    apply = apply or (lambda b, bvals: eval_eqn(b, bvals, dims))
     params = concrete_params(e.params, dims)
     if e.prim.impl is not None:
         if e.body is not None and not e.prim.composite:       # a fused loop: its rule evaluates the body
             params["body"] = e.body
+        if subgraphs(e):                                      # a scan: its rule runs its body with this interpreter
+            params["run"] = lambda g, gvals: _run_subgraph(e, g, gvals, apply)
         out = e.prim.impl(*vals, **params)
     elif e.body is not None:
-        outs = evaluate(e.body, vals, lambda b, bvals: eval_eqn(b, bvals, dims))
+        outs = evaluate(e.body, vals, apply)
         out = tuple(outs) if len(outs) > 1 or e.prim.multiple_results else outs[0]
     else:
         raise NotImplementedError(f"numpy backend: op {e.prim.name!r} has no numpy rule")

@@ -8,7 +8,8 @@ from ggraph.passes.rewrite import rewrite
 def _key(e):
     ins = tuple(("lit",) + a.key() if isinstance(a, Literal) else ("var", a.id) for a in e.inputs)
     body = str(e.body) if e.body is not None and not e.prim.composite else None
-    return (e.prim.name, ins, repr(sorted(e.params.items(), key=lambda kv: kv[0])), body)
+    params = sorted((k, v.signature() if isinstance(v, Graph) else v) for k, v in e.params.items())  # a scan's body
+    return (e.prim.name, ins, repr(params), body)
 
 
 @graph_pass("cse")

@@ -137,7 +137,7 @@ def _expert_squares(emit: _Emitter, x: Var, w: Var, ids: Var) -> tuple[Var, Var]
     return sums, counts
 
 
-@graph_pass("instrument_imatrix", explain=True)
+@graph_pass("instrument_imatrix", explain=True, bodies=False)
 def instrument_imatrix(graph: Graph) -> Graph:
     """Each weight matmul also outputs Σ_rows x² per input column and its rows (per expert for experts): imatrix."""
     producers = graph.producers()

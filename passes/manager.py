@@ -13,7 +13,7 @@ import contextvars
 import dataclasses
 from typing import Callable, Iterable
 
-from ggraph.ir.graph import Graph, VerifyError
+from ggraph.ir.graph import Graph, VerifyError, subgraphs
 from ggraph.ir.primitive import definition_site
 from ggraph.passes.pipeline import PIPELINES
 
@@ -23,24 +23,40 @@ class Pass:
     name: str
     fn: Callable[[Graph], Graph]
     explain: bool = False       # its log entries are decisions worth reading one by one (--explain)
+    bodies: bool = True         # it also rewrites the graphs eqns run (scan bodies), which keep their signature
 
     @property
     def doc(self) -> str:
         return (self.fn.__doc__ or "").strip().splitlines()[0] if self.fn.__doc__ else ""
 
     def __call__(self, graph: Graph) -> Graph:
-        return self.fn(graph)
+        graph = self.fn(graph)
+        return in_subgraphs(graph, self) if self.bodies and isinstance(graph, Graph) else graph
+
+
+def in_subgraphs(graph: Graph, p: Callable[[Graph], Graph]) -> Graph:
+    """``graph`` with ``p`` applied to every graph its eqns hold in their params (a scan's body, after the
+    eqns around it were rewritten: a composite inlined there may bring a scan), at any depth."""
+    eqns, changed = [], False
+    for e in graph.eqns:
+        subs = subgraphs(e)
+        if subs:
+            e = e.replace(params={**e.params, **{k: p(g) for k, g in subs}})
+            changed = True
+        eqns.append(e)
+    return graph.replace(eqns=eqns) if changed else graph
 
 
 PASSES: dict[str, Pass] = {}
 _pass_origins: dict[str, str] = {}      # pass name -> the module or file that registered it
 
 
-def graph_pass(name: str, *, explain: bool = False):
+def graph_pass(name: str, *, explain: bool = False, bodies: bool = True):
     """Register ``fn`` as the pass called ``name``; it must have a one-line docstring.
 
     ``explain=True`` marks a pass whose every rewrite and skip ``ggraph dump --explain`` lists
-    (the fusion passes); the others are summarised as counts."""
+    (the fusion passes); the others are summarised as counts. ``bodies=False`` keeps it off the
+    graphs eqns run (scan bodies): for a pass that changes a graph's outputs or annotates it whole."""
     def wrap(fn):
         if not (fn.__doc__ or "").strip():
             raise ValueError(f"pass {name!r} needs a docstring saying what it rewrites")
@@ -48,7 +64,7 @@ def graph_pass(name: str, *, explain: bool = False):
         if name in PASSES and _pass_origins[name] != origin:
             raise ValueError(f"pass {name!r} is already registered by {_pass_origins[name]}; {origin} registers "
                              f"it again: rename one of them")
-        PASSES[name] = Pass(name, fn, explain)
+        PASSES[name] = Pass(name, fn, explain, bodies)
         _pass_origins[name] = origin
         return fn
     return wrap

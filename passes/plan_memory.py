@@ -325,7 +325,7 @@ def plan(graph: Graph) -> MemoryPlan:
     return p
 
 
-@graph_pass("plan_memory", explain=True)
+@graph_pass("plan_memory", explain=True, bodies=False)
 def plan_memory(graph: Graph) -> Graph:
     """Assign activation buffers by liveness, in place where safe; the checked plan goes to graph.meta."""
     p = plan(graph)

@@ -19,6 +19,7 @@ import types
 
 import numpy as np
 
+from ggraph.ir.graph import subgraphs
 from ggraph.ir.primitive import Primitive
 
 _ADDRESS = re.compile(r" at 0x[0-9a-f]+")
@@ -40,7 +41,8 @@ def rules_fingerprint(prims, covered: tuple[str, ...] = (), extra=None) -> bytes
 
 
 def primitives_of(graph) -> set[Primitive]:
-    """Every primitive ``graph`` uses, composites and the ops inside their bodies alike."""
+    """Every primitive ``graph`` uses, composites and the ops inside their bodies alike, and the ops of the
+    graphs its eqns run (a scan's body)."""
     out: set[Primitive] = set()
     stack = [graph]
     while stack:
@@ -49,6 +51,7 @@ def primitives_of(graph) -> set[Primitive]:
             out.add(e.prim)
             if e.body is not None:
                 stack.append(e.body)
+            stack.extend(sub for _, sub in subgraphs(e))
     return out
 
 

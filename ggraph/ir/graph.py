@@ -193,6 +193,8 @@ class Graph:
             for a in e.inputs:
                 if isinstance(a, Literal) and a.value.ndim:
                     h.update(a.value.tobytes())
+            for _, g in subgraphs(e):                        # a scan's body: its text is printed above
+                h.update(g.signature().encode())
         return h.hexdigest()
 
     # -- printing --------------------------------------------------------------------
@@ -204,6 +206,12 @@ class Graph:
 
     def __repr__(self):
         return f"<Graph {self.name or ''} {len(self.invars)} in, {len(self.params)} params, {len(self.eqns)} eqns>"
+
+
+def subgraphs(e: Eqn) -> list[tuple[str, Graph]]:
+    """The graphs an eqn holds in its params, by param name (a scan's ``body``): standalone graphs that the
+    op runs, unlike a composite's ``e.body``, which stands for the eqn itself."""
+    return [(k, v) for k, v in e.params.items() if isinstance(v, Graph)]
 
 
 def inlined(graph: Graph, subst: dict) -> list:
@@ -274,6 +282,13 @@ def verify(graph: Graph) -> None:
             except VerifyError as err:
                 raise VerifyError(f"{where}: body: {err}") from None
             _verified_bodies.add(e.body)
+        for k, g in subgraphs(e):
+            if g not in _verified_bodies:
+                try:
+                    verify(g)
+                except VerifyError as err:
+                    raise VerifyError(f"{where}: param {k}: {err}") from None
+                _verified_bodies.add(g)
         for o in e.outputs:
             if o in defined:
                 raise VerifyError(f"{where}: output {o} is defined twice")
@@ -329,7 +344,7 @@ def format_param(v) -> str:
 
 
 def eqn_params(e: Eqn) -> str:
-    items = [(k, v) for k, v in e.params.items() if v is not None]
+    items = [(k, v) for k, v in e.params.items() if v is not None and not isinstance(v, Graph)]
     return "[" + ", ".join(f"{k}={format_param(v)}" for k, v in items) + "]" if items else ""
 
 
@@ -383,6 +398,11 @@ def _emit_graph(graph: Graph, names: Names, lines: list[str], indent: str, expan
                 printed.add(a)
                 lines.append(f'{indent}    {names.decl(a)} = param "{a.aval.source}"')
         lines.append(f"{indent}    {eqn_to_str(e, names)}")
+        for k, g in subgraphs(e):                            # always printed: the op runs it (a scan's body)
+            nested: list[str] = []
+            _emit_graph(g, names, nested, indent + "      ", expand, None, scopes)
+            lines.append(f"{indent}      {k}={nested[0].lstrip()}")
+            lines.extend(nested[1:])
         if expand and e.body is not None:
             _emit_graph(e.body, names, lines, indent + "      ", expand, None, scopes)
     outs = " ".join(names[o] for o in graph.outvars)

@@ -6,7 +6,8 @@ are text in, text out.
         a:f32[T,4] = mul x 1.0
       in (a) }''')
 
-Composite eqns need their body, as ``graph.pretty(expand=True)`` prints it.
+Composite eqns need their body, as ``graph.pretty(expand=True)`` prints it; a graph an op holds in its
+params (a scan's ``body={ lambda ; ...``) follows its eqn's line.
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from ggraph.ir.dtypes import Aval, ParamAval
 from ggraph.ir.graph import Eqn, Graph, Literal, Var
 from ggraph.ir.primitive import get_primitive
 
-DIM_PARAMS = {"shape", "n", "start", "stop", "num_segments"}     # params whose values are dims (ints or symbols)
+DIM_PARAMS = {"shape", "n", "start", "stop", "num_segments", "length"}     # params whose values are dims (ints or symbols)
 
 _DECL = re.compile(r"([A-Za-z_]\w*):(\w+)\[([^\]]*)\]")
 _HEADER = re.compile(r"\{\s*lambda\s*;(.*)\.\s*let\s*$")
@@ -28,6 +29,7 @@ _EQN = re.compile(r"^(?P<outs>(?:[A-Za-z_]\w*:\w+\[[^\]]*\]\s*)+)=\s*(?P<prim>\w
                   r"(?:\[(?P<params>.*)\])?(?P<ins>.*)$")
 _PARAM_LINE = re.compile(r'^([A-Za-z_]\w*):(\w+)\[([^\]]*)\]\s*=\s*param\s+"([^"]*)"$')
 _FOOTER = re.compile(r"^in\s*\((.*)\)\s*\}$")
+_GRAPH_PARAM = re.compile(r"^([A-Za-z_]\w*)=(\{\s*lambda\b.*)$")        # body={ lambda ; ... (a scan's body)
 
 
 class ParseError(ValueError):
@@ -159,13 +161,16 @@ def _parse_graph(lines: _Lines, nested: bool) -> Graph:
         outs = []
         for name, dt, dims in _DECL.findall(em.group("outs")):
             outs.append(Var(_aval(dt, dims)))
+        eqn_params = _params(em.group("params"))
+        while (gm := _GRAPH_PARAM.match(lines.peek() or "")):    # graphs the op runs, printed under it
+            lines.lines[lines.i] = gm.group(2)
+            eqn_params[gm.group(1)] = _parse_graph(lines, nested=True)
         body = None
         nxt = lines.peek()
         if nxt is not None and nxt.startswith("{"):
             body = _parse_graph(lines, nested=True)
         elif prim.composite:
             raise ParseError(f"line {line!r}: composite {prim.name} needs its body (print with expand=True)")
-        eqn_params = _params(em.group("params"))
         if em.group("ops") is not None:                     # fused{add,rms_norm}: what it swallowed
             eqn_params["ops"] = tuple(op.strip() for op in em.group("ops").split(",") if op.strip())
         eqns.append(Eqn(prim, ins, outs, eqn_params, scope, body))
