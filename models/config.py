@@ -72,6 +72,8 @@ class ModelConfig:
     expert_gating: str = "softmax"      # router: "softmax" of all logits, then their top k; "softmax_weight":
     #                                     the top k logits, then softmax over those (gpt-oss)
     expert_bias: bool = False           # biases of the router and of each expert's gate, up and down (gpt-oss)
+    recurrent_layers: tuple[int, ...] = ()   # layers that carry no KV cache (a recurrent state instead, declared
+    #                                     by the architecture's ``states``; see models/registry.py)
     extra: Mapping = dataclasses.field(default_factory=dict, compare=False, hash=False)
     #                                     flags of an architecture with its own forward that are not fields here
 
@@ -94,7 +96,7 @@ def config_from_gguf(metadata: Mapping, tensor_names, embedding_rows: int = 0) -
 
     n_embd = keys.int("embedding_length", required=True)
     n_head = keys.int("attention.head_count", required=True)
-    n_head_kv = keys.int("attention.head_count_kv", n_head, per_layer=True)
+    n_head_kv = keys.int("attention.head_count_kv", n_head, per_layer=True, zero_layers=True)
     n_layer = keys.int("block_count", required=True)
     check_layers(arch, n_layer, names, shared_decoder=spec.forward is None)   # before flags sized by it
     if n_head % n_head_kv:
@@ -152,6 +154,12 @@ def config_from_gguf(metadata: Mapping, tensor_names, embedding_rows: int = 0) -
     common.update({k: v for k, v in flags.items() if k in fields})
     cfg = ModelConfig(**common, extra={k: flags[k] for k in unknown})
     _check_flags(cfg)
+    kv_per_layer = key("attention.head_count_kv")
+    if kv_per_layer is not None and not isinstance(kv_per_layer, (int, float, str, bool)):
+        for i, n in enumerate(kv_per_layer):
+            if n == 0 and i not in cfg.recurrent_layers:
+                raise ValueError(f"{arch}.attention.head_count_kv[{i}] = 0 (no KV cache) but layer {i} is not in "
+                                 f"the architecture's recurrent_layers {cfg.recurrent_layers}")
     return cfg
 
 
@@ -176,14 +184,18 @@ class Keys:
 
     __call__ = raw
 
-    def int(self, k: str, default=None, *, required: bool = False, minimum: int = 1, per_layer: bool = False):
-        """A whole number >= ``minimum``; with ``per_layer``, an array of equal values counts as one."""
+    def int(self, k: str, default=None, *, required: bool = False, minimum: int = 1, per_layer: bool = False,
+            zero_layers: bool = False):
+        """A whole number >= ``minimum``; with ``per_layer``, an array of equal values counts as one (with
+        ``zero_layers``, its zeros aside: layers without the thing, e.g. no KV heads in a recurrent layer)."""
         v = self.raw(k, default, required)
         if v is None:
             return None
         full = f"{self.arch}.{k}"
         if per_layer and not isinstance(v, (int, float, str, bool)):
             values = set(v) if len(v) else {None}
+            if zero_layers and values - {0}:
+                values -= {0}
             if len(values) != 1:
                 raise MetadataError(f"{full} varies by layer ({len(values)} different values), which is not supported")
             v = values.pop()
@@ -242,6 +254,11 @@ def _check_flags(cfg: ModelConfig) -> None:
             or (cfg.n_ff_shexp and not cfg.n_expert):
         raise ValueError(f"{cfg.arch}: expert_shared_feed_forward_length = {cfg.n_ff_shexp!r} must be a whole number "
                          f"of at least 0, and a shared expert needs routed ones (expert_count = {cfg.n_expert})")
+    rl = cfg.recurrent_layers
+    if not isinstance(rl, tuple) or any(isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < cfg.n_layer
+                                        for i in rl) or list(rl) != sorted(set(rl)):
+        raise ValueError(f"{cfg.arch}: recurrent_layers {rl!r} must be a tuple of increasing layer numbers in "
+                         f"0..{cfg.n_layer - 1}")
     if cfg.qk_norm not in (False, True, "head", "full"):
         raise ValueError(f"{cfg.arch}: qk_norm {cfg.qk_norm!r} must be False, \"head\" (or True) or \"full\"")
 

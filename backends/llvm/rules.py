@@ -244,6 +244,17 @@ def _cache_update(lw, e):
     lw.alias(e.outputs[0], dst)
 
 
+@lowering(P.state_write_p)
+def _state_write(lw, e):
+    """Copy the step's new recurrent state over the state input, in place: the output is the state."""
+    state, value = e.inputs
+    dst, src = lw.ref(state), lw.ref(value)
+    if src != dst:                                          # a state the step left as it was needs no copy
+        lw.call(lw.kernel(G.copy_bytes), src, dst, product(state.aval.shape) * state.aval.dtype.type_size,
+                writes=(dst,))
+    lw.alias(e.outputs[0], dst)
+
+
 @lowering(P.iota_p)
 def _iota(lw, e):
     out = lw.output(e.outputs[0])

@@ -9,7 +9,8 @@ Conventions (ggml's, so quantised weights never need a transpose):
 - routing: ``top_k`` and ``argmax`` over the last axis, ``take_along_axis`` (numpy's gather along any axis),
   ``segment_sum`` (rows summed into segments in increasing row order).
 - ``cache_update cache x pos`` writes x's rows into cache at row ``pos`` and returns the cache.
-  Its numpy rule writes in place: the cache operand is donated.
+  Its numpy rule writes in place: the cache operand is donated. ``state_write state value`` does
+  the same for a recurrent state: value overwrites it.
 
 An elementwise primitive's ``emit`` rule is its llvm code, written against the backend's
 evaluator ``ev`` (``Evaluator`` in ``backends/llvm/kernels/elementwise.py``: ``ev.b`` is an
@@ -36,8 +37,8 @@ from ggraph.ir.trace import Op, Tracer, bind, to_atom
 __all__ = ["add", "sub", "mul", "div", "maximum", "less", "greater", "less_equal", "greater_equal", "equal",
            "not_equal", "neg", "exp", "log", "sqrt", "rsqrt", "tanh", "sin",
            "cos", "fma", "where", "cast", "reduce_sum", "reduce_mean", "reduce_max", "reshape", "transpose",
-           "broadcast_to", "slice", "concat", "take", "matmul", "dequant", "iota", "cache_update", "elementwise",
-           "top_k", "argmax", "take_along_axis", "segment_sum"]
+           "broadcast_to", "slice", "concat", "take", "matmul", "dequant", "iota", "cache_update", "state_write",
+           "elementwise", "top_k", "argmax", "take_along_axis", "segment_sum"]
 
 
 class Blocks:
@@ -596,6 +597,26 @@ cache_update_p = register("cache_update", shape=_cache_update_shape, impl=_cache
                           effects=True, aliases={0: 0})
 
 
+def _state_write_shape(state, value):
+    _require_plain("state_write", state, value)
+    if not all(isinstance(d, int) for d in state.shape):
+        raise ShapeError(f"state_write: a recurrent state has a static shape, got {state}")
+    if value.shape != state.shape or value.dtype is not state.dtype:
+        raise ShapeError(f"state_write: the new value {value} must have the state's shape and type {state}")
+    return state
+
+
+def _state_write_impl(state, value):
+    state[...] = value
+    return state
+
+
+# a recurrent layer's state carried from step to step: the new value overwrites the state operand
+state_write_p = register("state_write", shape=_state_write_shape, impl=_state_write_impl, kind="memory",
+                         cost=lambda eqn, dims: (0, 2 * eqn.inputs[0].aval.nbytes(dims)),
+                         effects=True, aliases={0: 0})
+
+
 # ---------------------------------------------------------------------------------------
 # routing: top_k, argmax, take_along_axis, segment_sum (a mixture-of-experts router's ops)
 # ---------------------------------------------------------------------------------------
@@ -733,6 +754,7 @@ def reduce_mean(x): return bind(reduce_mean_p, x)
 def reduce_max(x): return bind(reduce_max_p, x)
 def dequant(w): return bind(dequant_p, w)
 def cache_update(cache, x, pos): return bind(cache_update_p, cache, x, pos)
+def state_write(state, value): return bind(state_write_p, state, value)
 
 
 def where(cond, x, y):

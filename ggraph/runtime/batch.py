@@ -9,17 +9,24 @@ slot's tokens placed after what that slot already holds. Every weight is read on
 all of them, which is where batching wins: decode is bound by reading the weights. On the llvm
 backend every kernel computes a token as it would alone in the step (``rows_only`` matmuls), so
 a sequence's logits do not depend on which others share its steps.
+
+A model without a batched step (an architecture with a forward of its own, such as one with
+recurrent layers) runs its slots one at a time instead: each slot is a ``Sequence`` of its own (KV
+caches, recurrent states and their snapshots) stepped by the single-sequence program a Session
+runs, so each sequence gets exactly the logits it would get alone.
 """
 from __future__ import annotations
 
 import numpy as np
 
 from ggraph.backends.llvm.team import check_threads
-from ggraph.runtime.session import UBATCH, cache_dtype, kv_caches, token_ids
+from ggraph.runtime.session import (UBATCH, Sequence, cache_dtype, check_memory, empty_caches, kv_caches,
+                                    state_arrays, token_ids)
 
 
 class Batch:
-    """Slotted KV caches and the compiled batched step over them."""
+    """Slotted KV caches and the compiled batched step over them (or, for a model without a batched step,
+    a Sequence per slot)."""
 
     def __init__(self, path, slots: int, ctx: int = 4096, backend: str = "llvm", threads: int | None = None,
                  passes="default", disabled=(), max_memory=None, cache_type_k: str = "f16",
@@ -40,23 +47,33 @@ class Batch:
         self.slots, self.ctx, self.ubatch = int(slots), int(ctx), int(ubatch)
         self.backend = backend
         self.cache_types = (cache_dtype(cache_type_k, "cache_type_k"), cache_dtype(cache_type_v, "cache_type_v"))
-        self.k_cache, self.v_cache = kv_caches(self.model, self.slots * self.ctx, self.cache_types, self.max_memory,
-                                               f"{self.slots} slots × ctx {self.ctx}")
+        self.sequential = not self.model.batched              # one slot at a time, each a Sequence
+        what = f"{self.slots} slots × ctx {self.ctx}"
+        if self.sequential:
+            check_memory(self.model, self.ctx, self.cache_types, self.max_memory, what, sequences=self.slots)
+            self.sequences = [Sequence(*empty_caches(self.model, self.ctx, self.cache_types), state_arrays(self.model),
+                                       self.ubatch) for _ in range(self.slots)]
+        else:
+            self.k_cache, self.v_cache = kv_caches(self.model, self.slots * self.ctx, self.cache_types,
+                                                   self.max_memory, what)
         self._n_past = [0] * self.slots
         self._program = None
 
     @property
     def n_past(self) -> tuple[int, ...]:
         """Tokens each slot holds (read-only: ``reset(slot)`` and ``truncate(slot, n)`` change them)."""
+        if self.sequential:
+            return tuple(q.n_past for q in self.sequences)
         return tuple(self._n_past)
 
     def program(self):
-        """The compiled batched step, built once."""
+        """The compiled batched step (or the single-sequence step of a sequential batch), built once."""
         if self._program is None:
             from ggraph.compiler import compile_graph
-            options = {"threads": self.threads, "max_memory": self.max_memory, "rows_only": True} \
+            options = {"threads": self.threads, "max_memory": self.max_memory, "rows_only": not self.sequential} \
                 if self.backend != "numpy" else {}
-            graph = self.model.batch_graph(self.slots, self.ctx, self.cache_types)
+            graph = self.model.graph(self.ctx, last_only=True, cache_types=self.cache_types) if self.sequential \
+                else self.model.batch_graph(self.slots, self.ctx, self.cache_types)
             self._program = compile_graph(graph, backend=self.backend, passes=self.passes,
                                           weights=self.model.file, **options)
         return self._program
@@ -65,10 +82,15 @@ class Batch:
         """Forget slot ``slot``'s sequence (its rows are overwritten later)."""
         self._check_slot(slot)
         self._n_past[slot] = 0
+        if self.sequential:
+            self.sequences[slot].reset()
 
     def truncate(self, slot: int, n: int) -> None:
-        """Keep the first ``n`` tokens of slot ``slot``'s sequence."""
+        """Keep the first ``n`` tokens of slot ``slot``'s sequence (recurrent states rebuilt at ``n``)."""
         self._check_slot(slot)
+        if self.sequential:
+            self.sequences[slot].truncate(n, self.program)
+            return
         if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or not 0 <= n <= self._n_past[slot]:
             raise ValueError(f"truncate: n must be in 0..{self._n_past[slot]} (slot {slot}'s tokens), got {n!r}")
         self._n_past[slot] = int(n)
@@ -84,12 +106,15 @@ class Batch:
             ids = token_ids(ids, self.config.n_vocab)
             if ids.size == 0:
                 raise ValueError(f"slot {slot}: no tokens")
-            if self._n_past[slot] + ids.size > self.ctx:
-                raise ValueError(f"slot {slot}: {self._n_past[slot]} tokens + {ids.size} new > ctx={self.ctx}")
+            if self.n_past[slot] + ids.size > self.ctx:
+                raise ValueError(f"slot {slot}: {self.n_past[slot]} tokens + {ids.size} new > ctx={self.ctx}")
             parts.append((slot, ids))
             total += ids.size
         if total > self.ubatch:
             raise ValueError(f"a step takes at most ubatch={self.ubatch} tokens, got {total}")
+        if self.sequential:
+            prog = self.program()
+            return {s: np.asarray(self.sequences[s].run(prog, ids)[-1][-1], dtype=np.float32) for s, ids in parts}
         tokens = np.concatenate([ids for _, ids in parts]).astype(np.int32)
         seq = np.concatenate([np.full(ids.size, s, np.int32) for s, ids in parts])
         positions = np.concatenate([self._n_past[s] + np.arange(ids.size, dtype=np.int32) for s, ids in parts])

@@ -2,6 +2,13 @@
 
     s = ggraph.Session("model.gguf")
     print(s.generate("The capital of France is", max_tokens=16, temperature=0))
+
+A model with recurrent layers also carries their states (``Model.state_avals``), zeroed for a new
+sequence and written in place by every step. A state cannot be cut back to an earlier position the
+way KV rows can, so the session keeps a few snapshots (after each prefill step and every
+SNAPSHOT_EVERY decoded tokens, at most MAX_SNAPSHOTS, as llama.cpp's server keeps context
+checkpoints); ``truncate(n)`` restores the newest one at or before n (or zeros) and runs the tokens
+between again, which rewrites their KV rows too.
 """
 from __future__ import annotations
 
@@ -18,6 +25,8 @@ from ggraph.runtime.tokenizer import Tokenizer
 POOLINGS = ("mean", "last", "cls")
 UBATCH = 512                  # tokens per native step of a long prompt, as llama.cpp's default n_ubatch
 CACHE_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0")
+MAX_SNAPSHOTS = 8             # recurrent-state snapshots a sequence keeps (llama.cpp's server: 8 checkpoints)
+SNAPSHOT_EVERY = 32           # decoded tokens between two snapshots: truncating re-runs at most this many
 
 
 class ContextFullError(ValueError):
@@ -59,36 +68,50 @@ class Session:
         self.backend = backend
         self.profile = profile
         self._programs: dict[bool, object] = {}
-        self.k_cache, self.v_cache = kv_caches(self.model, self.ctx, self.cache_types, self.max_memory,
-                                               f"ctx {self.ctx}")
+        self.seq = Sequence(*kv_caches(self.model, self.ctx, self.cache_types, self.max_memory, f"ctx {self.ctx}"),
+                            state_arrays(self.model), self.ubatch)
         if self.ctx > self.config.n_ctx_train:             # once the caches fit: an error stands alone
             from ggraph.progress import warn
             warn(f"ctx {self.ctx} is beyond the {self.config.n_ctx_train} tokens this model was trained on "
                  f"({self.config.arch}.context_length): positions past it may give poor text")
-        self._n_past = 0
-        self._cached: list[int] = []                      # the ids whose keys and values the cache holds
         self.stats: dict[str, float] = {}
 
     def memory(self, tokens: int | None = None) -> dict[str, int]:
-        """Planned bytes: weights (the file's tensors, mapped), KV cache, activations of a step of
-        ``tokens`` (default: one ubatch) at a full context, and their total."""
+        """Planned bytes: weights (the file's tensors, mapped), KV cache, recurrent states (with room for
+        their snapshots), activations of a step of ``tokens`` (default: one ubatch) at a full context,
+        and their total."""
         weights = sum(t.nbytes for t in self.model.file.tensors.values())
         kv = sum(c.nbytes for c in self.k_cache + self.v_cache)
+        states = (1 + MAX_SNAPSHOTS) * sum(a.nbytes for a in self.states)
         T = min(self.ubatch if tokens is None else int(tokens), self.ctx)
         acts = 0
         if self.backend == "llvm":
             acts = self.program(last_only=True).arena_bytes({"T": T, "P": self.ctx - T})
-        return {"weights": weights, "kv_cache": kv, "activations": acts, "total": weights + kv + acts}
+        return {"weights": weights, "kv_cache": kv, "states": states, "activations": acts,
+                "total": weights + kv + states + acts}
 
     @property
     def cached_tokens(self) -> tuple[int, ...]:
         """The token ids the KV cache holds, in order."""
-        return tuple(self._cached)
+        return tuple(self.seq.cached)
 
     @property
     def n_past(self) -> int:
         """Tokens in the KV cache (read-only: ``reset()`` and ``truncate(n)`` change it)."""
-        return self._n_past
+        return self.seq.n_past
+
+    @property
+    def k_cache(self) -> list:
+        return self.seq.k_cache
+
+    @property
+    def v_cache(self) -> list:
+        return self.seq.v_cache
+
+    @property
+    def states(self) -> list:
+        """The recurrent states, flat in the order the step graph takes them (empty without recurrent layers)."""
+        return self.seq.states
 
     # -- steps ---------------------------------------------------------------------------
     def program(self, last_only: bool, output: str = "logits"):
@@ -105,40 +128,25 @@ class Session:
         return self._programs[key]
 
     def reset(self) -> None:
-        """Forget the context (the cache rows are simply overwritten later)."""
-        self._n_past = 0
-        self._cached = []
+        """Forget the context (the cache rows are simply overwritten later; recurrent states are zeroed)."""
+        self.seq.reset()
 
     def truncate(self, n: int) -> None:
-        """Keep only the first ``n`` tokens of the context (0 <= n <= n_past)."""
-        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or not 0 <= n <= self._n_past:
-            raise ValueError(f"truncate: n must be a whole number in 0..{self._n_past} (the tokens in the cache), "
-                             f"got {n!r}")
-        self._n_past = int(n)
-        del self._cached[self._n_past:]
+        """Keep only the first ``n`` tokens of the context (0 <= n <= n_past). With recurrent states, the
+        state at ``n`` is rebuilt: from the newest snapshot at or before ``n`` (else from zeros), by running
+        the tokens between again."""
+        self.seq.truncate(n, lambda: self.program(last_only=True))
 
     def step(self, tokens: Sequence[int], last_only: bool = True) -> np.ndarray:
         """Run tokens after the current context; returns logits (T or 1, n_vocab)."""
         tokens = token_ids(tokens, self.config.n_vocab)
         if tokens.size == 0:
             raise ValueError("step needs at least one token")
-        if self._n_past + tokens.size > self.ctx:
-            raise ContextFullError(f"context full: {self._n_past} tokens in the cache + {tokens.size} new "
+        if self.seq.n_past + tokens.size > self.ctx:
+            raise ContextFullError(f"context full: {self.seq.n_past} tokens in the cache + {tokens.size} new "
                                    f"> ctx={self.ctx}; start a new Session with a larger ctx")
-        out = self._run(self.program(last_only), tokens)
+        out = self.seq.run(self.program(last_only), tokens)
         return out[-1] if last_only else out[0] if len(out) == 1 else np.concatenate(out)
-
-    def _run(self, prog, tokens: np.ndarray) -> list:
-        """Run ``tokens`` after the context in ubatches (bounded activations for a long prompt): each
-        ubatch's first output (logits, or hidden states)."""
-        out = []
-        for at in range(0, tokens.size, self.ubatch):
-            part = tokens[at:at + self.ubatch]
-            first, = prog.run_inputs([part, np.int32(self._n_past), *self.k_cache, *self.v_cache], first=1)
-            self._n_past += part.size
-            self._cached += part.tolist()
-            out.append(first)
-        return out
 
     def embed(self, texts, pooling: str = "mean", normalize: bool = True) -> np.ndarray:
         """Embeddings (n, n_embd) of ``texts`` (strings or lists of token ids): the final hidden state
@@ -159,7 +167,7 @@ class Session:
             if len(ids) > self.ctx:
                 raise ContextFullError(f"text {i} is {len(ids)} tokens > ctx={self.ctx}")
             self.reset()
-            h = np.concatenate(self._run(prog, np.asarray(ids, dtype=np.int32)))
+            h = np.concatenate(self.seq.run(prog, np.asarray(ids, dtype=np.int32)))
             v = h.mean(axis=0) if pooling == "mean" else h[-1] if pooling == "last" else h[0]
             if normalize:
                 v = v / max(float(np.linalg.norm(v)), 1e-12)
@@ -214,7 +222,7 @@ class Session:
     def _keep_prefix(self, ids: list) -> int:
         """Truncate the cache to its longest common prefix with ``ids``, leaving at least one id to run."""
         n = 0
-        for a, b in zip(self._cached, ids[:-1]):
+        for a, b in zip(self.seq.cached, ids[:-1]):
             if a != b:
                 break
             n += 1
@@ -224,6 +232,7 @@ class Session:
     def _generate(self, ids, max_tokens, sampler, seed, stop, reuse_cache, matcher=None) -> Iterator[str]:
         from ggraph.runtime.generation import Generation
         gen = Generation(self.tokenizer, ids, max_tokens, sampler, seed, stop, matcher)
+        self.seq.recomputed = 0
         kept = self._keep_prefix(ids) if reuse_cache else 0
         if not reuse_cache:
             self.reset()
@@ -231,9 +240,10 @@ class Session:
         t0 = time.perf_counter()
         logits = self.step(ids[kept:])[-1]
         self.stats = {"prompt_tokens": len(ids) - kept, "cached_tokens": kept, "prompt_s": time.perf_counter() - t0,
-                      "generated_tokens": 0, "generate_s": 0.0, "stop": "length"}
+                      "generated_tokens": 0, "generate_s": 0.0, "stop": "length",
+                      "recomputed_tokens": self.seq.recomputed}   # run again to rebuild recurrent states
         while True:
-            piece, tok = gen.feed(logits, room=self._n_past < self.ctx)
+            piece, tok = gen.feed(logits, room=self.seq.n_past < self.ctx)
             self.stats["generated_tokens"], self.stats["stop"] = gen.generated, gen.stop or "length"
             if piece:
                 yield piece
@@ -255,6 +265,83 @@ class Session:
         return self.generate(self.chat_ids(messages), **kwargs)
 
 
+class Sequence:
+    """One sequence's context: its KV caches, recurrent states and their snapshots, and the token ids
+    they hold. ``run`` steps a compiled single-sequence program over them; Session holds one, and a
+    Batch of a model without a batched step one per slot."""
+
+    def __init__(self, k_cache: list, v_cache: list, states: list, ubatch: int = UBATCH):
+        self.k_cache, self.v_cache, self.states, self.ubatch = k_cache, v_cache, states, ubatch
+        self.n_past = 0
+        self.cached: list[int] = []                       # the ids whose keys and values the cache holds
+        self.snapshots: list[tuple[int, list[np.ndarray]]] = []      # (n_past, states), oldest first
+        self.recomputed = 0                               # tokens the last truncate ran again
+
+    def run(self, prog, tokens: np.ndarray) -> list:
+        """Run ``tokens`` after the context in ubatches (bounded activations for a long prompt): each
+        ubatch's first output (logits, or hidden states)."""
+        out = []
+        for at in range(0, tokens.size, self.ubatch):
+            part = tokens[at:at + self.ubatch]
+            first, = prog.run_inputs([part, np.int32(self.n_past), *self.k_cache, *self.v_cache, *self.states],
+                                     first=1)
+            self.n_past += part.size
+            self.cached += part.tolist()
+            out.append(first)
+        self._snapshot(tokens.size)
+        return out
+
+    def reset(self) -> None:
+        self.n_past = 0
+        self.cached = []
+        for a in self.states:
+            a.fill(0)
+        self.snapshots = []
+
+    def truncate(self, n: int, program) -> None:
+        """Keep the first ``n`` tokens; ``program()`` gives the step that re-runs tokens to rebuild states."""
+        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or not 0 <= n <= self.n_past:
+            raise ValueError(f"truncate: n must be a whole number in 0..{self.n_past} (the tokens in the cache), "
+                             f"got {n!r}")
+        self.recomputed = 0
+        if self.states and n < self.n_past:
+            self._rewind(int(n), program)
+            return
+        self.n_past = int(n)
+        del self.cached[self.n_past:]
+
+    def _rewind(self, n: int, program) -> None:
+        """The states (and KV rows) at ``n`` tokens: restore the newest snapshot at or before ``n`` (else
+        zeros) and run the cached tokens from there to ``n`` again."""
+        self.snapshots = [snap for snap in self.snapshots if snap[0] <= n]
+        at, saved = self.snapshots[-1] if self.snapshots else (0, None)
+        for i, a in enumerate(self.states):
+            if saved is None:
+                a.fill(0)
+            else:
+                np.copyto(a, saved[i])
+        redo = np.asarray(self.cached[at:n], dtype=np.int32)
+        self.n_past = at
+        del self.cached[at:]
+        if redo.size:
+            self.run(program(), redo)
+        self.recomputed = int(redo.size)
+
+    def _snapshot(self, tokens: int) -> None:
+        """After a step of ``tokens``: keep the states at this position if the step was a prefill, or
+        SNAPSHOT_EVERY tokens have passed since the last snapshot (the oldest goes beyond MAX_SNAPSHOTS)."""
+        last = self.snapshots[-1][0] if self.snapshots else 0
+        if not self.states or self.n_past == last or (tokens == 1 and self.n_past - last < SNAPSHOT_EVERY):
+            return
+        if len(self.snapshots) < MAX_SNAPSHOTS:
+            saved = [a.copy() for a in self.states]
+        else:                                             # reuse the oldest snapshot's arrays
+            saved = self.snapshots.pop(0)[1]
+            for dst, a in zip(saved, self.states):
+                np.copyto(dst, a)
+        self.snapshots.append((self.n_past, saved))
+
+
 def cache_dtype(name, what: str = "cache type"):
     """A KV cache element type by name: one of CACHE_TYPES."""
     from ggraph.ir import dtypes
@@ -264,15 +351,48 @@ def cache_dtype(name, what: str = "cache type"):
 
 
 def kv_caches(model, rows: int, cache_types, max_memory, what: str) -> tuple[list, list]:
-    """Zeroed K and V caches of ``rows`` rows for every layer, checked against the memory there is first;
-    ``what`` says how the rows come about (e.g. "ctx 4096")."""
+    """Zeroed K and V caches of ``rows`` rows for every layer with attention (``model.kv_layers``), checked
+    against the memory there is first with one sequence's recurrent states; ``what`` says how the rows
+    come about (e.g. "ctx 4096")."""
+    check_memory(model, rows, cache_types, max_memory, what)
+    return empty_caches(model, rows, cache_types)
+
+
+def check_memory(model, rows: int, cache_types, max_memory, what: str, sequences: int = 1) -> None:
+    """MemoryBudgetError unless ``sequences`` sequences' KV caches of ``rows`` rows and recurrent states
+    (with room for their snapshots) fit the budget."""
     from ggraph import memory
+    n = len(model.kv_layers)
+    one = state_bytes(model)
+    states = sequences * (1 + MAX_SNAPSHOTS) * one
+    held = f"recurrent states ({sequences} × {one} bytes, with up to {MAX_SNAPSHOTS} snapshots each)"
+    if not n:
+        memory.check(states, f"the {held}", max_memory)
+        return
     k_aval, v_aval = model.kv_avals(rows, cache_types)
-    n = model.config.n_layer
-    memory.check(n * (k_aval.nbytes({}) + v_aval.nbytes({})),
+    memory.check(sequences * n * (k_aval.nbytes({}) + v_aval.nbytes({})) + states,
                  f"the KV cache ({what} × {n} layers × {k_aval.shape[1]} kv heads × "
-                 f"({k_aval.shape[2]} {k_aval.dtype} + {v_aval.shape[2]} {v_aval.dtype}))", max_memory)
+                 f"({k_aval.shape[2]} {k_aval.dtype} + {v_aval.shape[2]} {v_aval.dtype}))"
+                 + (f" and {held}" if one else ""), max_memory)
+
+
+def empty_caches(model, rows: int, cache_types) -> tuple[list, list]:
+    """Zeroed K and V caches of ``rows`` rows for the layers with attention, unchecked."""
+    if not model.kv_layers:
+        return [], []
+    k_aval, v_aval = model.kv_avals(rows, cache_types)
+    n = len(model.kv_layers)
     return [cache_array(k_aval) for _ in range(n)], [cache_array(v_aval) for _ in range(n)]
+
+
+def state_bytes(model) -> int:
+    """Bytes of one sequence's recurrent states."""
+    return sum(a.nbytes({}) for layer in model.state_avals() for a in layer.values())
+
+
+def state_arrays(model) -> list[np.ndarray]:
+    """One sequence's recurrent states, zeroed, flat in the order the step graph takes them."""
+    return [np.zeros(a.shape, a.dtype.np_dtype) for layer in model.state_avals() for a in layer.values()]
 
 
 def cache_array(aval) -> np.ndarray:

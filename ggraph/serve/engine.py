@@ -12,6 +12,11 @@ ones. Each step then runs, in one native call, every active slot's new tokens: a
 prompt still being prefilled, or the one token a decoding slot sampled last. A slot whose
 prompt is done samples from its row of the step's logits. Embedding jobs run between steps on
 a Session of their own.
+
+A model without a batched step (an architecture with a forward of its own, e.g. with recurrent
+layers) is served by a sequential Batch: the step runs each active slot's tokens one slot after
+the other, each slot with its own KV caches and recurrent states, so each request gets the text
+it gets alone; slots then share the scheduler, not the weight reads.
 """
 from __future__ import annotations
 
@@ -43,7 +48,7 @@ class SoloBatch(Batch):
         return super().step(work)
 
     def program(self):
-        if not self._alone:
+        if not self._alone or self.sequential:              # a sequential batch steps each slot alone already
             return super().program()
         if self._solo is None:
             from ggraph.compiler import compile_graph
