@@ -92,10 +92,13 @@ def emit_program(spec: ProgramSpec, target: Target, profile: bool = False) -> No
     """``void ggraph_program(ptr table, i64 T, i64 P, i64 R, i32 ith, i32 nth, ptr barrier)``, and the team's
     ``ggraph_serve`` and ``ggraph_run`` that call it on every thread.
 
-    With ``profile``, every call is followed by a barrier. Each thread stamps the cycle counter
-    into its own row of the "profile" buffer when it finishes a call, and thread 0 stamps row 0
-    when the barrier after it opens: the span of a call includes its slowest thread, and the
-    difference is the time threads spent waiting.
+    Calls inside a ``Loop`` (a scan's steps) run in a counted loop whose index their offsets may use; a
+    barrier opens each step and follows the loop, and the loop's work counters are zeroed after each step.
+
+    With ``profile``, every call is followed by a barrier. Each thread adds the cycles from its start of a
+    call to its finish into its own row of the "profile" buffer, and thread 0 adds the cycles from its
+    start to the barrier after the call opening into row 0 (the call's span, its slowest thread included),
+    so a call inside a loop sums its steps; row 0's first slot holds the whole run's cycles.
     """
     m = spec.module
     barrier = emit_barrier(m, x86=target.arch == "x86_64")
@@ -118,18 +121,76 @@ def emit_program(spec: ProgramSpec, target: Target, profile: bool = False) -> No
             return p if isinstance(off, ir.Constant) and off.constant == 0 else b.gep(p, [off], source_etype=ir.IntType(8))
         return dim_value(b, arg, dims)
 
-    stamp = _stamper(m, b, ith, base(len(spec.buffers) - 1), len(spec.calls) + 1) if profile else None
-    if stamp:
-        stamp(0, barrier=True)
+    counter = m.globals.get("llvm.readcyclecounter") or ir.Function(m, ir.FunctionType(i64, []), name="llvm.readcyclecounter")
+    cycles = base(len(spec.buffers) - 1) if profile else None
+    row = len(spec.calls) + 1
+    first = ith_is_0 = None
+    if profile:
+        first = b.call(counter, [])
+        ith_is_0 = b.icmp_signed("==", ith, ir.Constant(i32, 0))
+
+    def add_cycles(at, ticks) -> None:
+        slot = b.gep(cycles, [at], source_etype=i64)
+        b.store(b.add(b.load(slot, typ=i64), ticks), slot)
+
+    open_loops: list[tuple] = []                   # (Loop, counter slot, latch block, exit block, saved bases)
+
+    def open_loop(lp) -> None:
+        count = dim_value(b, lp.count, dims)
+        with b.goto_entry_block():
+            slot = b.alloca(i64, name=lp.index)
+        b.store(ir.Constant(i64, 0), slot)
+        head, step, latch, done = (fn.append_basic_block(f"{lp.index}_{n}") for n in ("head", "body", "latch", "exit"))
+        b.branch(head)
+        b.position_at_end(head)
+        i = b.load(slot, typ=i64)
+        b.cbranch(b.icmp_signed("<", i, count), step, done)
+        b.position_at_end(step)
+        dims[lp.index] = b.sub(b.sub(count, ir.Constant(i64, 1)), i) if lp.reverse else i
+        open_loops.append((lp, slot, head, latch, done, dict(bases)))
+        b.call(barrier, [bar, nth])                 # the step's carries and the last step's writes are in place
+
+    def close_loop() -> None:
+        nonlocal bases
+        lp, slot, head, latch, done, saved = open_loops.pop()
+        if lp.counters:                             # every thread is past the step's calls, then zero them
+            b.call(barrier, [bar, nth])
+            with b.if_then(b.icmp_signed("==", ith, ir.Constant(i32, 0))):
+                for r in lp.counters:
+                    b.store(ir.Constant(i32, 0), value(r))
+        b.branch(latch)
+        b.position_at_end(latch)
+        b.store(b.add(b.load(slot, typ=i64), ir.Constant(i64, 1)), slot)
+        b.branch(head)
+        b.position_at_end(done)
+        del dims[lp.index]
+        bases = saved                               # values loaded inside the loop do not reach past it
+        b.call(barrier, [bar, nth])
+
     waits = [True] * len(spec.calls) if profile else barriers_needed(spec.calls)
     for i, (c, wait) in enumerate(zip(spec.calls, waits)):
+        same = 0
+        while same < min(len(open_loops), len(c.loops)) and open_loops[same][0] is c.loops[same]:
+            same += 1
+        while len(open_loops) > same:
+            close_loop()
+        for lp in c.loops[same:]:
+            open_loop(lp)
         if wait and not (profile and i == 0):
             b.call(barrier, [bar, nth])
+        start = b.call(counter, []) if profile else None
         b.call(_declare(m, c), [value(a) for a in c.args] + [ith, nth])
-        if stamp:
-            stamp(i + 1, barrier=False)
+        if profile:
+            at = b.add(b.mul(b.add(b.sext(ith, i64), ir.Constant(i64, 1)), ir.Constant(i64, row)), ir.Constant(i64, i + 1))
+            add_cycles(at, b.sub(b.call(counter, []), start))
             b.call(barrier, [bar, nth])
-            stamp(i + 1, barrier=True)
+            with b.if_then(ith_is_0):
+                add_cycles(ir.Constant(i64, i + 1), b.sub(b.call(counter, []), start))
+    while open_loops:
+        close_loop()
+    if profile:
+        with b.if_then(ith_is_0):
+            add_cycles(ir.Constant(i64, 0), b.sub(b.call(counter, []), first))
     b.ret_void()
     emit_team(m, fn, target.triple)
 
@@ -142,27 +203,18 @@ def _declare(m: ir.Module, c: Call) -> ir.Function:
     return ir.Function(m, ir.FunctionType(ir.VoidType(), args), name=c.kernel)
 
 
-def _stamper(m: ir.Module, b: ir.IRBuilder, ith, stamps, row: int):
-    """stamp(i, barrier): store the cycle counter at stamps[i] (thread 0, as a barrier opens) or at
-    stamps[(ith + 1) * row + i] (every thread, as it finishes call i)."""
-    counter = m.globals.get("llvm.readcyclecounter") or ir.Function(m, ir.FunctionType(i64, []), name="llvm.readcyclecounter")
-
-    def stamp(i: int, barrier: bool):
-        if barrier:
-            with b.if_then(b.icmp_signed("==", ith, ir.Constant(i32, 0))):
-                b.store(b.call(counter, []), b.gep(stamps, [ir.Constant(i64, i)], source_etype=i64))
-        else:
-            at = b.add(b.mul(b.add(b.sext(ith, i64), ir.Constant(i64, 1)), ir.Constant(i64, row)), ir.Constant(i64, i))
-            b.store(b.call(counter, []), b.gep(stamps, [at], source_etype=i64))
-    return stamp
-
-
 def barriers_needed(calls: list[Call]) -> list[bool]:
     """Before each call: must all threads wait? Yes when it reads or writes memory another
-    thread may have written since the last barrier, or writes what may still be being read."""
-    out, written, read = [], set(), set()
+    thread may have written since the last barrier, or writes what may still be being read.
+    Where calls enter or leave a loop, the loop's own barriers (one opens each step, one follows
+    the loop) have separated them already."""
+    out, written, read, loops = [], set(), set(), ()
     for c in calls:
-        wait = bool(c.reads & written or c.writes & (written | read))
+        if c.loops != loops:
+            wait, loops = False, c.loops
+            written, read = set(), set()
+        else:
+            wait = bool(c.reads & written or c.writes & (written | read))
         if wait:
             written, read = set(), set()
         out.append(wait)

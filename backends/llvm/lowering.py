@@ -12,6 +12,7 @@ once per program however many eqns call it, and its object code cached on disk.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Callable
 
@@ -108,12 +109,25 @@ class Ref:
         return self if extra == 0 else Ref(self.buf, extra if self.offset == 0 else self.offset + extra)
 
 
+@dataclasses.dataclass(eq=False)
+class Loop:
+    """A counted loop around the calls lowered inside it (a scan's steps). Its step index is the runtime
+    symbol ``index``, which the calls' Refs and dims may use (x_t = xs + index·stride): it runs over
+    0..count-1, or from count-1 down to 0 when ``reverse``. Every thread runs every step; a barrier opens
+    each step and follows the loop. ``counters``: the work counters of its calls, zeroed after each step."""
+    index: str
+    count: object                          # a dim (int | Sym over T, P, R)
+    reverse: bool = False
+    counters: list = dataclasses.field(default_factory=list)
+
+
 @dataclasses.dataclass
 class Call:
     kernel: str
     args: tuple                            # Refs and dims (int | Sym), then ith/nth are appended
     writes: frozenset                      # buffers this call writes; every other Ref is read
     eqn: Eqn | None = None                 # the eqn it implements (for profiles)
+    loops: tuple = ()                      # the Loops it sits in, outermost first
 
     @property
     def reads(self) -> frozenset:
@@ -141,6 +155,9 @@ class Lowering:
         self.param_index: dict[Var, int] = {}
         self._memo: dict = {}
         self.current: Eqn | None = None
+        self.loops: list[Loop] = []                           # the loops being lowered into, outermost first
+        self._loop_ids = 0
+        self.placed: dict[Var, Ref] = {}                      # where output() puts a value (a scan's y_t)
         for v in graph.invars:
             if isinstance(v.aval, DimAval):
                 if v.aval.symbol not in SYMBOLS:
@@ -178,7 +195,9 @@ class Lowering:
     def output(self, v: Var) -> Ref:
         """Memory for ``v``: its buffer in the memory plan, or a buffer of its own for a value the plan
         does not cover (there is no plan, or ``v`` lives inside a composite lowered by its body)."""
-        if self.plan is None or v not in self.plan.buffer_of:
+        if v in self.placed:
+            r = self.placed.pop(v)
+        elif self.plan is None or v not in self.plan.buffer_of:
             r = Ref(self._add(Buffer("act", f"v{v.id}", aval_size(v.aval))))
         else:
             b = self.plan.buffer_of[v]
@@ -214,7 +233,21 @@ class Lowering:
         buf = self.buffers[self._counters]
         n = buf.size({}) // COUNTER_BYTES
         buf.size = FixedBytes(COUNTER_BYTES * (n + 1))
-        return Ref(self._counters, COUNTER_BYTES * n)
+        r = Ref(self._counters, COUNTER_BYTES * n)
+        if self.loops:                                        # zero again for the next step
+            self.loops[-1].counters.append(r)
+        return r
+
+    @contextlib.contextmanager
+    def loop(self, count, reverse: bool = False):
+        """Lower calls into a counted loop (``Loop``); yields its step index as a dim (a Sym)."""
+        lp = Loop(f"step{self._loop_ids}", count, reverse)
+        self._loop_ids += 1
+        self.loops.append(lp)
+        try:
+            yield Sym(lp.index)
+        finally:
+            self.loops.pop()
 
     def bound(self, rows, capacity: int, what: str) -> None:
         """Require ``rows`` (a dim expression, e.g. P+T) <= ``capacity`` on every run, before the call:
@@ -241,7 +274,7 @@ class Lowering:
 
     def call(self, kernel: str, *args, writes=()) -> None:
         """Append a kernel call; ``writes`` are the Refs it writes (the rest it only reads)."""
-        self.calls.append(Call(kernel, tuple(args), frozenset(r.buf for r in writes), self.current))
+        self.calls.append(Call(kernel, tuple(args), frozenset(r.buf for r in writes), self.current, tuple(self.loops)))
 
     def weight_layout(self, w: Ref, aval: Aval, layout: str, kernel: Callable[[], str],
                       file_kernel: Callable[[], str]) -> str:

@@ -142,14 +142,15 @@ def _spec_state(spec, graph, program_object: bytes) -> dict:
     index = {id(e): i for i, e in enumerate(graph.eqns)}
     return {"buffers": spec.buffers, "outputs": spec.outputs, "name": spec.name, "object": program_object,
             "units": [u.key for u in spec.units], "checks": spec.checks, "bounds": spec.bounds, "ranges": spec.ranges,
-            "calls": [(c.kernel, c.args, c.writes, index.get(id(c.eqn))) for c in spec.calls],
+            "calls": [(c.kernel, c.args, c.writes, index.get(id(c.eqn)), c.loops) for c in spec.calls],
             "inputs": [(graph.invars.index(v), b) for v, b in spec.input_index.items()],
             "params": [(v.aval.source, b) for v, b in spec.param_index.items()]}
 
 
 def _spec_from_state(state: dict, graph, units) -> ProgramSpec:
     by_source = {v.aval.source: v for v in graph.params}
-    calls = [Call(k, args, writes, graph.eqns[i] if i is not None else None) for k, args, writes, i in state["calls"]]
+    calls = [Call(k, args, writes, graph.eqns[i] if i is not None else None, loops)
+             for k, args, writes, i, loops in state["calls"]]
     return ProgramSpec(None, state["buffers"], calls, state["outputs"],
                        {graph.invars[i]: b for i, b in state["inputs"]},
                        {by_source[src]: b for src, b in state["params"]}, units, state["checks"], state["bounds"],
@@ -159,14 +160,25 @@ def _spec_from_state(state: dict, graph, units) -> ProgramSpec:
 def lifetimes(spec: ProgramSpec) -> dict[int, tuple[int, int]]:
     """The (first, last) barrier epoch of each activation and scratch buffer: calls between two
     barriers form one epoch and may run at once on different threads, so two buffers may share
-    bytes only when their epochs do not meet. An output lives on after the last call."""
+    bytes only when their epochs do not meet. An output lives on after the last call; a buffer a
+    loop's call uses lives over the whole (outermost) loop, every step of it."""
     spans: dict[int, tuple[int, int]] = {}
-    epoch = 0
+    loop_epochs: dict[int, tuple[int, int]] = {}              # id of an outermost loop -> its epochs
+    in_loop: list[tuple[int, int]] = []                       # (buffer, outermost loop id)
+    epoch, loops = 0, ()
     for call, wait in zip(spec.calls, barriers_needed(spec.calls)):
-        epoch += wait
+        epoch += wait or call.loops != loops                  # entering or leaving a loop passes a barrier
+        loops = call.loops
         for a in call.args:
             if isinstance(a, Ref):
                 spans[a.buf] = (spans.get(a.buf, (epoch,))[0], epoch)
+                if loops:
+                    in_loop.append((a.buf, id(loops[0])))
+        if loops:
+            loop_epochs[id(loops[0])] = (loop_epochs.get(id(loops[0]), (epoch,))[0], epoch)
+    for buf, lp in in_loop:
+        (lo, hi), (a, b) = spans[buf], loop_epochs[lp]
+        spans[buf] = (min(lo, a), max(hi, b))
     end = epoch + 1
     for o in spec.outputs:
         if isinstance(o, Ref):
@@ -347,6 +359,8 @@ class LLVMProgram(Program):
         self._status[:] = 0
         self._counters[:] = 0
         T, P, R = int(dims.get("T", 1)), int(dims.get("P", 0)), int(dims.get("R", 0))
+        if self.profile:
+            self._cycles[:] = 0                               # the program adds each call's cycles
         t0 = time.perf_counter()
         self.team.run(self.table.ctypes.data, T, P, R)
         if self.profile:
@@ -367,12 +381,12 @@ class LLVMProgram(Program):
         return debug_nans.error(e, output, (element, None), [(a, given.get(a)) for a in e.inputs if a in given])
 
     def _read_profile(self, wall: float) -> None:
-        """Each call's time is its threads' mean time from the barrier before it to their finish; the
-        rest of its span, up to the barrier after it opens, is waiting (imbalance and the barrier)."""
-        opened, finished = self._cycles[0], self._cycles[1:, 1:]
-        per_tick = wall / max(int(opened[-1] - opened[0]), 1)                    # calibrate the counter
-        busy = np.maximum(finished - opened[None, :-1], 0).mean(axis=0)
-        spans = np.diff(opened)
+        """Each call's time is its threads' mean time from their start of it to their finish (summed over a
+        loop's steps); the rest of its span, up to the barrier after it opening, is waiting (imbalance
+        and the barrier)."""
+        per_tick = wall / max(int(self._cycles[0, 0]), 1)                         # calibrate the counter
+        busy = self._cycles[1:, 1:].mean(axis=0)
+        spans = self._cycles[0, 1:]
         self.last_profile = [(c, float(t) * per_tick) for c, t in zip(self.spec.calls, busy)]
         self.last_idle = float(np.maximum(spans - busy, 0).sum()) * per_tick
 

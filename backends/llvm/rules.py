@@ -16,6 +16,7 @@ from ggraph.ir.composites import rope_angles_p
 from ggraph.ir.fused import qmatmul_experts_p, qmatmul_p, rope_attention_p
 from ggraph.ir.graph import Eqn, Graph, Literal, Var
 from ggraph.ir.primitive import fusable
+from ggraph.ir.scan import scan_p
 from ggraph.backends.llvm import kernels as K
 from ggraph.backends.llvm.kernels import attention as A
 from ggraph.backends.llvm.kernels import copies as C
@@ -392,3 +393,66 @@ def _segment_sum(lw, e):
                        f"segments")
     lw.call(lw.kernel(R.segment_sum, lw.target), lw.ref(values), lw.ref(ids), out, status,
             values.aval.shape[0], S, product(values.aval.shape[1:]), writes=(out, status))
+
+
+# -- scan: a native loop over the steps ---------------------------------------------------------
+
+def _nbytes(aval):
+    """Bytes of a value of ``aval`` as a dim expression."""
+    return aval.dtype.nbytes(aval.shape) if aval.dtype.is_quantized else product(aval.shape) * aval.dtype.type_size
+
+
+def _step_stride(aval, what: str, e: Eqn):
+    """Bytes from one step's slice of ``aval`` (scanned along axis 0) to the next: a static count."""
+    stride = stride_bytes(aval, 0)
+    if not isinstance(stride, int):
+        raise LoweringError(f"llvm backend: scan at {e.scope or 'top'}: {what} {aval} has a symbolic step slice "
+                            f"({stride} bytes); a step's slice needs a static shape")
+    return stride
+
+
+@lowering(scan_p)
+def _scan(lw, e):
+    """The body's eqns lowered inside a loop over the steps. Carries live in the final carries' buffers:
+    the initial values are copied in, each step reads them and its new carries are copied over them at
+    the step's end (through scratch when one carry's new value is another's old buffer). x_t is a view of
+    xs at the step's offset; y_t is written in place into ys where its kernel makes it, else copied."""
+    p, body = e.params, e.params["body"]
+    nc, nk = p["consts"], p["carry"]
+    operands = [lw.ref(a) for a in e.inputs]                  # once each: a constant gets one buffer
+    consts, init, xs = operands[:nc], operands[nc:nc + nk], operands[nc + nk:]
+    carries = [lw.output(o) for o in e.outputs[:nk]]
+    ys = [lw.output(o) for o in e.outputs[nk:]]
+    copy = lw.kernel(G.copy_bytes)
+    for src, dst, o in zip(init, carries, e.outputs):
+        if src != dst:
+            lw.call(copy, src, dst, _nbytes(o.aval), writes=(dst,))
+    x_strides = [_step_stride(a.aval, "xs", e) for a in e.inputs[nc + nk:]]
+    y_strides = [_step_stride(o.aval, "ys", e) for o in e.outputs[nk:]]
+    with lw.loop(p["length"], p["reverse"]) as t:
+        ins = consts + carries + [x.plus(t * s) for x, s in zip(xs, x_strides)]
+        for v, r in zip(body.invars, ins):
+            lw.alias(v, r)
+        y_vars = body.outvars[nk:]
+        y_at = [y.plus(t * s) for y, s in zip(ys, y_strides)]
+        for v, r in zip(y_vars, y_at):
+            if isinstance(v, Var) and v not in body.invars and v not in lw.placed:
+                lw.placed[v] = r                             # its kernel writes straight into ys
+        for b in body.eqns:
+            lower_eqn(lw, b)
+        for v in y_vars:
+            lw.placed.pop(v, None)
+        for v, r in zip(y_vars, y_at):
+            src = lw.ref(v)
+            if src != r:
+                lw.call(copy, src, r, _nbytes(v.aval), writes=(r,))
+        news = [lw.ref(v) for v in body.outvars[:nk]]
+        bufs = {c.buf for c in carries}
+        for k, (src, dst) in enumerate(zip(news, carries)):
+            if src != dst and src.buf in bufs:                # another carry's old value: keep it aside first
+                tmp = lw.scratch(AvalBytes(e.outputs[k].aval), "scan_carry")
+                lw.call(copy, src, tmp, _nbytes(e.outputs[k].aval), writes=(tmp,))
+                news[k] = tmp
+        for src, dst, o in zip(news, carries, e.outputs):
+            if src != dst:
+                lw.call(copy, src, dst, _nbytes(o.aval), writes=(dst,))
