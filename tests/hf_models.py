@@ -16,6 +16,7 @@ Tokenizers: llama.cpp's converter names a BPE pre-tokenizer by the hash of a rea
 output, so a BPE trained here is refused. qwen3 and mixtral take the converter's SentencePiece path
 (test_convert's 400-piece model); olmo2, olmoe, qwen3moe, qwen2moe and gpt-oss have no such path and get
 GPT-2's real BPE, rebuilt from tests/data/vocab/ggml-vocab-gpt-2.gguf, which the converter recognises as "gpt-2".
+So do the recurrent and hybrid families (``RECURRENT``: lfm2, mamba2, granitehybrid).
 """
 from __future__ import annotations
 
@@ -94,8 +95,41 @@ FAMILIES = {
                                           beta_slow=1.0, truncate=False, original_max_position_embeddings=4096)),
                 "gpt-2", 50304),
 }
-# parameters transformers initialises to zero, moved off it for the families whose tests need them to count
-OFF_ZERO = {"gpt-oss": ("bias", "sinks")}
+# the recurrent and hybrid families (tests/test_recurrent_families.py), in the same form
+RECURRENT = {
+    # LFM2's layout, shrunk: short-convolution layers (width 3) around an attention layer with per-head q/k
+    # norms; its FFN width auto-adjusted as LFM2's (2/3 of 768, a multiple of 256: 512); tied output
+    "lfm2": ("Lfm2Config", "Lfm2ForCausalLM",
+             dict(num_hidden_layers=3, layer_types=["conv", "full_attention", "conv"], intermediate_size=768,
+                  conv_L_cache=3, tie_word_embeddings=True, bos_token_id=None, eos_token_id=50256,
+                  pad_token_id=50256, rope_parameters=dict(rope_type="default", rope_theta=1000000.0)),
+             "gpt-2", 50304),
+    # Mamba-2, shrunk: 8 heads of 64 (d_inner 512), 2 groups of B and C with state 64, convolution width 4;
+    # untied
+    "mamba2": ("Mamba2Config", "Mamba2ForCausalLM",
+               dict(num_heads=8, head_dim=64, state_size=64, n_groups=2, conv_kernel=4, expand=2,
+                    layer_norm_epsilon=1e-5, tie_word_embeddings=False, bos_token_id=None, eos_token_id=50256,
+                    pad_token_id=50256), "gpt-2", 50304),
+    # Granite-4.0-H's layout, shrunk: Mamba-2 layers (8 heads of 64, one group, state 64) around an attention
+    # layer without rope (NoPE, as granite-4.0-h), in every layer 8 experts of width 256, top-2, beside a
+    # shared expert of 512; granite's multipliers off their defaults; tied. llama.cpp's converter reads the
+    # older layer-type names ("mamba"/"attention", CONVERTER_CONFIG)
+    "granitehybrid": ("GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM",
+                      dict(num_hidden_layers=3, layer_types=["linear_attention", "full_attention", "linear_attention"],
+                           intermediate_size=256, shared_intermediate_size=512, num_local_experts=8,
+                           num_experts_per_tok=2, mamba_n_heads=8, mamba_d_head=64, mamba_n_groups=1,
+                           mamba_d_state=64, mamba_d_conv=4, mamba_expand=2, position_embedding_type=None,
+                           embedding_multiplier=4.0, residual_multiplier=0.5, attention_multiplier=0.0625,
+                           logits_scaling=2.0, rms_norm_eps=1e-5, tie_word_embeddings=True, bos_token_id=None,
+                           eos_token_id=50256, pad_token_id=50256), "gpt-2", 50304),
+}
+# parameters transformers initialises to zero (or to 1), moved off it for the families whose tests need them to count
+OFF_ZERO = {"gpt-oss": ("bias", "sinks"), "mamba2": ("mixer.D",), "granitehybrid": ("mamba.D",)}
+# config.json as llama.cpp's converter reads it, where that differs from what transformers saves
+CONVERTER_CONFIG = {
+    "granitehybrid": lambda c: c | {"layer_types": [{"linear_attention": "mamba", "full_attention": "attention"}[t]
+                                                    for t in c["layer_types"]]},
+}
 
 
 def converted(family: str, mix: str = "f32", **overrides) -> Path:
@@ -147,8 +181,8 @@ def _hf_model(folder: Path):
 @lru_cache(maxsize=None)
 def _made(family: str, overrides: tuple) -> Path:
     """The cache folder holding ``hf/`` and ``<family>-<mix>.gguf`` for every mix, built if absent."""
-    if family not in FAMILIES:
-        raise ValueError(f"hf_models: unknown family {family!r}; known: {', '.join(FAMILIES)}")
+    if family not in FAMILIES | RECURRENT:
+        raise ValueError(f"hf_models: unknown family {family!r}; known: {', '.join(FAMILIES | RECURRENT)}")
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
     pytest.importorskip("llama_cpp", reason="llama.cpp converts and quantises these models")
@@ -160,7 +194,10 @@ def _made(family: str, overrides: tuple) -> Path:
     try:
         build_hf_model(tmp / "hf", family, **dict(overrides))
         f32 = tmp / f"{family}-f32.gguf"
-        convert_with_llama_cpp(src, tmp / "hf", f32)
+        reads = converter_folder(tmp / "hf", family)
+        convert_with_llama_cpp(src, reads, f32)
+        if reads != tmp / "hf":
+            shutil.rmtree(reads)
         for mix, ftype in MIXES.items():
             if ftype is not None:
                 zoo.llama_quantize(f32, tmp / f"{family}-{mix}.gguf", ftype, what=f"{family} {mix}")
@@ -179,7 +216,7 @@ def build_hf_model(folder: Path, family: str, **overrides) -> None:
     """Save a tiny random ``family`` model and its tokenizer into ``folder``."""
     import torch
     import transformers
-    config_cls, model_cls, over, tokenizer, n_vocab = FAMILIES[family]
+    config_cls, model_cls, over, tokenizer, n_vocab = (FAMILIES | RECURRENT)[family]
     config = getattr(transformers, config_cls)(**(DIMS | {"vocab_size": n_vocab} | over | overrides))
     torch.manual_seed(0)
     model = getattr(transformers, model_cls)(config).eval()
@@ -196,6 +233,21 @@ def build_hf_model(folder: Path, family: str, **overrides) -> None:
         write_tokenizer(folder, "spm")
     else:
         write_gpt2_tokenizer(folder)
+
+
+def converter_folder(folder: Path, family: str) -> Path:
+    """The folder llama.cpp's converter reads: ``folder`` itself, or a sibling with the same files (linked) and
+    its config.json rewritten by ``CONVERTER_CONFIG[family]``."""
+    if family not in CONVERTER_CONFIG:
+        return folder
+    out = folder.with_name(folder.name + "-for-llama.cpp")
+    out.mkdir()
+    for f in folder.iterdir():
+        if f.name != "config.json":
+            (out / f.name).symlink_to(f.resolve())
+    config = json.loads((folder / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps(CONVERTER_CONFIG[family](config), indent=2))
+    return out
 
 
 def write_gpt2_tokenizer(folder: Path) -> None:
