@@ -118,7 +118,7 @@ def _flat(graph: Graph) -> Graph:
 
 def _print(kind: str, graph: Graph) -> str:
     names = {v: _SHORT[n] for v, n in zip(graph.invars, ARGS[kind])}
-    made = {e.outputs[0]: e for e in graph.eqns}
+    made = graph.producers()
 
     def expr(a) -> str:
         if isinstance(a, Literal):
@@ -192,7 +192,7 @@ def _param_value(v: str):
 def _linear(graph: Graph, a) -> dict | None:
     """An i32 atom as {input name or 1: coefficient}, if it is a sum of constant multiples of inputs."""
     names = {v: n for v, n in zip(graph.invars, ARGS["mask_mod"][-len(graph.invars):])}
-    made = {e.outputs[0]: e for e in graph.eqns}
+    made = graph.producers()
     if isinstance(a, Literal):
         return {1: int(a.value)} if a.aval.dtype is dtypes.i32 and a.value.ndim == 0 else None
     if a in names:
@@ -222,7 +222,7 @@ def _linear(graph: Graph, a) -> dict | None:
 def window_of(mod: Mod) -> int | None:
     """W if the mask is ``q_idx - kv_idx < W`` in some linear spelling (``kv_idx > q_idx - W``, ...)."""
     g = mod.graph
-    e = next((x for x in g.eqns if x.outputs[0] is g.outvars[0]), None)
+    e = g.producers().get(g.outvars[0])
     ops = {"less": "<", "less_equal": "<=", "greater": ">", "greater_equal": ">="}
     if e is None or e.prim.name not in ops:
         return None
@@ -249,7 +249,7 @@ def window_of(mod: Mod) -> int | None:
 def chunk_of(mod: Mod) -> int | None:
     """C if the mask is ``q_idx // C == kv_idx // C`` (keys of the query's own chunk of C positions)."""
     g = mod.graph
-    made = {e.outputs[0]: e for e in g.eqns}
+    made = g.producers()
     e = made.get(g.outvars[0])
     if e is None or e.prim.name != "equal":
         return None
@@ -267,7 +267,7 @@ def chunk_of(mod: Mod) -> int | None:
 def softcap_of(mod: Mod) -> float | None:
     """c if the score mod is ``tanh(score * (1/c)) * c`` with 1/c the f32 reciprocal (ggml's order)."""
     g = mod.graph
-    made = {e.outputs[0]: e for e in g.eqns}
+    made = g.producers()
 
     def split(e, name):
         if e is None or e.prim.name != name:

@@ -129,11 +129,16 @@ def _np_rope(x, positions, freq_factors=None, *, dims, base, scale, style, mscal
     return np.concatenate([rot, x[..., dims:]], axis=-1)
 
 
+def _cache_and_sink(rest: tuple, sinks) -> tuple:
+    """attention's optional trailing operands: (k_cache, v_cache, pos) or Nones, then the sinks or None."""
+    k_cache, v_cache, pos = (rest[:-1] if sinks else rest) or (None, None, None)
+    return k_cache, v_cache, pos, rest[-1] if sinks else None
+
+
 def _np_attention(q, k, v, *rest, scale, window=None, softcap=None, chunk=None, score_mod=None, mask_mod=None,
                   sinks=None, batch=0):
     # q: (T, H, D)  k: (T, Hkv, D)  v: (T, Hkv, Dv)  caches: (C, Hkv, D|Dv)  [sinks: (H,)]
-    sink = rest[-1] if sinks else None
-    k_cache, v_cache, pos = (rest[:-1] if sinks else rest) or (None, None, None)
+    k_cache, v_cache, pos, sink = _cache_and_sink(rest, sinks)
     T, H, _ = q.shape
     p = 0
     if k_cache is not None:
@@ -312,8 +317,7 @@ def rope(x, positions, *, base: float, dims: int | None = None, scale: float = 1
 def _attention(q, k, v, *rest, scale, window=None, softcap=None, chunk=None, score_mod=None, mask_mod=None,
                sinks=None):
     """softmax(mask(mods(q·kᵀ·scale)))·v over the cache, with GQA by head groups (and sink logits)."""
-    sink = rest[-1] if sinks else None
-    k_cache, v_cache, pos = (rest[:-1] if sinks else rest) or (None, None, None)
+    k_cache, v_cache, pos, sink = _cache_and_sink(rest, sinks)
     T, H, D = q.shape
     Hkv, Dv = k.shape[1], v.shape[2]
     G = H // Hkv
