@@ -5,6 +5,7 @@ PIPELINES: dict[str, tuple[str, ...]] = {
     # the optimising pipeline
     "default": ("dce", "cse", "fold",
                 "fuse_rope_attention",      # rope(q), rope(k), cache write, attention -> rope_attention
+                "fuse_recurrent",           # causal_conv, ssm_scan -> one kernel each
                 "inline_unfusable",         # other composites no kernel takes whole -> their primitives
                 "fuse_dequant_matmul",      # matmul(x, dequant(w)) -> qmatmul(x, w): weights stay in blocks
                 "fuse_elementwise",         # elementwise chains, row reductions, their composites -> fused loops

@@ -401,7 +401,7 @@ def test_none_pipeline_is_plain_primitives_with_dequant():
     g = run(model.graph(32), resolve("none"))
     assert not any(e.body is not None for e in g.eqns)
     assert g.count("dequant") > 0 and g.count("qmatmul") == g.count("fused") == g.count("rope_attention") == 0
-    assert PIPELINES["default"] == ("dce", "cse", "fold", "fuse_rope_attention", "inline_unfusable",
+    assert PIPELINES["default"] == ("dce", "cse", "fold", "fuse_rope_attention", "fuse_recurrent", "inline_unfusable",
                                     "fuse_dequant_matmul", "fuse_elementwise", "plan_memory")
 
 

@@ -14,6 +14,7 @@ from ggraph.ir.dims import Sym, product
 from ggraph.ir.dtypes import DimAval, i8
 from ggraph.ir.composites import rope_angles_p
 from ggraph.ir.fused import qmatmul_experts_p, qmatmul_p, rope_attention_p
+from ggraph.ir.recurrent import fused_causal_conv_p, fused_ssm_scan_p
 from ggraph.ir.graph import Eqn, Graph, Literal, Var
 from ggraph.ir.primitive import fusable
 from ggraph.ir.scan import scan_p
@@ -22,6 +23,7 @@ from ggraph.backends.llvm.kernels import attention as A
 from ggraph.backends.llvm.kernels import copies as C
 from ggraph.backends.llvm.kernels import elementwise as E
 from ggraph.backends.llvm.kernels import plain_ops as G
+from ggraph.backends.llvm.kernels import recurrent as RC
 from ggraph.backends.llvm.kernels import routing as R
 from ggraph.backends.llvm.kernels.plan import experts_plan
 from ggraph.backends.llvm.kernels.qmatmul.by_expert import expert_pack, lanes as expert_lanes
@@ -349,6 +351,31 @@ def _rope_attention(lw, e):
     lw.alias(e.outputs[1], refs["k_cache"])
     lw.alias(e.outputs[2], refs["v_cache"])
 
+
+
+# -- recurrent layers: causal_conv, ssm_scan ------------------------------------------------------
+
+@lowering(fused_causal_conv_p)
+def _causal_conv(lw, e):
+    """One kernel: y and new_state in one pass over the tokens, channels split across threads."""
+    x, state, w = e.inputs[:3]
+    C, K = w.aval.shape
+    y, new_state = (lw.output(o) for o in e.outputs)
+    name = lw.kernel(RC.causal_conv, C, K, len(e.inputs) > 3, lw.target)
+    lw.call(name, *[lw.ref(a) for a in e.inputs], y, new_state, x.aval.shape[0], writes=(y, new_state))
+
+
+@lowering(fused_ssm_scan_p)
+def _ssm_scan(lw, e):
+    """Two kernels: each token's softplus and decay per head, then the scan, (head, rows) split across threads."""
+    state, x, dt, A, B, C = e.inputs
+    H, D, N = state.aval.shape
+    T = x.aval.shape[0]
+    decay = lw.scratch(AvalBytes(dt.aval.update(shape=(T, H, 2))), "ssm_decay")
+    lw.call(lw.kernel(RC.ssm_decay, H, lw.target), lw.ref(dt), lw.ref(A), decay, T, writes=(decay,))
+    y, new_state = (lw.output(o) for o in e.outputs)
+    name = lw.kernel(RC.ssm_scan, H, D, N, B.aval.shape[1], lw.target)
+    lw.call(name, lw.ref(state), lw.ref(x), decay, lw.ref(B), lw.ref(C), y, new_state, T, writes=(y, new_state))
 
 
 # -- routing: top_k, argmax, take_along_axis, segment_sum ---------------------------------------

@@ -9,9 +9,10 @@
     prims.py       the primitives; ``elementwise(...)`` registers a new one
     methods.py     Tracer operators and methods (``x + y``, ``x[:, :64]``, ``x.T``)
     composites.py  composites (rms_norm, softmax, rope, attention, ...) and ``@composite``
+    recurrent.py   causal_conv and ssm_scan (recurrent layers) and their fused forms
     fused.py       the ops fusion passes produce: qmatmul, rope_attention, fused loops
 """
-from ggraph.ir import composites, fused, methods, prims  # noqa: F401  (register the op table)
+from ggraph.ir import composites, fused, methods, prims, recurrent  # noqa: F401  (register the op table)
 from ggraph.ir.dims import Sym
 from ggraph.ir.dtypes import Aval, DimAval, ParamAval, dim, param
 from ggraph.ir.graph import Eqn, Graph, Literal, Var, VerifyError
