@@ -19,10 +19,11 @@ from ggraph.ir.prims import *  # noqa: F401,F403
 from ggraph.ir.prims import __all__ as _prims
 from ggraph.ir.fused import expert_linear_cost, expert_linear_impl, expert_linear_shape
 from ggraph.ir.prims import broadcast_to, dequant, matmul, reshape, take
+from ggraph.ir.recurrent import causal_conv, ssm_scan
 from ggraph.ir.scan import scan
 
 __all__ = list(_prims) + list(_composites) + ["dot", "index", "linear", "expert_linear", "alibi", "chunked",
-                                              "sliding_window", "softcap", "scan"]
+                                              "sliding_window", "softcap", "scan", "causal_conv", "ssm_scan"]
 
 
 def linear(x, w, b=None):
