@@ -1,0 +1,308 @@
+"""causal_conv and ssm_scan: their numpy rules and decompositions against float64 rules written here from
+ggml's semantics (``ggml_compute_forward_ssm_conv_f32`` and the Mamba-2 branch of
+``ggml_compute_forward_ssm_scan_f32``), the fused llvm kernels against the numpy rules bit for bit on every
+feature set this host runs with 1-3 threads, the unfused pipelines (the decompositions) against them, the
+state carried across calls (a prefill of 7 then decode steps gives a prefill of all), and the errors."""
+import numpy as np
+import pytest
+
+import ggraph
+from ggraph import f32, ops
+from ggraph.backends.llvm.target import X86_NAMES, named_target, runnable_targets
+from ggraph.ir import param
+from ggraph.ir.primitive import ShapeError
+from ggraph.compiler import optimize
+from ggraph.passes import RewriteLog
+
+rng = np.random.default_rng(42)
+RUNNABLE = [t.name for t in runnable_targets()]
+TS = (1, 7, 33)
+
+
+def randn(*shape, scale=1.0):
+    return (rng.standard_normal(shape) * scale).astype(np.float32)
+
+
+# -- float64 rules, one element at a time -----------------------------------------------------------------
+
+def conv_ref(x, state, w, bias=None):
+    """ggml_ssm_conv: y[t, c] = sum_k w[c, k]·xx[t+k, c] over xx = [state; x] (+ bias); the last K-1 rows carry."""
+    T, C = x.shape
+    K = w.shape[1]
+    xx = np.concatenate([state, x]).astype(np.float64)
+    y = np.zeros((T, C))
+    for t in range(T):
+        for c in range(C):
+            y[t, c] = sum(float(w[c, k]) * xx[t + k, c] for k in range(K)) + (float(bias[c]) if bias is not None else 0)
+    return y, xx[T:]
+
+
+def scan_ref(state, x, dt, A, B, C):
+    """ggml_ssm_scan, Mamba-2: per token and head, dt' = softplus(dt) (dt itself above 20), the state decays
+    by exp(dt'·A[h]) and takes (x·dt') ⊗ B of the head's group; y = state · C of the group."""
+    T, H, D = x.shape
+    G = B.shape[1]
+    s = state.astype(np.float64).copy()
+    y = np.zeros((T, H, D))
+    for t in range(T):
+        for h in range(H):
+            g = h // (H // G)
+            d = float(dt[t, h])
+            sp = d if d > 20 else np.log1p(np.exp(d))
+            s[h] = s[h] * np.exp(sp * float(A.reshape(-1)[h])) + np.outer(x[t, h].astype(np.float64) * sp, B[t, g])
+            y[t, h] = s[h] @ C[t, g].astype(np.float64)
+    return y, s
+
+
+def close(got, want, rtol, what):
+    """Each output within rtol of the largest magnitude of its reference."""
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert g.shape == w.shape, f"{what}: output {i} has shape {g.shape}, want {w.shape}"
+        if not w.size:
+            continue
+        err = np.abs(g.astype(np.float64) - w).max() / max(np.abs(w).max(), 1e-30)
+        assert err <= rtol, f"{what}: output {i} is {err:.3g} off (relative to its largest value)"
+
+
+def same(got, want, what):
+    for i, (g, w) in enumerate(zip(got, want)):
+        np.testing.assert_array_equal(g, w, err_msg=f"{what}: output {i}")
+
+
+# -- cases ----------------------------------------------------------------------------------------------------
+
+def conv_fn(bias: bool):
+    return (lambda x, s, w, b: ops.causal_conv(x, s, w, b)) if bias else (lambda x, s, w: ops.causal_conv(x, s, w))
+
+
+def conv_graph(C, K, bias):
+    avals = [f32["T", C], f32[K - 1, C], f32[C, K]] + ([f32[C]] if bias else [])
+    return ggraph.trace(conv_fn(bias), *avals)
+
+
+def conv_args(T, C, K, bias):
+    return [randn(T, C), randn(K - 1, C), randn(C, K, scale=0.5)] + ([randn(C)] if bias else [])
+
+
+CONV_CASES = [(40, 4, True), (35, 3, False), (16, 2, True), (19, 1, True)]   # (C, K, bias): LFM2 K=3, Mamba K=4
+
+
+def scan_graph(H, D, N, G):
+    return ggraph.trace(ops.ssm_scan, f32[H, D, N], f32["T", H, D], f32["T", H], f32[H], f32["T", G, N],
+                        f32["T", G, N])
+
+
+def scan_args(T, H, D, N, G):
+    dt = randn(T, H, scale=3.0)
+    dt[0, 0] = 25.0                      # past 20: softplus passes it through
+    return [randn(H, D, N), randn(T, H, D), dt, -np.exp(randn(H)), randn(T, G, N), randn(T, G, N)]
+
+
+# (H, D, N, G): N=128 as Mamba-2 files have it (two whole 64s), 80 (a whole 64 and 16 one by one), 16 (all one
+# by one), 64 with one group
+SCAN_CASES = [(4, 8, 16, 2), (2, 4, 128, 1), (3, 6, 80, 3), (2, 2, 64, 1)]
+
+
+# -- numpy: rules and decompositions against the float64 rules ------------------------------------------------
+
+@pytest.mark.parametrize("C,K,bias", CONV_CASES)
+def test_causal_conv_numpy_rule_and_decomposition(C, K, bias):
+    g = conv_graph(C, K, bias)
+    rule, plain = ggraph.compile(g, passes=[]), ggraph.compile(g, passes="none")
+    assert plain.graph.count("causal_conv") == 0 and (K == 1 or plain.graph.count("concat") == 1)
+    for T in TS:
+        args = conv_args(T, C, K, bias)
+        want = conv_ref(*args)
+        close(rule(*args), want, 1e-6, f"rule T={T}")
+        same(plain(*args), rule(*args), f"decomposition T={T}")   # the same fmas in the same order
+
+
+@pytest.mark.parametrize("H,D,N,G", SCAN_CASES)
+def test_ssm_scan_numpy_rule_and_decomposition(H, D, N, G):
+    g = scan_graph(H, D, N, G)
+    rule, plain = ggraph.compile(g, passes=[]), ggraph.compile(g, passes="none")
+    assert plain.graph.count("ssm_scan") == 0 and plain.graph.count("scan") == 1
+    for T in TS:
+        args = scan_args(T, H, D, N, G)
+        want = scan_ref(*args)
+        close(rule(*args), want, 2e-6, f"rule T={T}")
+        close(plain(*args), want, 2e-6, f"decomposition T={T}")
+
+
+def test_ssm_scan_softplus_edges():
+    """dt far below zero (no decay, no input), around 20 (ggml switches to dt itself above it) and far above."""
+    H, D, N, G = 6, 2, 16, 1
+    g = scan_graph(H, D, N, G)
+    args = scan_args(3, H, D, N, G)
+    args[2][:] = np.array([-90.0, -20.0, 19.99, 20.0, 20.01, 95.0], np.float32)
+    args[3][:] = -0.01
+    got = ggraph.compile(g, passes=[])(*args)
+    close(got, scan_ref(*args), 2e-6, "edges")
+    assert np.isfinite(got[0]).all() and np.isfinite(got[1]).all()
+
+
+# -- llvm: the fused kernels bit for bit, every feature set, 1-3 threads ---------------------------------------
+
+def llvm(graph, target, threads, **passes):
+    if target not in RUNNABLE:
+        pytest.skip(f"host cannot run {target}")
+    return ggraph.compile(graph, backend="llvm", target=named_target(target), threads=threads, **passes)
+
+
+@pytest.mark.parametrize("target", X86_NAMES)
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_causal_conv_llvm_kernel(target, threads):
+    for C, K, bias in CONV_CASES:
+        g = conv_graph(C, K, bias)
+        prog = llvm(g, target, threads)
+        assert prog.graph.count("fused_causal_conv") == 1
+        rule = ggraph.compile(g, passes=[])
+        for T in TS:
+            args = conv_args(T, C, K, bias)
+            same(prog(*args), rule(*args), f"C={C} K={K} T={T} on {target}, {threads} threads")
+
+
+@pytest.mark.parametrize("target", X86_NAMES)
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_ssm_scan_llvm_kernel(target, threads):
+    for H, D, N, G in SCAN_CASES:
+        g = scan_graph(H, D, N, G)
+        prog = llvm(g, target, threads)
+        assert prog.graph.count("fused_ssm_scan") == 1
+        rule = ggraph.compile(g, passes=[])
+        for T in TS:
+            args = scan_args(T, H, D, N, G)
+            same(prog(*args), rule(*args), f"H={H} D={D} N={N} G={G} T={T} on {target}, {threads} threads")
+
+
+@pytest.mark.parametrize("off", [{"passes": "none"}, {"disabled": ["fuse_recurrent"]}])
+def test_unfused_llvm_runs_the_decompositions(off):
+    """Without fuse_recurrent the llvm program runs concat, slices and fmas (the conv: the same bits) and
+    ops.scan's native loop (the scan: its own sum order, within 2e-6)."""
+    target = RUNNABLE[0]
+    for C, K, bias in CONV_CASES:
+        g = conv_graph(C, K, bias)
+        prog = llvm(g, target, 2, **off)
+        assert prog.graph.count("fused_causal_conv") == 0
+        args = conv_args(7, C, K, bias)
+        same(prog(*args), ggraph.compile(g, passes=[])(*args), f"conv C={C} K={K}")
+    for H, D, N, G in SCAN_CASES:
+        g = scan_graph(H, D, N, G)
+        prog = llvm(g, target, 2, **off)
+        assert prog.graph.count("fused_ssm_scan") == 0 and prog.graph.count("scan") == 1
+        for T in TS:
+            args = scan_args(T, H, D, N, G)
+            close(prog(*args), scan_ref(*args), 2e-6, f"scan H={H} N={N} T={T}")
+
+
+# -- state carried across calls ---------------------------------------------------------------------------------
+
+def _steps(prog, args_at, n_state_arg, split, T):
+    """Outputs of a prefill of ``split`` tokens then one call per token, the state handed on each time."""
+    ys, state = [], None
+    for lo, hi in [(0, split)] + [(t, t + 1) for t in range(split, T)]:
+        args = args_at(lo, hi)
+        if state is not None:
+            args[n_state_arg] = state
+        y, state = prog(*args)
+        ys.append(y)
+    return np.concatenate(ys), state
+
+
+@pytest.mark.parametrize("backend", ["numpy", "llvm", "llvm-unfused"])
+def test_prefill_then_decode_equals_prefill_of_all(backend):
+    T = 12
+    kw = {"passes": "none"} if backend == "llvm-unfused" else {}
+    make = (lambda g: ggraph.compile(g, **kw)) if backend == "numpy" else \
+        (lambda g: llvm(g, RUNNABLE[0], 2, **kw))
+
+    C, K = 24, 4
+    x, s0, w, b = conv_args(T, C, K, True)
+    prog = make(conv_graph(C, K, True))
+    whole = prog(x, s0, w, b)
+    got = _steps(prog, lambda lo, hi: [x[lo:hi], s0, w, b], 1, 7, T)
+    same(got, whole, f"conv on {backend}")
+
+    H, D, N, G = 4, 4, 64, 2
+    state, xs, dt, A, B, Cm = scan_args(T, H, D, N, G)
+    prog = make(scan_graph(H, D, N, G))
+    whole = prog(state, xs, dt, A, B, Cm)
+    got = _steps(prog, lambda lo, hi: [state, xs[lo:hi], dt[lo:hi], A, B[lo:hi], Cm[lo:hi]], 0, 7, T)
+    same(got, whole, f"scan on {backend}")
+    close(whole, scan_ref(state, xs, dt, A, B, Cm), 2e-6, f"scan on {backend}")
+
+
+# -- the weights as GGUF stores them --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("backend", ["numpy", "llvm"])
+def test_gguf_shaped_weights_as_params(backend):
+    """Mamba's conv weight [C, 1, K] and Mamba-2's A [H, 1] (as llama.cpp's converter writes them), as weights."""
+    C, K, H, D, N, G = 20, 4, 4, 2, 16, 2
+
+    def fn(x, s, w, b, state, xh, dt, A, B, Cm):
+        y, s2 = ops.causal_conv(x, s, w, b)
+        yh, state2 = ops.ssm_scan(state, xh, dt, A, B, Cm)
+        return y, s2, yh, state2
+    g = ggraph.trace(fn, f32["T", C], f32[K - 1, C], param("blk.0.ssm_conv1d.weight", f32[C, 1, K]),
+                     param("blk.0.ssm_conv1d.bias", f32[C]), f32[H, D, N], f32["T", H, D], f32["T", H],
+                     param("blk.0.ssm_a", f32[H, 1]), f32["T", G, N], f32["T", G, N])
+    T = 5
+    x, s, w, b = conv_args(T, C, K, True)
+    state, xh, dt, A, B, Cm = scan_args(T, H, D, N, G)
+    weights = {"blk.0.ssm_conv1d.weight": w.reshape(C, 1, K), "blk.0.ssm_conv1d.bias": b,
+               "blk.0.ssm_a": A.reshape(H, 1)}
+    prog = llvm(g, RUNNABLE[0], 2) if backend == "llvm" else ggraph.compile(g)
+    prog.bind_weights(weights)
+    got = prog(x, s, state, xh, dt, B, Cm)
+    close(got[:2], conv_ref(x, s, w, b), 1e-6, "conv")
+    close(got[2:], scan_ref(state, xh, dt, A, B, Cm), 2e-6, "scan")
+
+
+# -- the pass: its input and output text ----------------------------------------------------------------------
+
+def test_fuse_recurrent_text_and_log():
+    g = ggraph.trace(lambda x, s, w: ops.causal_conv(x, s, w), f32["T", 8], f32[2, 8], f32[8, 3])
+    log = RewriteLog()
+    fused = optimize(g, ["fuse_recurrent"], log=log)
+    assert str(fused) == ("{ lambda ; x:f32[T,8] s:f32[2,8] w:f32[8,3]. let\n"
+                          "    a:f32[T,8] b:f32[2,8] = fused_causal_conv x s w\n"
+                          "  in (a b) }")
+    assert [e.detail for e in log.rewrites("fuse_recurrent")] == ["causal_conv -> fused_causal_conv"]
+    off = optimize(g, "default", disabled=["fuse_recurrent"])
+    assert off.count("fused_causal_conv") == 0 and off.count("concat") == 1
+
+
+# -- errors: one line naming the op and the operand -----------------------------------------------------------
+
+@pytest.mark.parametrize("avals,match", [
+    ((f32["T", 8], f32[3, 8], f32[8, 3]), r"causal_conv: state must be f32\[2, 8\]"),
+    ((f32["T", 8], f32[2, 8], f32[6, 3]), r"causal_conv: x .* has 8 channels but w .* has 6"),
+    ((f32["T", 8, 1], f32[2, 8], f32[8, 3]), r"causal_conv: x must be f32\[T, C\]"),
+    ((f32["T", 8], f32[2, 8], f32[8, 3], f32[7]), r"causal_conv: bias must be f32\[8\]"),
+])
+def test_causal_conv_errors(avals, match):
+    with pytest.raises(ShapeError, match=match) as err:
+        ggraph.trace(lambda *a: ops.causal_conv(*a), *avals)
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("which,aval,match", [
+    (1, f32["T", 4, 3], r"ssm_scan: x must be f32\[T, 4, 8\]"),
+    (2, f32["T", 5], r"ssm_scan: dt must be f32\[T, 4\]"),
+    (3, f32[4, 2], r"ssm_scan: A must be f32\[4\], one decay per head"),
+    (4, f32["T", 2, 15], r"ssm_scan: B must be f32\[T, G, 16\]"),
+    (5, f32["T", 3, 16], r"ssm_scan: B .* and C .* have different group counts"),
+    (0, f32[4, 8, "T"], r"ssm_scan: state must have a static shape"),
+])
+def test_ssm_scan_errors(which, aval, match):
+    avals = [f32[4, 8, 16], f32["T", 4, 8], f32["T", 4], f32[4], f32["T", 2, 16], f32["T", 2, 16]]
+    avals[which] = aval
+    with pytest.raises(ShapeError, match=match) as err:
+        ggraph.trace(ops.ssm_scan, *avals)
+    assert "\n" not in str(err.value)
+
+
+def test_ssm_scan_groups_must_divide_heads():
+    with pytest.raises(ShapeError, match=r"ssm_scan: 4 heads are not a multiple of the 3 groups"):
+        ggraph.trace(ops.ssm_scan, f32[4, 8, 16], f32["T", 4, 8], f32["T", 4], f32[4], f32["T", 3, 16],
+                     f32["T", 3, 16])
