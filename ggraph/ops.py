@@ -21,9 +21,11 @@ from ggraph.ir.fused import expert_linear_cost, expert_linear_impl, expert_linea
 from ggraph.ir.prims import broadcast_to, dequant, matmul, reshape, take
 from ggraph.ir.recurrent import causal_conv, ssm_scan
 from ggraph.ir.scan import scan
+from ggraph.ir.delta_rule import gated_delta_rule
 
 __all__ = list(_prims) + list(_composites) + ["dot", "index", "linear", "expert_linear", "alibi", "chunked",
-                                              "sliding_window", "softcap", "scan", "causal_conv", "ssm_scan"]
+                                              "sliding_window", "softcap", "scan", "causal_conv", "ssm_scan",
+                                              "gated_delta_rule"]
 
 
 def linear(x, w, b=None):

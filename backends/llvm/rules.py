@@ -15,12 +15,14 @@ from ggraph.ir.dtypes import DimAval, i8
 from ggraph.ir.composites import rope_angles_p
 from ggraph.ir.fused import qmatmul_experts_p, qmatmul_p, rope_attention_p
 from ggraph.ir.recurrent import fused_causal_conv_p, fused_ssm_scan_p
+from ggraph.ir.delta_rule import fused_gated_delta_rule_p
 from ggraph.ir.graph import Eqn, Graph, Literal, Var
 from ggraph.ir.primitive import fusable
 from ggraph.ir.scan import scan_p
 from ggraph.backends.llvm import kernels as K
 from ggraph.backends.llvm.kernels import attention as A
 from ggraph.backends.llvm.kernels import copies as C
+from ggraph.backends.llvm.kernels import delta_rule as DR
 from ggraph.backends.llvm.kernels import elementwise as E
 from ggraph.backends.llvm.kernels import plain_ops as G
 from ggraph.backends.llvm.kernels import recurrent as RC
@@ -376,6 +378,16 @@ def _ssm_scan(lw, e):
     y, new_state = (lw.output(o) for o in e.outputs)
     name = lw.kernel(RC.ssm_scan, H, D, N, B.aval.shape[1], lw.target)
     lw.call(name, lw.ref(state), lw.ref(x), decay, lw.ref(B), lw.ref(C), y, new_state, T, writes=(y, new_state))
+
+
+@lowering(fused_gated_delta_rule_p)
+def _gated_delta_rule(lw, e):
+    """One kernel: (value head, rows) units across threads, each unit's rows of the state in registers."""
+    q, v, state = e.inputs[0], e.inputs[2], e.inputs[5]
+    Hv, Dv, Dk = state.aval.shape
+    y, new_state = (lw.output(o) for o in e.outputs)
+    name = lw.kernel(DR.gated_delta_rule, q.aval.shape[1], Hv, Dk, Dv, e.params["scale"], lw.target)
+    lw.call(name, *[lw.ref(a) for a in e.inputs], y, new_state, v.aval.shape[0], writes=(y, new_state))
 
 
 # -- routing: top_k, argmax, take_along_axis, segment_sum ---------------------------------------
