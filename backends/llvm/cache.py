@@ -142,7 +142,7 @@ _ALLOWED = {
     ("ggraph.backends.llvm.lowering", "Buffer"), ("ggraph.backends.llvm.lowering", "FixedBytes"),
     ("ggraph.backends.llvm.lowering", "AvalBytes"), ("ggraph.backends.llvm.lowering", "PlanBytes"),
     ("ggraph.backends.llvm.lowering", "ActBytes"), ("ggraph.backends.llvm.kernels.plan", "Layout"),
-    ("ggraph.backends.llvm.lowering", "Ref"), ("ggraph.ir.dtypes", "Aval"), ("ggraph.ir.dtypes", "DimAval"),
+    ("ggraph.backends.llvm.lowering", "Ref"), ("ggraph.backends.llvm.lowering", "Loop"), ("ggraph.ir.dtypes", "Aval"), ("ggraph.ir.dtypes", "DimAval"),
     ("ggraph.ir.dtypes", "ParamAval"), ("ggraph.ir.dtypes", "from_name"), ("ggraph.ir.dims", "Sym"),
     ("ggraph.ir.graph", "Literal"), ("builtins", "frozenset"), ("builtins", "set"), ("builtins", "slice"),
     ("numpy", "ndarray"), ("numpy", "dtype"), ("numpy.core.multiarray", "_reconstruct"),
