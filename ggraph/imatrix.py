@@ -243,9 +243,10 @@ def collect(path, text: str, n_ctx: int = 512, n_chunks: int | None = None, thre
 
     def run_chunk(chunk):
         logits = []
+        session.reset()                                    # each chunk starts from zeroed recurrent states
         for at, part in steps(chunk, session.ubatch):
-            outs = prog.run_inputs([part, np.int32(at), *session.k_cache, *session.v_cache])
-            (step_logits, _, _), recorded = tree_unflatten(prog.graph.out_tree, outs)
+            outs = prog.run_inputs([part, np.int32(at), *session.k_cache, *session.v_cache, *session.states])
+            (step_logits, *_), recorded = tree_unflatten(prog.graph.out_tree, outs)
             sums.add(recorded, small=part.size < MIN_ROWS)
             if ppl:
                 logits.append(step_logits)

@@ -7,8 +7,8 @@ Each point runs in a fresh Python process, so that its resident memory (RSS) is 
 process loads the model (and compiles or loads its program), notes its RSS, prefills ``fill``
 tokens in ubatches, decodes a few steps after them, and reports its peak RSS (VmHWM). The
 plan is ``Session.memory()``: the weights (the file's tensors, mapped), the KV cache (the
-arrays allocated for the whole context) and the activation arena of one ubatch at a full
-context. ggraph's cache pages become resident as rows are written, so a partial fill shows
+arrays allocated for the whole context), recurrent states with their snapshots (models with
+recurrent layers) and the activation arena of one ubatch at a full context. ggraph's cache pages become resident as rows are written, so a partial fill shows
 only the rows filled; llama.cpp zeroes its KV buffer when it makes the context, so all of its
 cache is resident from the start.
 """
@@ -89,12 +89,16 @@ def _llama_point(spec: dict) -> dict:
 def measure_point(engine: str, path, ctx: int, cache_k: str = "f16", cache_v: str = "f16", fill: int | None = None,
                   threads: int = 1, flash_attn: bool = True, max_memory=None) -> dict:
     """One point, measured in a fresh process: {"engine", "ctx", "cache_k", "cache_v", "fill", "decode",
-    "flash_attn", "planned" (ggraph only: weights, kv_cache, activations, total), "load", "end"}; "load"
+    "flash_attn", "planned" (ggraph only: weights, kv_cache, states, activations, total), "load", "end"}; "load"
     and "end" are ``resident()`` after loading and after the run (its "hwm" is the peak)."""
     prompt, decode = fill_for(ctx, fill)
     spec = {"engine": engine, "path": str(path), "ctx": ctx, "cache_k": cache_k, "cache_v": cache_v, "fill": prompt,
             "decode": decode, "threads": threads, "flash_attn": bool(flash_attn), "max_memory": max_memory}
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))   # the ggraph this process runs
+    from ggraph import plugins
+    files = [k for k in plugins._loaded if os.path.isfile(k)]          # --plugin files: the same architectures
+    if files:
+        env[plugins.ENV] = os.pathsep.join([*files, *filter(None, [os.environ.get(plugins.ENV)])])
     proc = subprocess.run([sys.executable, "-m", "ggraph.bench.memory", json.dumps(spec)], capture_output=True,
                           text=True, env=env)
     lines = proc.stdout.strip().splitlines()
@@ -144,7 +148,7 @@ def _peak(rows: list[dict], ctx: int, k: str, v: str, engine: str, fa: bool | No
 def memory_table(rows: list[dict]) -> str:
     """Planned and measured MiB per (cache types, ctx): ggraph's plan and RSS, and llama.cpp's peak RSS."""
     fas = sorted({r["flash_attn"] for r in rows if r["engine"] == "llama.cpp"}, reverse=True)
-    head = (f"{'K/V':<10} {'ctx':>6} {'fill':>6} | {'weights':>8} {'KV':>8} {'acts':>7} {'planned':>8} | "
+    head = (f"{'K/V':<10} {'ctx':>6} {'fill':>6} | {'weights':>8} {'KV':>8} {'states':>7} {'acts':>7} {'planned':>8} | "
             f"{'load':>7} {'peak':>7} {'unplanned':>9}")
     head += "".join(f" | {'llama.cpp fa ' + ('on' if fa else 'off'):>16} {'ratio':>6}" for fa in fas)
     lines = ["MiB; planned = Session.memory(); load, peak = ggraph's RSS after loading and at its peak; "
@@ -154,7 +158,8 @@ def memory_table(rows: list[dict]) -> str:
             continue
         p, peak = r["planned"], r["end"]["hwm"]
         line = (f"{r['cache_k'] + '/' + r['cache_v']:<10} {r['ctx']:>6} {r['fill']:>6} | {p['weights'] / MIB:>8.1f} "
-                f"{p['kv_cache'] / MIB:>8.1f} {p['activations'] / MIB:>7.1f} {p['total'] / MIB:>8.1f} | "
+                f"{p['kv_cache'] / MIB:>8.1f} {p.get('states', 0) / MIB:>7.1f} {p['activations'] / MIB:>7.1f} "
+                f"{p['total'] / MIB:>8.1f} | "
                 f"{r['load']['rss'] / MIB:>7.1f} {peak / MIB:>7.1f} {(peak - p['total']) / MIB:>+9.1f}")
         for fa in fas:
             theirs = _peak(rows, r["ctx"], r["cache_k"], r["cache_v"], "llama.cpp", fa)

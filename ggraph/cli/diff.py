@@ -13,11 +13,13 @@ DEFAULT_PROMPT = "The quick brown fox jumps over the lazy dog"
 
 
 def layer_outputs(graph, n_layer: int) -> list:
-    """The residual stream after each block: the first output of the last eqn in scope blk.i."""
+    """The residual stream after each block: the first output of the last eqn in scope blk.i (a recurrent
+    state's write-back at the end of the step is not one)."""
     from ggraph.ir.graph import in_layer
+    from ggraph.ir.prims import state_write_p
     outs = []
     for i in range(n_layer):
-        last = [e for e in graph.eqns if in_layer(e.scope, i)]
+        last = [e for e in graph.eqns if in_layer(e.scope, i) and e.prim is not state_write_p]
         if not last:
             raise ValueError(f"diff: the graph has no eqns in scope blk.{i}")
         outs.append(last[-1].outputs[0])
@@ -25,13 +27,14 @@ def layer_outputs(graph, n_layer: int) -> list:
 
 
 def run_marked(model, graph, ctx: int, passes, tokens) -> list[np.ndarray]:
-    """Compile ``graph`` with ``passes`` on the numpy backend and run it on ``tokens`` from an empty cache."""
+    """Compile ``graph`` with ``passes`` on the numpy backend and run it on ``tokens`` from an empty cache
+    (and zeroed recurrent states)."""
     from ggraph.compiler import compile_graph
+    from ggraph.ir.dtypes import f32
+    from ggraph.runtime.session import empty_caches, state_arrays
     prog = compile_graph(graph, passes=passes, weights=model.file)
-    kshape, vshape = model.kv_shapes(ctx)
-    n = model.config.n_layer
-    caches = [np.zeros(kshape, np.float32) for _ in range(n)] + [np.zeros(vshape, np.float32) for _ in range(n)]
-    return prog.run_inputs([np.asarray(tokens, np.int32), np.int32(0), *caches])
+    k, v = empty_caches(model, ctx, (f32, f32))
+    return prog.run_inputs([np.asarray(tokens, np.int32), np.int32(0), *k, *v, *state_arrays(model)])
 
 
 def compare(a: np.ndarray, b: np.ndarray) -> tuple[float, float]:
