@@ -243,21 +243,21 @@ def test_batch_and_serve_give_each_request_its_solo_text(shiftlm):
         close(out[k], alone[k], "numpy")
     batch.truncate(0, 4)                                   # a slot's own state goes back with it
     close(batch.step({0: a[4:]})[0], alone[0], "numpy")
-    prompts = [prompt_ids(6, seed=s) for s in (11, 12)]
-    want = [session(shiftlm, ctx=48).generate(p, max_tokens=8, temperature=0) for p in prompts]
-    engine = Engine(shiftlm, parallel=2, ctx=48, backend="numpy", **EXACT)
+    prompts = [prompt_ids(6, seed=s) for s in (11, 12, 13)]        # three requests: a slot is used again
+    want = [session(shiftlm, "llvm", ctx=48).generate(p, max_tokens=8, temperature=0) for p in prompts]
+    engine = Engine(shiftlm, parallel=2, ctx=48, backend="llvm", threads=1, **EXACT)
     try:
-        results, done = [[], []], []
+        results, done = [[], [], []], []
         for i, p in enumerate(prompts):
             engine.submit(p, dict(max_tokens=8, temperature=0),
                           lambda kind, v, i=i: results[i].append(v) if kind == "piece" else done.append((kind, v)))
         import time
         deadline = time.time() + 120
-        while len(done) < 2 and time.time() < deadline:
+        while len(done) < 3 and time.time() < deadline:
             time.sleep(0.05)
     finally:
         engine.close()
-    assert [k for k, _ in done] == ["done", "done"] and ["".join(r) for r in results] == want
+    assert [k for k, _ in done] == ["done"] * 3 and ["".join(r) for r in results] == want
 
 
 def test_cli_run_chat_bench_dump(shiftlm, capsys, monkeypatch):
