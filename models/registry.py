@@ -62,6 +62,9 @@ def register_architecture(name: str, flags: Callable, forward: Callable | None =
     if states is not None and forward is None:
         raise ValueError(f"register_architecture({name!r}): states need a forward of its own that takes and "
                          f"returns them (the shared decoder has none)")
+    if states is not None and not _takes(forward, "states"):
+        raise TypeError(f"register_architecture({name!r}): with states, forward must take them: forward(cfg, w, "
+                        f"tokens, P, k_caches, v_caches, *, states, last_only=False, rope_factors=None)")
     origin = definition_site()
     if name in ARCHITECTURES and not replace and ARCHITECTURES[name].origin != origin:
         raise ValueError(f"architecture {name!r} is already registered by {ARCHITECTURES[name].origin}; {origin} "
@@ -69,6 +72,16 @@ def register_architecture(name: str, flags: Callable, forward: Callable | None =
     arch = Architecture(name, flags, forward, states, origin)
     ARCHITECTURES[name] = arch
     return arch
+
+
+def _takes(fn: Callable, keyword: str) -> bool:
+    """``fn`` accepts ``keyword=`` (by name, or through **kwargs); True when its signature cannot be read."""
+    import inspect
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return True
+    return keyword in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
 
 
 def architecture(name: str) -> Architecture:

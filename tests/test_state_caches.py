@@ -328,6 +328,10 @@ def test_bad_declarations_name_the_layer(shiftlm, tmp_path):
             assert "\n" not in str(e.value)
         with pytest.raises(ValueError, match="states need a forward of its own"):
             models.register_architecture("badlm", shift_flags, states=shift_states)
+        with pytest.raises(TypeError, match="with states, forward must take them"):
+            models.register_architecture("badlm", shift_flags, lambda cfg, w, tokens, P, k, v, *, last_only=False,
+                                         rope_factors=None: None, states=shift_states)
+        assert "badlm" not in models.ARCHITECTURES
     finally:
         for i in range(len(cases)):
             models.ARCHITECTURES.pop(f"badlm{i}", None)
