@@ -237,7 +237,8 @@ def check_returned_states(cfg, states, declared: list[dict[str, Aval]]) -> list[
     from ggraph.ir.trace import Tracer
     if not isinstance(states, (list, tuple)) or len(states) != cfg.n_layer:
         raise ValueError(f"architecture {cfg.arch!r}: its forward must return {cfg.n_layer} layers of states, got "
-                         f"{type(states).__name__}" + (f" of {len(states)}" if isinstance(states, (list, tuple)) else ""))
+                         f"{type(states).__name__}"
+                         + (f" of {len(states)}" if isinstance(states, (list, tuple)) else ""))
     for i, (got, want) in enumerate(zip(states, declared)):
         if not isinstance(got, dict) or set(got) != set(want):
             names = sorted(got) if isinstance(got, dict) else type(got).__name__

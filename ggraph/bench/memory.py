@@ -8,9 +8,10 @@ process loads the model (and compiles or loads its program), notes its RSS, pref
 tokens in ubatches, decodes a few steps after them, and reports its peak RSS (VmHWM). The
 plan is ``Session.memory()``: the weights (the file's tensors, mapped), the KV cache (the
 arrays allocated for the whole context), recurrent states with their snapshots (models with
-recurrent layers) and the activation arena of one ubatch at a full context. ggraph's cache pages become resident as rows are written, so a partial fill shows
-only the rows filled; llama.cpp zeroes its KV buffer when it makes the context, so all of its
-cache is resident from the start.
+recurrent layers) and the activation arena of one ubatch at a full context. ggraph's cache
+pages become resident as rows are written, so a partial fill shows only the rows filled;
+llama.cpp zeroes its KV buffer when it makes the context, so all of its cache is resident from
+the start.
 """
 from __future__ import annotations
 
