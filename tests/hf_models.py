@@ -16,7 +16,7 @@ Tokenizers: llama.cpp's converter names a BPE pre-tokenizer by the hash of a rea
 output, so a BPE trained here is refused. qwen3 and mixtral take the converter's SentencePiece path
 (test_convert's 400-piece model); olmo2, olmoe, qwen3moe, qwen2moe and gpt-oss have no such path and get
 GPT-2's real BPE, rebuilt from tests/data/vocab/ggml-vocab-gpt-2.gguf, which the converter recognises as "gpt-2".
-So do the recurrent and hybrid families (``RECURRENT``: lfm2, mamba2, granitehybrid).
+So do the recurrent and hybrid families (``RECURRENT``: lfm2, mamba2, granitehybrid; ``DELTA_NET``: qwen3next).
 """
 from __future__ import annotations
 
@@ -123,6 +123,22 @@ RECURRENT = {
                            logits_scaling=2.0, rms_norm_eps=1e-5, tie_word_embeddings=True, bos_token_id=None,
                            eos_token_id=50256, pad_token_id=50256), "gpt-2", 50304),
 }
+# the gated delta-net family (tests/test_qwen3next.py), in the same form
+DELTA_NET = {
+    # Qwen3-Next's layout, shrunk: gated delta-net layers (2 key heads shared by 4 value heads of 64, convolution
+    # width 4) around a gated attention layer (4 heads of 64 over 2 kv heads, q/k norms, rope on a quarter of
+    # each head), in every layer 8 experts of width 128, top-2 renormalised, beside a shared expert of 256 under
+    # its sigmoid gate; untied. No multi-token-prediction layers (the converter's --no-mtp, CONVERTER_ARGS)
+    "qwen3next": ("Qwen3NextConfig", "Qwen3NextForCausalLM",
+                  dict(num_hidden_layers=3, layer_types=["linear_attention", "full_attention", "linear_attention"],
+                       head_dim=64, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=64,
+                       linear_value_head_dim=64, linear_conv_kernel_dim=4, num_experts=8, num_experts_per_tok=2,
+                       moe_intermediate_size=128, shared_expert_intermediate_size=256, norm_topk_prob=True,
+                       decoder_sparse_step=1, mlp_only_layers=[], rms_norm_eps=1e-6, tie_word_embeddings=False,
+                       bos_token_id=None, eos_token_id=50256, pad_token_id=50256,
+                       rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.25)),
+                  "gpt-2", 50304),
+}
 # parameters transformers initialises to zero (or to 1), moved off it for the families whose tests need them to count
 OFF_ZERO = {"gpt-oss": ("bias", "sinks"), "mamba2": ("mixer.D",), "granitehybrid": ("mamba.D",)}
 # config.json as llama.cpp's converter reads it, where that differs from what transformers saves
@@ -130,6 +146,10 @@ CONVERTER_CONFIG = {
     "granitehybrid": lambda c: c | {"layer_types": [{"linear_attention": "mamba", "full_attention": "attention"}[t]
                                                     for t in c["layer_types"]]},
 }
+
+
+# further arguments of llama.cpp's convert_hf_to_gguf.py
+CONVERTER_ARGS = {"qwen3next": ("--no-mtp",)}      # its default expects multi-token-prediction layers
 
 
 def converted(family: str, mix: str = "f32", **overrides) -> Path:
@@ -181,8 +201,9 @@ def _hf_model(folder: Path):
 @lru_cache(maxsize=None)
 def _made(family: str, overrides: tuple) -> Path:
     """The cache folder holding ``hf/`` and ``<family>-<mix>.gguf`` for every mix, built if absent."""
-    if family not in FAMILIES | RECURRENT:
-        raise ValueError(f"hf_models: unknown family {family!r}; known: {', '.join(FAMILIES | RECURRENT)}")
+    known = FAMILIES | RECURRENT | DELTA_NET
+    if family not in known:
+        raise ValueError(f"hf_models: unknown family {family!r}; known: {', '.join(known)}")
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
     pytest.importorskip("llama_cpp", reason="llama.cpp converts and quantises these models")
@@ -195,7 +216,7 @@ def _made(family: str, overrides: tuple) -> Path:
         build_hf_model(tmp / "hf", family, **dict(overrides))
         f32 = tmp / f"{family}-f32.gguf"
         reads = converter_folder(tmp / "hf", family)
-        convert_with_llama_cpp(src, reads, f32)
+        convert_with_llama_cpp(src, reads, f32, CONVERTER_ARGS.get(family, ()))
         if reads != tmp / "hf":
             shutil.rmtree(reads)
         for mix, ftype in MIXES.items():
@@ -216,7 +237,7 @@ def build_hf_model(folder: Path, family: str, **overrides) -> None:
     """Save a tiny random ``family`` model and its tokenizer into ``folder``."""
     import torch
     import transformers
-    config_cls, model_cls, over, tokenizer, n_vocab = (FAMILIES | RECURRENT)[family]
+    config_cls, model_cls, over, tokenizer, n_vocab = (FAMILIES | RECURRENT | DELTA_NET)[family]
     config = getattr(transformers, config_cls)(**(DIMS | {"vocab_size": n_vocab} | over | overrides))
     torch.manual_seed(0)
     model = getattr(transformers, model_cls)(config).eval()
@@ -267,12 +288,13 @@ def write_gpt2_tokenizer(folder: Path) -> None:
         {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>"}))
 
 
-def convert_with_llama_cpp(src: Path, folder: Path, out: Path) -> Path:
-    """``python convert_hf_to_gguf.py folder --outfile out --outtype f32`` from llama.cpp's source
+def convert_with_llama_cpp(src: Path, folder: Path, out: Path, args=()) -> Path:
+    """``python convert_hf_to_gguf.py folder --outfile out --outtype f32 [args]`` from llama.cpp's source
     ``src``, importing that source's own gguf-py."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(src / "gguf-py"),
                                                                    os.environ.get("PYTHONPATH")])))
-    cmd = [sys.executable, str(src / "convert_hf_to_gguf.py"), str(folder), "--outfile", str(out), "--outtype", "f32"]
+    cmd = [sys.executable, str(src / "convert_hf_to_gguf.py"), str(folder), "--outfile", str(out), "--outtype", "f32",
+           *args]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
     if proc.returncode or not out.is_file():
         raise RuntimeError(f"hf_models: {' '.join(cmd)} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
