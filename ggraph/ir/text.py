@@ -144,7 +144,7 @@ def _parse_graph(lines: _Lines, nested: bool) -> Graph:
             outs = [env[n] if n in env else _literal(n) for n in fm.group(1).split()]
             return Graph(invars, params, eqns, outs, name="parsed")
         if (pm := _PARAM_LINE.match(line)):
-            v = Var(ParamAval(pm.group(4), _aval(pm.group(2), pm.group(3))), hint=None if nested else pm.group(1))
+            v = Var(ParamAval(pm.group(4), _aval(pm.group(2), pm.group(3))))
             env[pm.group(1)] = v
             params.append(v)
             continue
