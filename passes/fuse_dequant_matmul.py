@@ -72,8 +72,10 @@ def _view(rw: Rewriter, w: Var, shape: tuple, scope) -> Var:
 
 
 def _f32_weights(graph: Graph) -> set[Var]:
-    """Weight params stored as f32 matrices: a matmul against one is a qmatmul too."""
-    return {v for v in graph.params if v.aval.dtype is f32 and v.aval.ndim == 2}
+    """Weight params stored as f32 matrices: a matmul against one is a qmatmul too. In a scan's body a weight
+    it closes over is an input that keeps the param's aval."""
+    weights = graph.params + tuple(v for v in graph.invars if isinstance(v.aval, ParamAval))
+    return {v for v in weights if v.aval.dtype is f32 and v.aval.ndim == 2}
 
 
 def _expert_matmuls(graph: Graph, weight_of: dict[Var, Var]) -> dict[Eqn, tuple]:

@@ -285,11 +285,13 @@ def test_body_fuses():
     check("elementwise", prog, llvm=True)
 
 
-def test_body_dequant_matmul_fuses():
-    """fuse_dequant_matmul runs on the body: a closed-over q8_0 weight is read as blocks (qmatmul) each step."""
-    g = run(traced("q8_weight"), resolve("default"))
+@pytest.mark.parametrize("name", ["q8_weight", "matmul_weight"])
+def test_body_dequant_matmul_fuses(name):
+    """fuse_dequant_matmul runs on the body: a closed-over weight (q8_0 or f32) is read as stored (qmatmul)
+    each step."""
+    g = run(traced(name), resolve("default"))
     body = g.eqns[0].params["body"]
-    assert body.count("qmatmul") == 1 and body.count("dequant") == 0, str(g)
+    assert body.count("qmatmul") == 1 and body.count("dequant") == 0 and body.count("matmul") == 0, str(g)
 
 
 @ops.composite("scan_cumsum_test", None)
