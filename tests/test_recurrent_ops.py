@@ -15,6 +15,7 @@ from ggraph import f32, ops
 from ggraph.backends.llvm.target import X86_NAMES, named_target, runnable_targets
 from ggraph.ir import param
 from ggraph.ir.primitive import ShapeError
+from ggraph.ir.prims import state_write
 from ggraph.ir.text import parse
 from ggraph.compiler import optimize
 from ggraph.passes import RewriteLog
@@ -330,6 +331,52 @@ def test_ssm_scan_gives_ggmls_bits(ggml, backend):
             args[2] = 20.5 + np.abs(args[2])
             args[3] = args[3] * 0.01
             same(prog(*args), ggml_scan(ggml, *args), f"dt > 20, T={T} N={N}")
+
+
+# -- a state written back: the kernel writes it in place ------------------------------------------------------
+
+def _mixer(x, s, w, st, xh, dt, A, B, Cm):
+    y, s2 = ops.causal_conv(x, s, w)
+    yh, st2 = ops.ssm_scan(st, xh, dt, A, B, Cm)
+    return y, yh, state_write(s, s2), state_write(st, st2)
+
+
+MIXER = (f32["T", 40], f32[3, 40], f32[40, 4], f32[4, 8, 64], f32["T", 4, 8], f32["T", 4], f32[4], f32["T", 2, 64],
+         f32["T", 2, 64])
+
+
+def mixer_args(T, seed):
+    r = np.random.default_rng(seed)
+    return [r.standard_normal(a.concrete({"T": T})).astype(np.float32) for a in MIXER]
+
+
+@pytest.mark.parametrize("target", X86_NAMES)
+def test_state_written_back_is_written_in_place(target):
+    """A step that writes its new states back over its state inputs (as a model's step does): the kernels
+    write them there (overwrite), no copy kernel runs, and the states are the numpy rules' bit for bit."""
+    g = ggraph.trace(_mixer, *MIXER)
+    prog = llvm(g, target, 2)
+    assert [e.params.get("overwrite") for e in prog.graph.eqns if e.prim.name.startswith("fused_")] == [True, True]
+    assert not any("copy" in c.kernel for c in prog.spec.calls), [c.kernel for c in prog.spec.calls]
+    for T in TS:
+        args = mixer_args(T, T)
+        args[6] = -np.exp(args[6])
+        want = ggraph.compile(g, passes=[])(*[a.copy() for a in args])
+        got = prog(*args)
+        same(got, want, f"T={T}")
+        same([args[1], args[3]], want[2:], f"the state inputs, T={T}")         # donated, as a KV cache is
+
+
+def test_state_read_elsewhere_is_not_overwritten():
+    def fn(x, s, w):
+        y, s2 = ops.causal_conv(x, s, w)
+        return y + ops.reduce_sum(ops.reshape(s, (1, 16))), state_write(s, s2)   # s is read after the conv too
+    g = ggraph.trace(fn, f32["T", 8], f32[2, 8], f32[8, 3])
+    fused = optimize(g, ["fuse_recurrent"])
+    assert fused.eqns[0].params == {}
+    x, s, w = conv_args(5, 8, 3, False)
+    got = llvm(g, RUNNABLE[0], 2)(x, s.copy(), w)
+    same(got, ggraph.compile(g, passes=[])(x, s.copy(), w), "conv")
 
 
 # -- the weights as GGUF stores them --------------------------------------------------------------------------

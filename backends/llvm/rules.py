@@ -354,7 +354,6 @@ def _rope_attention(lw, e):
     lw.alias(e.outputs[2], refs["v_cache"])
 
 
-
 # -- recurrent layers: causal_conv, ssm_scan ------------------------------------------------------
 
 @lowering(fused_causal_conv_p)
@@ -362,8 +361,9 @@ def _causal_conv(lw, e):
     """One kernel: y and new_state in one pass over the tokens, channels split across threads."""
     x, state, w = e.inputs[:3]
     C, K = w.aval.shape
-    y, new_state = (lw.output(o) for o in e.outputs)
-    name = lw.kernel(RC.causal_conv, C, K, len(e.inputs) > 3, lw.target)
+    overwrite = e.params.get("overwrite", False)
+    y, new_state = lw.output(e.outputs[0]), _new_state(lw, e, state)
+    name = lw.kernel(RC.causal_conv, C, K, len(e.inputs) > 3, lw.target, overwrite)
     lw.call(name, *[lw.ref(a) for a in e.inputs], y, new_state, x.aval.shape[0], writes=(y, new_state))
 
 
@@ -375,9 +375,17 @@ def _ssm_scan(lw, e):
     T = x.aval.shape[0]
     decay = lw.scratch(AvalBytes(dt.aval.update(shape=(T, H, 2))), "ssm_decay")
     lw.call(lw.kernel(RC.ssm_decay, H, lw.target), lw.ref(dt), lw.ref(A), decay, T, writes=(decay,))
-    y, new_state = (lw.output(o) for o in e.outputs)
-    name = lw.kernel(RC.ssm_scan, H, D, N, B.aval.shape[1], lw.target)
+    y, new_state = lw.output(e.outputs[0]), _new_state(lw, e, state)
+    name = lw.kernel(RC.ssm_scan, H, D, N, B.aval.shape[1], lw.target, e.params.get("overwrite", False))
     lw.call(name, lw.ref(state), lw.ref(x), decay, lw.ref(B), lw.ref(C), y, new_state, T, writes=(y, new_state))
+
+
+def _new_state(lw, e, state):
+    """Where a recurrent kernel writes its new state: over the state operand when the op says so."""
+    if not e.params.get("overwrite"):
+        return lw.output(e.outputs[1])
+    lw.alias(e.outputs[1], lw.ref(state))
+    return lw.ref(state)
 
 
 @lowering(fused_gated_delta_rule_p)

@@ -14,6 +14,8 @@ conv1d) and Mamba-2's selective state-space scan, each a composite with a fused 
 
 The fused forms (``fused_causal_conv``, ``fused_ssm_scan``) have the same operands and numpy rules;
 ``fuse_recurrent`` puts them in place of the composites, and the llvm backend has one kernel for each.
+Their ``overwrite`` param (set where the graph writes new_state back over a state input with
+``state_write``) makes new_state the state operand's storage, so the write-back copies nothing.
 """
 from __future__ import annotations
 
@@ -196,10 +198,29 @@ def _aval(a):
     return a.aval if isinstance(a, Tracer) else Aval(np.shape(a), f32)
 
 
+def _overwriting(rule, state_at: int):
+    """The numpy rule of a fused op whose ``overwrite`` param says new_state goes into the state operand's
+    storage (a state the graph writes back with state_write anyway), as its kernel then does."""
+    def impl(*arrays, overwrite=False):
+        y, new = rule(*arrays)
+        if not overwrite:
+            return y, new
+        state = arrays[state_at]
+        state[...] = new
+        return y, state
+    return impl
+
+
+def _overwrite_aliases(state_at: int):
+    return lambda e: {1: state_at} if e.params.get("overwrite") else {}
+
+
 fused_causal_conv_p = register(
-    "fused_causal_conv", kind="fused", multiple_results=True, in_place=False, impl=np_causal_conv, cost=_conv_cost,
-    shape=lambda x, state, w, bias=None: causal_conv_shape("fused_causal_conv", x, state, w, bias),
-    doc="causal_conv as one kernel: (y, new_state) in one pass over x, channels split across threads")
+    "fused_causal_conv", kind="fused", multiple_results=True, in_place=False, effects=True,
+    impl=_overwriting(np_causal_conv, 1), aliases=_overwrite_aliases(1), cost=_conv_cost,
+    shape=lambda x, state, w, bias=None, overwrite=False: causal_conv_shape("fused_causal_conv", x, state, w, bias),
+    doc="causal_conv as one kernel: (y, new_state) in one pass over x, channels split across threads; with "
+        "overwrite, new_state is written over the state operand")
 causal_conv_p = _causal_conv.prim
 
 
@@ -254,14 +275,16 @@ def ssm_scan(state, x, dt, A, B, C):
     return _ssm_scan(*operands)
 
 
-def _ssm_scan_fused_shape(state, x, dt, A, B, C):
+def _ssm_scan_fused_shape(state, x, dt, A, B, C, overwrite=False):
     return ssm_scan_shape("fused_ssm_scan", state, x, dt, A, B, C)
 
 
 fused_ssm_scan_p = register(
-    "fused_ssm_scan", kind="fused", multiple_results=True, in_place=False, impl=np_ssm_scan, cost=_scan_cost,
-    shape=_ssm_scan_fused_shape,
-    doc="ssm_scan as one kernel: the state rows in registers across the T tokens, (head, rows) split across threads")
+    "fused_ssm_scan", kind="fused", multiple_results=True, in_place=False, effects=True,
+    impl=_overwriting(np_ssm_scan, 0), aliases=_overwrite_aliases(0), cost=_scan_cost, shape=_ssm_scan_fused_shape,
+    doc="ssm_scan as one kernel: the state rows in registers across the T tokens, (head, rows) split across "
+        "threads; with overwrite, new_state is written over the state operand")
 ssm_scan_p = _ssm_scan.prim
 
-FUSED = {causal_conv_p: fused_causal_conv_p, ssm_scan_p: fused_ssm_scan_p}    # composite -> its kernel's op
+# composite -> (its kernel's op, which operand is the state)
+FUSED = {causal_conv_p: (fused_causal_conv_p, 1), ssm_scan_p: (fused_ssm_scan_p, 0)}

@@ -1,11 +1,11 @@
 """Kernels of the recurrent layers: the causal depthwise convolution with carried state, and Mamba-2's
 selective scan (``ggraph/ir/recurrent.py`` states both ops).
 
-    causal_conv_c<C>_k<K>[_bias]_<target>(x, state, w, [bias,] y, new_state, i64 T, ith, nth)
+    causal_conv_c<C>_k<K>[_bias][_overwrite]_<target>(x, state, w, [bias,] y, new_state, i64 T, ith, nth)
         y[t, c] = sum_k w[c, k]·xx[t+k, c] (+ bias[c]), new_state = xx[T:], xx = concat(state, x)
     ssm_decay_h<H>_<target>(dt, A, decay, i64 T, ith, nth)
         decay[t, h] = (softplus(dt[t, h]), exp(softplus(dt[t, h])·A[h]))   ggml's f32 steps, exp and log rounded once
-    ssm_scan_h<H>_d<D>_n<N>_g<G>_<target>(state, x, decay, B, C, y, new_state, i64 T, ith, nth)
+    ssm_scan_h<H>_d<D>_n<N>_g<G>[_overwrite]_<target>(state, x, decay, B, C, y, new_state, i64 T, ith, nth)
         per token: state[h, r] = fma(state[h, r], dA, B[t, g]·x[t, h, r]·dt'), y[t, h, r] = state[h, r]·C[t, g]
 
 One pass serves prefill (T > 1) and decode (T = 1). The conv splits channels across threads in blocks of
@@ -52,12 +52,14 @@ def _fma(k: Kernel, a: ir.Value, b: ir.Value, c: ir.Value) -> ir.Value:
 # causal_conv
 # ---------------------------------------------------------------------------------------
 
-def causal_conv(module: ir.Module, C: int, K: int, bias: bool, target: Target) -> str:
-    """Emit (once) the causal conv over C channels with K taps; returns its name."""
-    name = f"causal_conv_c{C}_k{K}{'_bias' if bias else ''}_{target.name}"
+def causal_conv(module: ir.Module, C: int, K: int, bias: bool, target: Target, overwrite: bool = False) -> str:
+    """Emit (once) the causal conv over C channels with K taps; returns its name. With ``overwrite``
+    new_state may be state itself (a block stores its rows of it after it has read them)."""
+    name = f"causal_conv_c{C}_k{K}{'_bias' if bias else ''}{'_overwrite' if overwrite else ''}_{target.name}"
     if Kernel.exists(module, name):
         return name
-    k = Kernel(module, name, ("x", "state", "w") + (("bias",) if bias else ()) + ("y", "new_state"), ("T",))
+    k = Kernel(module, name, ("x", "state", "w") + (("bias",) if bias else ()) + ("y", "new_state"), ("T",),
+               noalias=not overwrite)
     W = _lanes(target)
     blocks = C // W                                   # whole vector blocks; the channels past them one at a time
     units = blocks + (C - blocks * W)
@@ -138,12 +140,13 @@ def _pieces(N: int, W: int) -> list[tuple[int, int]]:
     return [(i, min(W, N - i)) for i in range(0, N, W)]
 
 
-def ssm_scan(module: ir.Module, H: int, D: int, N: int, G: int, target: Target) -> str:
-    """Emit (once) the scan over T tokens for state [H, D, N] and B, C of G groups; returns its name."""
-    name = f"ssm_scan_h{H}_d{D}_n{N}_g{G}_{target.name}"
+def ssm_scan(module: ir.Module, H: int, D: int, N: int, G: int, target: Target, overwrite: bool = False) -> str:
+    """Emit (once) the scan over T tokens for state [H, D, N] and B, C of G groups; returns its name. With
+    ``overwrite`` new_state may be state itself (a unit stores its rows of it after it has read them)."""
+    name = f"ssm_scan_h{H}_d{D}_n{N}_g{G}{'_overwrite' if overwrite else ''}_{target.name}"
     if Kernel.exists(module, name):
         return name
-    k = Kernel(module, name, ("state", "x", "decay", "B", "C", "y", "new_state"), ("T",))
+    k = Kernel(module, name, ("state", "x", "decay", "B", "C", "y", "new_state"), ("T",), noalias=not overwrite)
     b = k.b
     W = _lanes(target)
     R = scan_rows(D, N)
