@@ -10,7 +10,7 @@ from ggraph import f32, ops
 from ggraph.ir.dtypes import q8_0
 from ggraph.backends.llvm.target import runnable_targets
 from ggraph.gguf.quants import dequantize, quantize
-from ggraph.ir.graph import Names, graph_to_str
+from ggraph.ir.graph import Names, VerifyError, graph_to_str
 from ggraph.ir.text import parse
 from ggraph.ir.trace import tree_flatten
 from ggraph.passes import RewriteLog, resolve, run
@@ -457,3 +457,31 @@ def test_loop_buffers_live_over_the_loop():
         assert spans[b] == (lo, hi), (b, spans[b], lo, hi)
     for b in looped:
         assert spans[b][0] <= lo and spans[b][1] >= hi, (b, spans[b], lo, hi)
+
+
+def test_verify_checks_the_body():
+    """The verifier goes into the body: an operand used before it is defined there is named."""
+    g = traced("elementwise")
+    body = g.eqns[0].params["body"]
+    broken = body.replace(eqns=body.eqns[1:])                  # e (the first eqn's output) is never defined
+    bad = g.replace(eqns=[g.eqns[0].replace(params={**g.eqns[0].params, "body": broken})])
+    with pytest.raises(VerifyError, match=r"eqn 0 \(.*scan.*\): param body: eqn 0 .* operand .* is used before"):
+        bad.verify()
+
+
+def test_dump_after_shows_the_body(capsys):
+    """Dumping the graph after a pass shows the body as that pass left it."""
+    run(traced("elementwise"), resolve("default"), dump_after={"fuse_elementwise"})
+    out = capsys.readouterr().out
+    assert "# after fuse_elementwise" in out and "body={ lambda ;" in out and "fused{mul,add,tanh,mul,add}" in out
+
+
+def test_symbolic_step_slice():
+    """A step slice of symbolic size runs on numpy; llvm refuses it, naming scan and the slice."""
+    g = ggraph.trace(lambda c, xs: ops.scan(lambda c, x: (c + ops.reduce_sum(x), c), c, xs, axis=1),
+                     f32[1], f32["T", 5])
+    xs = randn(6, 5)
+    final, ys = ggraph.compile(g, backend="numpy", passes=[])(np.zeros(1, np.float32), xs)
+    np.testing.assert_allclose(final, xs.astype(np.float64).sum(keepdims=True).reshape(1), rtol=1e-5)
+    with pytest.raises(NotImplementedError, match=r"scan at top: xs f32\[5,T\] has a symbolic step slice"):
+        ggraph.compile(g, backend="llvm")
