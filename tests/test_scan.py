@@ -272,7 +272,8 @@ def _body_lines(text: str) -> list[str]:
 
 def test_body_fuses():
     """fuse_elementwise runs on the body: its chain of elementwise ops becomes one fused loop, logged, and
-    the llvm program runs it as one kernel call per step (y_t written straight into ys)."""
+    the llvm program runs it as one kernel call per step (y_t written straight into ys, the new carry over
+    the old)."""
     log = RewriteLog()
     g = run(traced("elementwise"), resolve("default"), log=log)
     body = g.eqns[0].params["body"]
@@ -280,8 +281,8 @@ def test_body_fuses():
     assert any("fused{mul,add,tanh,mul,add}" in str(e) for e in log.rewrites("fuse_elementwise")), str(log)
     assert "fused{mul,add,tanh,mul,add}" in "\n".join(_body_lines(str(g)))
     prog = ggraph.compile(traced("elementwise"), backend="llvm", threads=1)
-    looped = [c.kernel for c in prog.spec.calls if c.loops]       # the loop, and the new carry copied over the old
-    assert len(looped) == 2 and looped[0].startswith("fused") and looped[1] == "copy_bytes", looped
+    looped = [c.kernel for c in prog.spec.calls if c.loops]       # the new carry written over the old in place
+    assert len(looped) == 1 and looped[0].startswith("fused"), looped
     check("elementwise", prog, llvm=True)
 
 
@@ -485,3 +486,35 @@ def test_symbolic_step_slice():
     np.testing.assert_allclose(final, xs.astype(np.float64).sum(keepdims=True).reshape(1), rtol=1e-5)
     with pytest.raises(NotImplementedError, match=r"scan at top: xs f32\[5,T\] has a symbolic step slice"):
         ggraph.compile(g, backend="llvm")
+
+
+def test_carries_in_place_only_when_safe():
+    """A new carry is written over the old one only when nothing reads the old one afterwards: here the
+    add reads c after the mul made the new carry (unfused, two kernels), so the new carry is copied at the
+    step's end; the results are the float64 loop's either way."""
+    from ggraph.backends.llvm.rules import _carries_in_place
+
+    def late_read(c, xs):
+        def body(c, x):
+            n = c * 2.0 + x
+            return n, c + n
+        return ops.scan(body, c, xs)
+
+    def early_read(c, xs):
+        return ops.scan(lambda c, x: (ops.tanh(c) * x, x + 1.0), c, xs)
+
+    x, c0 = randn(9, 4, scale=0.3), randn(4)
+    c, ys = c0.astype(np.float64), []
+    for t in range(9):
+        n = c * 2.0 + x[t]
+        ys.append(c + n)
+        c = n
+    for fn, in_place, want in ((late_read, {}, [c, np.array(ys)]), (early_read, {0: 0}, None)):
+        g = run(ggraph.trace(fn, f32[4], f32["T", 4]), resolve("none"))
+        body = g.eqns[0].params["body"]
+        assert {body.outvars.index(v): k for v, k in _carries_in_place(body, 0, 1).items()} == in_place
+        if want is not None:
+            prog = ggraph.compile(g, backend="llvm", passes=[], threads=2)
+            assert [c.kernel for c in prog.spec.calls if c.loops][-1] == "copy_bytes"
+            for got, w in zip(prog(c0, x), want):
+                np.testing.assert_allclose(got, w, rtol=1e-5, atol=1e-6)

@@ -121,7 +121,8 @@ def emit_program(spec: ProgramSpec, target: Target, profile: bool = False) -> No
             return p if isinstance(off, ir.Constant) and off.constant == 0 else b.gep(p, [off], source_etype=ir.IntType(8))
         return dim_value(b, arg, dims)
 
-    counter = m.globals.get("llvm.readcyclecounter") or ir.Function(m, ir.FunctionType(i64, []), name="llvm.readcyclecounter")
+    counter = m.globals.get("llvm.readcyclecounter") or \
+        ir.Function(m, ir.FunctionType(i64, []), name="llvm.readcyclecounter")
     cycles = base(len(spec.buffers) - 1) if profile else None
     row = len(spec.calls) + 1
     first = ith_is_0 = None
@@ -133,7 +134,7 @@ def emit_program(spec: ProgramSpec, target: Target, profile: bool = False) -> No
         slot = b.gep(cycles, [at], source_etype=i64)
         b.store(b.add(b.load(slot, typ=i64), ticks), slot)
 
-    open_loops: list[tuple] = []                   # (Loop, counter slot, latch block, exit block, saved bases)
+    open_loops: list[tuple] = []                   # (Loop, step counter slot, head, latch, exit, bases before it)
 
     def open_loop(lp) -> None:
         count = dim_value(b, lp.count, dims)
@@ -181,8 +182,8 @@ def emit_program(spec: ProgramSpec, target: Target, profile: bool = False) -> No
         start = b.call(counter, []) if profile else None
         b.call(_declare(m, c), [value(a) for a in c.args] + [ith, nth])
         if profile:
-            at = b.add(b.mul(b.add(b.sext(ith, i64), ir.Constant(i64, 1)), ir.Constant(i64, row)), ir.Constant(i64, i + 1))
-            add_cycles(at, b.sub(b.call(counter, []), start))
+            mine = b.mul(b.add(b.sext(ith, i64), ir.Constant(i64, 1)), ir.Constant(i64, row))     # this thread's row
+            add_cycles(b.add(mine, ir.Constant(i64, i + 1)), b.sub(b.call(counter, []), start))
             b.call(barrier, [bar, nth])
             with b.if_then(ith_is_0):
                 add_cycles(ir.Constant(i64, i + 1), b.sub(b.call(counter, []), start))

@@ -17,7 +17,7 @@ from ggraph.ir.fused import qmatmul_experts_p, qmatmul_p, rope_attention_p
 from ggraph.ir.recurrent import fused_causal_conv_p, fused_ssm_scan_p
 from ggraph.ir.delta_rule import fused_gated_delta_rule_p
 from ggraph.ir.graph import Eqn, Graph, Literal, Var
-from ggraph.ir.primitive import fusable
+from ggraph.ir.primitive import aliases, fusable
 from ggraph.ir.scan import scan_p
 from ggraph.backends.llvm import kernels as K
 from ggraph.backends.llvm.kernels import attention as A
@@ -461,9 +461,10 @@ def _step_stride(aval, what: str, e: Eqn):
 @lowering(scan_p)
 def _scan(lw, e):
     """The body's eqns lowered inside a loop over the steps. Carries live in the final carries' buffers:
-    the initial values are copied in, each step reads them and its new carries are copied over them at
-    the step's end (through scratch when one carry's new value is another's old buffer). x_t is a view of
-    xs at the step's offset; y_t is written in place into ys where its kernel makes it, else copied."""
+    the initial values are copied in, each step reads them, and a new carry is written straight over its
+    old value where that is safe (``_carries_in_place``), else copied over it at the step's end (through
+    scratch when one carry's new value is another's old buffer). x_t is a view of xs at the step's offset;
+    y_t is written in place into ys where its kernel makes it, else copied."""
     p, body = e.params, e.params["body"]
     nc, nk = p["consts"], p["carry"]
     operands = [lw.ref(a) for a in e.inputs]                  # once each: a constant gets one buffer
@@ -485,10 +486,13 @@ def _scan(lw, e):
         for v, r in zip(y_vars, y_at):
             if isinstance(v, Var) and v not in body.invars and v not in lw.placed:
                 lw.placed[v] = r                             # its kernel writes straight into ys
+        for v, k in _carries_in_place(body, nc, nk).items():
+            lw.placed[v] = carries[k]
         for b in body.eqns:
             lower_eqn(lw, b)
-        for v in y_vars:
-            lw.placed.pop(v, None)
+        for v in body.outvars:
+            if isinstance(v, Var):
+                lw.placed.pop(v, None)
         for v, r in zip(y_vars, y_at):
             src = lw.ref(v)
             if src != r:
@@ -503,3 +507,33 @@ def _scan(lw, e):
         for src, dst, o in zip(news, carries, e.outputs):
             if src != dst:
                 lw.call(copy, src, dst, _nbytes(o.aval), writes=(dst,))
+
+
+def _carries_in_place(body: Graph, nc: int, nk: int) -> dict[Var, int]:
+    """{new carry: its index} for new carries the body's eqn may write straight over the old value: every
+    read of the old carry (views of it included) comes before that eqn, or is by that eqn when its kernel
+    reads row r before writing row r (the op table's in_place); the new value is no view, no y and no
+    other carry, and the old value is no output of the step."""
+    root: dict[Var, Var] = {}
+    last: dict[Var, int] = {}                                 # storage root -> the last eqn reading it
+    made_by: dict[Var, int] = {}
+    for i, e in enumerate(body.eqns):
+        for a in e.inputs:
+            if isinstance(a, Var):
+                last[root.get(a, a)] = i
+        for k, src in aliases(e).items():
+            if isinstance(e.inputs[src], Var):
+                root[e.outputs[k]] = root.get(e.inputs[src], e.inputs[src])
+        made_by.update((o, i) for o in e.outputs)
+    for o in body.outvars:                                    # read at the step's end
+        if isinstance(o, Var):
+            last[root.get(o, o)] = len(body.eqns)
+    out = {}
+    for k in range(nk):
+        v, old = body.outvars[k], body.invars[nc + k]
+        if not isinstance(v, Var) or v not in made_by or v in root or body.outvars.count(v) > 1:
+            continue
+        i, reads = made_by[v], last.get(old, -1)
+        if reads < i or (reads == i and body.eqns[i].prim.in_place):
+            out[v] = k
+    return out

@@ -21,7 +21,7 @@ from ggraph.ir.dtypes import Aval, ParamAval
 from ggraph.ir.graph import Eqn, Graph, Literal, Var
 from ggraph.ir.primitive import get_primitive
 
-DIM_PARAMS = {"shape", "n", "start", "stop", "num_segments", "length"}     # params whose values are dims (ints or symbols)
+DIM_PARAMS = {"shape", "n", "start", "stop", "num_segments", "length"}   # params whose values are dims (int or Sym)
 
 _DECL = re.compile(r"([A-Za-z_]\w*):(\w+)\[([^\]]*)\]")
 _HEADER = re.compile(r"\{\s*lambda\s*;(.*)\.\s*let\s*$")
