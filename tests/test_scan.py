@@ -171,6 +171,18 @@ def axis1_ref(c0, xs):
     return [c, np.stack(ys, axis=1).reshape(xs.shape)]
 
 
+def broadcast_carry(c0, xs):
+    return ops.scan(lambda c, x: (ops.tanh(c * 0.9 + 0.1), x * c), c0, xs)     # c [1, 8] against x_t [4, 8]
+
+
+def broadcast_carry_ref(c0, xs):
+    c, ys = c0.astype(np.float64), []
+    for x in xs.astype(np.float64):
+        ys.append(x * c)
+        c = np.tanh(c * 0.9 + 0.1)
+    return [c, np.array(ys).reshape(xs.shape)]
+
+
 def nested(c0, xs):
     def inner(d, x):                                           # over the 3 rows of one step's [3, 4]
         d = d * 0.5 + x
@@ -212,6 +224,8 @@ CASES = {   # name: (fn, avals(T), inputs(T) -> (inputs, weights), reference, ll
     "reverse": (reverse, lambda T: (f32[4], f32[T, 4]), lambda T: ((randn(4), randn(T, 4)), {}), reverse_ref, None),
     "axis1": (axis1, lambda T: (f32[3, 4], f32[3, T, 4]), lambda T: ((randn(3, 4), randn(3, T, 4)), {}),
               axis1_ref, None),
+    "broadcast_carry": (broadcast_carry, lambda T: (f32[1, 8], f32[T, 4, 8]),
+                        lambda T: ((randn(1, 8), randn(T, 4, 8)), {}), broadcast_carry_ref, None),
     "nested": (nested, lambda T: (f32[4], f32[T, 3, 4]), lambda T: ((randn(4), randn(T, 3, 4)), {}), nested_ref, None),
 }
 LENGTHS = (1, 7, 33)

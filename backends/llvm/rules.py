@@ -512,8 +512,8 @@ def _scan(lw, e):
 def _carries_in_place(body: Graph, nc: int, nk: int) -> dict[Var, int]:
     """{new carry: its index} for new carries the body's eqn may write straight over the old value: every
     read of the old carry (views of it included) comes before that eqn, or is by that eqn when its kernel
-    reads row r before writing row r (the op table's in_place); the new value is no view, no y and no
-    other carry, and the old value is no output of the step."""
+    reads row r before writing row r (the op table's in_place) over the carry's rows only; the new value is
+    no view, no y and no other carry, and the old value is no output of the step."""
     root: dict[Var, Var] = {}
     last: dict[Var, int] = {}                                 # storage root -> the last eqn reading it
     made_by: dict[Var, int] = {}
@@ -534,6 +534,7 @@ def _carries_in_place(body: Graph, nc: int, nk: int) -> dict[Var, int]:
         if not isinstance(v, Var) or v not in made_by or v in root or body.outvars.count(v) > 1:
             continue
         i, reads = made_by[v], last.get(old, -1)
-        if reads < i or (reads == i and body.eqns[i].prim.in_place):
-            out[v] = k
+        e = body.eqns[i]
+        if reads < i or (reads == i and e.prim.in_place and all(o.aval.shape == v.aval.shape for o in e.outputs)):
+            out[v] = k                                        # (one row domain: each row read, then written)
     return out
