@@ -1,7 +1,9 @@
 """gated_delta_rule: the numpy rule, the decomposition (ops.scan) and the fused llvm kernel against a float64 rule
 written here from llama.cpp's semantics (``ggml_compute_forward_gated_delta_net_one_chunk``, which its CPU
-backend runs for qwen3next's prefill and decode alike), on every feature set this host runs with 1-3 threads;
-the state carried across calls (a prefill of 7 then decode steps gives a prefill of all); the pass; the errors."""
+backend runs for qwen3next's prefill and decode alike) and against ggml's own op (llama-cpp-python's libggml
+through ctypes), on every feature set this host runs with 1-3 threads; the state carried across calls (a
+prefill of 7 then decode steps gives a prefill of all); a state written back in place; the pass; the errors."""
+import ctypes
 import math
 
 import numpy as np
@@ -13,6 +15,7 @@ from ggraph.compiler import optimize
 from ggraph.backends.llvm.target import X86_NAMES, named_target, runnable_targets
 from ggraph.ir.primitive import ShapeError
 from ggraph.passes import RewriteLog
+from test_recurrent_ops import ggml  # noqa: F401  (the fixture: libggml through ctypes)
 
 rng = np.random.default_rng(7)
 RUNNABLE = [t.name for t in runnable_targets()]
@@ -149,6 +152,59 @@ def test_prefill_then_decode_equals_prefill_of_all(backend):
         ys.append(y)
     close([np.concatenate(ys), state], [w.astype(np.float64) for w in whole], 1e-6, f"steps on {backend}")
     close(whole, delta_ref(q, k, v, gg, beta, s0), 2e-6, f"whole on {backend}")
+
+
+# -- ggml's own gated_delta_net ------------------------------------------------------------------------------
+
+def ggml_delta(ggml, q, k, v, g, beta, state):
+    """ggml_gated_delta_net for one sequence (K 1 snapshot): q and k repeated to the value heads first, each
+    key head's copies adjacent, as llama.cpp's qwen3next graph repeats them; y {Dv, Hv, T}, then the state."""
+    run, base = ggml
+    P = ctypes.c_void_p
+    base.ggml_gated_delta_net.restype, base.ggml_gated_delta_net.argtypes = P, [P] * 7 + [ctypes.c_int64]
+    T, Hv, Dv = v.shape
+    r = Hv // q.shape[1]
+    qr, kr = np.repeat(q, r, axis=1), np.repeat(k, r, axis=1)
+    out = run(lambda ctx, t: base.ggml_gated_delta_net(ctx, t(ctx, qr[None]), t(ctx, kr[None]), t(ctx, v[None]),
+                                                       t(ctx, g[None, :, :, None]), t(ctx, beta[None, :, :, None]),
+                                                       t(ctx, state[None]), 1))
+    return out[:T * Hv * Dv].reshape(v.shape), out[T * Hv * Dv:].reshape(state.shape)
+
+
+@pytest.mark.parametrize("backend", ["numpy", "llvm"])
+def test_against_ggmls_gated_delta_net(ggml, backend):
+    """The numpy rule and the kernel against ggml's op (its dots sum in another order: within 1e-6 of the
+    largest value) on the cases with Dk = Dv, as ggml requires."""
+    for Hk, Hv, Dk, Dv in [c for c in CASES if c[2] == c[3]]:
+        g = graph(Hk, Hv, Dk, Dv)
+        prog = llvm(g, RUNNABLE[0], 2) if backend == "llvm" else ggraph.compile(g)
+        for T in TS:
+            args = args_for(T, Hk, Hv, Dk, Dv)
+            want = [w.astype(np.float64) for w in ggml_delta(ggml, *args)]
+            close(want, delta_ref(*args), 2e-6, f"ggml itself, Hk={Hk} Hv={Hv} D={Dk} T={T}")
+            close(prog(*args), want, 1e-6, f"Hk={Hk} Hv={Hv} D={Dk} T={T}")
+
+
+# -- a state written back: the kernel writes it in place ------------------------------------------------------
+
+@pytest.mark.parametrize("backend", ["numpy", "llvm"])
+def test_a_state_written_back_is_overwritten_in_place(backend):
+    """A model's step writes the new state back over its state input (state_write): fuse_recurrent lets the
+    kernel write it there directly (overwrite), and the results are those of a state kept apart."""
+    Hk, Hv, Dk, Dv = CASES[0]
+
+    def step(q, k, v, gg, beta, state):
+        y, new = ops.gated_delta_rule(q, k, v, gg, beta, state)
+        return y, ops.state_write(state, new)
+    g = ggraph.trace(step, f32["T", Hk, Dk], f32["T", Hk, Dk], f32["T", Hv, Dv], f32["T", Hv], f32["T", Hv],
+                     f32[Hv, Dv, Dk])
+    prog = llvm(g, RUNNABLE[0], 2) if backend == "llvm" else ggraph.compile(g)
+    assert "overwrite=True" in str(prog.graph)
+    args = args_for(7, Hk, Hv, Dk, Dv)
+    want = delta_ref(*args)
+    state = args[5]
+    y, _ = prog(*args)
+    close([y, state], want, 2e-6, f"{backend}: y, and the state input after the call")
 
 
 # -- the pass: its input and output text -----------------------------------------------------------------------

@@ -390,12 +390,17 @@ def _new_state(lw, e, state):
 
 @lowering(fused_gated_delta_rule_p)
 def _gated_delta_rule(lw, e):
-    """One kernel: (value head, rows) units across threads, each unit's rows of the state in registers."""
-    q, v, state = e.inputs[0], e.inputs[2], e.inputs[5]
+    """Two kernels: each token's decay per head, then the rule, (value head, rows) units across threads (a
+    unit reads its rows of the state before it writes them, so the new state may be the state's storage)."""
+    q, k, v, g, beta, state = e.inputs
     Hv, Dv, Dk = state.aval.shape
-    y, new_state = (lw.output(o) for o in e.outputs)
+    T = v.aval.shape[0]
+    decay = lw.scratch(AvalBytes(g.aval), "delta_decay")
+    lw.call(lw.kernel(DR.delta_decay, Hv, lw.target), lw.ref(g), decay, T, writes=(decay,))
+    y, new_state = lw.output(e.outputs[0]), _new_state(lw, e, state)
     name = lw.kernel(DR.gated_delta_rule, q.aval.shape[1], Hv, Dk, Dv, e.params["scale"], lw.target)
-    lw.call(name, *[lw.ref(a) for a in e.inputs], y, new_state, v.aval.shape[0], writes=(y, new_state))
+    lw.call(name, lw.ref(q), lw.ref(k), lw.ref(v), decay, lw.ref(beta), lw.ref(state), y, new_state, T,
+            writes=(y, new_state))
 
 
 # -- routing: top_k, argmax, take_along_axis, segment_sum ---------------------------------------

@@ -29,7 +29,7 @@ from ggraph.ir.composites import composite
 from ggraph.ir.dtypes import Aval, f32, from_numpy
 from ggraph.ir.prims import _np_fma, broadcast_to, exp, fma, io_bytes, reduce_sum, reshape
 from ggraph.ir.primitive import ShapeError, register
-from ggraph.ir.recurrent import FUSED
+from ggraph.ir.recurrent import FUSED, _overwrite_aliases, _overwriting
 from ggraph.ir.scan import scan
 from ggraph.ir.trace import Tracer
 
@@ -139,14 +139,18 @@ def _aval(a):
     return a.aval if isinstance(a, Tracer) else Aval(np.shape(a), from_numpy(np.asarray(a).dtype))
 
 
-def _fused_shape(q, k, v, g, beta, state, *, scale):
+def _fused_shape(q, k, v, g, beta, state, *, scale, overwrite=False):
     return delta_rule_shape("fused_gated_delta_rule", q, k, v, g, beta, state)
 
 
+def _fused_impl(*arrays, scale, overwrite=False):
+    return _overwriting(lambda *a: np_gated_delta_rule(*a, scale=scale), 5)(*arrays, overwrite=overwrite)
+
+
 fused_gated_delta_rule_p = register(
-    "fused_gated_delta_rule", kind="fused", multiple_results=True, in_place=False, impl=np_gated_delta_rule,
-    cost=_cost, shape=_fused_shape,
+    "fused_gated_delta_rule", kind="fused", multiple_results=True, in_place=False, effects=True,
+    impl=_fused_impl, aliases=_overwrite_aliases(5), cost=_cost, shape=_fused_shape,
     doc="gated_delta_rule as one kernel: each value head's state rows in registers across the T tokens, "
-        "heads split across threads")
+        "heads split across threads; with overwrite, new_state is written over the state operand")
 gated_delta_rule_p = _gated_delta_rule.prim
-FUSED[gated_delta_rule_p] = fused_gated_delta_rule_p                 # fuse_recurrent's pairing
+FUSED[gated_delta_rule_p] = (fused_gated_delta_rule_p, 5)            # fuse_recurrent's pairing, the state

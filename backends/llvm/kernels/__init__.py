@@ -15,7 +15,7 @@ the kernels and `describe` (what `ggraph target` prints) read it.
 Sizing: `act_bytes(act_format(wtype), T, K)` bytes of scratch for the activations.
 """
 from ggraph.ir import dtypes
-from ggraph.backends.llvm.kernels import attention, elementwise, recurrent
+from ggraph.backends.llvm.kernels import attention, delta_rule, elementwise, recurrent
 from ggraph.backends.llvm.kernels import fmatmul as _fmatmul
 from ggraph.backends.llvm.kernels import qmatmul as _qmatmul
 from ggraph.backends.llvm.kernels.act_quant import GROUP, ActLayout, act_bytes, act_quant
@@ -44,6 +44,7 @@ def describe(target: Target) -> dict[str, str]:
     out["fused (elementwise)"] = elementwise.variant(target)
     out["rope_attention"] = attention.variant(target)
     out["causal_conv, ssm_scan"] = recurrent.variant(target)
+    out["gated_delta_rule"] = delta_rule.variant(target)
     grouped = experts_plan(dtypes.q4_k, EXPERT_CHUNK_ROWS, target)
     out["qmatmul_experts"] = (f"decode: each token's chosen experts, {EXPERT_CHUNK_ROWS} rows a unit, with the decode "
                               f"dot of the weight type (qmatmul above); from {grouped.group_from} token per expert, "

@@ -1,16 +1,21 @@
-"""The gated delta rule's kernel (``ggraph/ir/delta_rule.py`` states the op): prefill and decode in one pass.
+"""The gated delta rule's kernels (``ggraph/ir/delta_rule.py`` states the op): prefill and decode in one pass.
 
-    gated_delta_rule_hk<Hk>_hv<Hv>_dk<Dk>_dv<Dv>_s<scale bits>_<target>(q, k, v, g, beta, state, y, new_state,
+    delta_decay_h<Hv>_<target>(g, decay, i64 T, ith, nth)      decay[t, h] = exp(g[t, h])  (f64 exp, rounded once)
+    gated_delta_rule_hk<Hk>_hv<Hv>_dk<Dk>_dv<Dv>_s<scale bits>_<target>(q, k, v, decay, beta, state, y, new_state,
                                                                         i64 T, ith, nth)
-        per token t, value head h, state row j (M = state transposed, rows of Dk):
-        M[j] = M[j]·exp(g[t, h]);  d = (v[t, h, j] - M[j]·k[t, hk])·beta[t, h];  M[j] = fma(d, k[t, hk], M[j])
-        y[t, h, j] = (M[j]·q[t, hk])·scale                                       hk = h // (Hv/Hk)
+        per token t, value head h, row j of M (the state transposed, rows of Dk), hk = h // (Hv/Hk):
+        a = M[j]·k, b = M[j]·q (the state before the token), c = k·q
+        d = (v[t, h, j] - a·decay)·beta;  y[t, h, j] = fma(d, c, b·decay)·scale;  M[j] = fma(d, k, M[j]·decay)
 
-Threads split (value head, block of R rows) units: a unit's R rows of M (R·Dk values, R chosen so they fit
-in registers) stay in registers for all T tokens and share each token's k and q loads, so the state is read
-and written once per call however long the prompt. Rows are held in vectors of 16 lanes (the generic twin:
-one lane); each dot sums its whole vectors lane-wise by fma, halves the lanes to one, then fuses the lanes
-past the last whole vector in one at a time. The decay is libm's exp of the f32 g rounded once.
+That is ggml's step (decay, delta against the decayed state, rank-1 update, output from the updated state)
+with both dots taken from the state before the token: (decay·M + k ⊗ d)ᵀq = decay·Mᵀq + d·(k·q). The two
+dots of a row no longer wait for each other or for the update, and a token's whole chain per row is two
+dots, one reduction, one update (the sums differ from ggml's in rounding only). Threads split (value head,
+block of R rows) units: a unit's R rows of M (R·Dk values, R chosen so they fit in registers) stay in
+registers for all T tokens and share each token's k and q loads, so the state is read and written once per
+call however long the prompt. Rows are held in vectors of 16 lanes (the generic twin: one lane); a unit's
+2R dots are reduced together, halving lanes across all of them at once, and the lanes past the last whole
+vector fused in one by one.
 """
 from __future__ import annotations
 
@@ -23,7 +28,7 @@ from ggraph.backends.llvm.kernels.isa import vector_path
 from ggraph.backends.llvm.target import Target
 
 LANES = 16                 # f32 lanes of a vector on the vector path (AVX-512's width; AVX2 takes two registers)
-STATE_REGISTERS = 16       # vectors of 16 f32 a unit keeps its rows of M in (of AVX-512's 32)
+STATE_REGISTERS = 8        # vectors of 16 f32 a unit keeps its rows of M in (k and q take as many again)
 
 
 def variant(target: Target) -> str:
@@ -50,13 +55,25 @@ def _pieces(n: int, W: int) -> list[tuple[int, int]]:
     return [(i, min(W, n - i)) for i in range(0, n, W)]
 
 
+def delta_decay(module: ir.Module, Hv: int, target: Target) -> str:
+    """Emit (once) decay[t, h] = exp(g[t, h]) for T·Hv values split across threads; returns its name."""
+    name = f"delta_decay_h{Hv}_{target.name}"
+    if Kernel.exists(module, name):
+        return name
+    k = Kernel(module, name, ("g", "decay"), ("T",))
+    start, end = k.thread_share(k.b.mul(k.arg["T"], k.i64(Hv)))
+    with k.loop(start, end, name="th") as th:
+        k.store(_exp(k, k.load(f32, k.arg["g"], k.mul(th, 4))), k.arg["decay"], k.mul(th, 4))
+    return k.finish()
+
+
 def gated_delta_rule(module: ir.Module, Hk: int, Hv: int, Dk: int, Dv: int, scale: float, target: Target) -> str:
     """Emit (once) the delta-rule kernel for these head counts and sizes; returns its name."""
     bits = struct.unpack("<I", struct.pack("<f", scale))[0]
     name = f"gated_delta_rule_hk{Hk}_hv{Hv}_dk{Dk}_dv{Dv}_s{bits:08x}_{target.name}"
     if Kernel.exists(module, name):
         return name
-    k = Kernel(module, name, ("q", "k", "v", "g", "beta", "state", "y", "new_state"), ("T",))
+    k = Kernel(module, name, ("q", "k", "v", "decay", "beta", "state", "y", "new_state"), ("T",))
     b = k.b
     W = LANES if vector_path(target) else 1
     R = state_rows(Dv, Dk, W > 1)
@@ -72,22 +89,23 @@ def gated_delta_rule(module: ir.Module, Hk: int, Hv: int, Dk: int, Dv: int, scal
         M = [[k.var(vec(f32, w), k.load(vec(f32, w), k.arg["state"], k.add(srow[r], 4 * i))) for i, w in pieces]
              for r in range(R)]
         with k.loop(0, k.arg["T"], name="t") as t:
-            th = b.add(b.mul(t, k.i64(Hv)), h)                                   # [t, h] of g, beta
-            decay = _exp(k, k.load(f32, k.arg["g"], k.mul(th, 4)))
+            th = b.add(b.mul(t, k.i64(Hv)), h)                                   # [t, h] of decay, beta
+            decay = k.load(f32, k.arg["decay"], k.mul(th, 4))
             beta = k.load(f32, k.arg["beta"], k.mul(th, 4))
             at = k.mul(b.add(b.mul(t, k.i64(Hk)), hk), 4 * Dk)                   # k[t, hk], q[t, hk]
             kv = [k.load(vec(f32, w), k.arg["k"], k.add(at, 4 * i)) for i, w in pieces]
             qv = [k.load(vec(f32, w), k.arg["q"], k.add(at, 4 * i)) for i, w in pieces]
+            old = [[s.get() for s in row] for row in M]
+            sums = _dots(k, pieces, [(m, kv) for m in old] + [(m, qv) for m in old] + [(kv, qv)], W)
+            kq = sums[2 * R]
             vrow = k.mul(b.add(b.mul(th, k.i64(Dv)), j0), 4)                     # v[t, h, j0], y[t, h, j0]
             for r in range(R):
-                m = [b.fmul(s.get(), k.splat(decay, w)) for s, (i, w) in zip(M[r], pieces)]
                 vj = k.load(f32, k.arg["v"], k.add(vrow, 4 * r))
-                d = b.fmul(b.fsub(vj, _dot(k, pieces, m, kv, W)), beta)
-                m = [_fma(k, k.splat(d, w), kp, mp) for mp, kp, (i, w) in zip(m, kv, pieces)]
-                for s, v in zip(M[r], m):
-                    s.set(v)
-                out = b.fmul(_dot(k, pieces, m, qv, W), ir.Constant(f32, scale))
+                d = b.fmul(b.fsub(vj, b.fmul(sums[r], decay)), beta)
+                out = b.fmul(_fma(k, d, kq, b.fmul(sums[R + r], decay)), ir.Constant(f32, scale))
                 k.store(out, k.arg["y"], k.add(vrow, 4 * r))
+                for s, m, kp, (i, w) in zip(M[r], old[r], kv, pieces):
+                    s.set(_fma(k, k.splat(d, w), kp, b.fmul(m, k.splat(decay, w))))
         for r in range(R):
             for (i, w), s in zip(pieces, M[r]):
                 k.store(s.get(), k.arg["new_state"], k.add(srow[r], 4 * i))
@@ -99,25 +117,61 @@ def _exp(k: Kernel, x: ir.Value) -> ir.Value:
     return k.b.fptrunc(k.intrinsic("llvm.exp.f64", f64, [k.b.fpext(x, f64)]), f32)
 
 
-def _dot(k: Kernel, pieces, a: list, c: list, W: int) -> ir.Value:
-    """a · c over a row: whole W-lane vectors into one accumulator by fma, its lanes halved to one, then the
-    lanes of a narrower last vector fused in one by one."""
+def _dots(k: Kernel, pieces, pairs: list, W: int) -> list[ir.Value]:
+    """The dots a · c of each (a, c) pair of rows (held as ``pieces``): whole vectors by fma into two
+    accumulators each, the accumulators of all pairs reduced together (``_reduce``), then the lanes of a
+    narrower last vector fused in one by one."""
     b = k.b
-    acc = None
-    for (i, w), x, y in zip(pieces, a, c):
-        if w == W:
-            acc = b.fmul(x, y) if acc is None else _fma(k, x, y, acc)
-    total = None
-    if acc is not None:
-        while acc.type.count > 1:
-            lo, hi = k.split(acc, 2)
-            acc = b.fadd(lo, hi)
-        total = b.extract_element(acc, ir.Constant(i32, 0))
-    for (i, w), x, y in zip(pieces, a, c):
-        if w == W:
-            continue
-        for lane in range(w):
-            at = ir.Constant(i32, lane)
-            xe, ye = b.extract_element(x, at), b.extract_element(y, at)
-            total = b.fmul(xe, ye) if total is None else _fma(k, xe, ye, total)
-    return total
+    accs = []
+    for a, c in pairs:
+        acc = [None, None]
+        for n, ((i, w), x, y) in enumerate(zip(pieces, a, c)):
+            if w == W:
+                acc[n % 2] = b.fmul(x, y) if acc[n % 2] is None else _fma(k, x, y, acc[n % 2])
+        accs.append(acc[0] if acc[1] is None else b.fadd(acc[0], acc[1]))
+    totals = _reduce(k, accs) if accs[0] is not None else [None] * len(pairs)
+    out = []
+    for total, (a, c) in zip(totals, pairs):
+        for (i, w), x, y in zip(pieces, a, c):
+            if w == W:
+                continue
+            for lane in range(w):
+                at = ir.Constant(i32, lane)
+                xe, ye = b.extract_element(x, at), b.extract_element(y, at)
+                total = b.fmul(xe, ye) if total is None else _fma(k, xe, ye, total)
+        out.append(total)
+    return out
+
+
+def _reduce(k: Kernel, vs: list[ir.Value]) -> list[ir.Value]:
+    """The lane sums of n vectors of W lanes, halving all of them at once: vectors are paired, each pair
+    becoming one vector of both halves' sums (one add per pair), until one vector holds every vector's
+    partial sums in segments, whose halves are then added within it down to a lane each."""
+    b = k.b
+    W = vs[0].type.count
+    n = len(vs)
+    if W == 1:
+        return [b.extract_element(v, ir.Constant(i32, 0)) for v in vs]
+    if n & (n - 1):                                              # a power of two first, then the rest
+        top = 1 << (n.bit_length() - 1)
+        return _reduce(k, vs[:top]) + _reduce(k, vs[top:])
+    seg = W                                                      # lanes per segment; each vector: segments in order
+    items = [(v, [i]) for i, v in enumerate(vs)]                 # (vector, the vectors its segments sum)
+    while len(items) > 1 and seg > 1:
+        count = W // seg                                         # segments per vector
+        halves = [[g * seg + j for g in range(count) for j in range(lo, lo + seg // 2)] for lo in (0, seg // 2)]
+        pick = [hv + [W + i for i in hv] for hv in halves]       # both vectors' first halves, then second halves
+        items = [(b.fadd(k.shuffle(v, pick[0], u), k.shuffle(v, pick[1], u)), ids + ids2)
+                 for (v, ids), (u, ids2) in zip(items[0::2], items[1::2])]
+        seg //= 2
+    out: dict[int, ir.Value] = {}
+    for v, ids in items:
+        width = v.type.count
+        while width > len(ids):                                  # segments of more than one lane left
+            s = width // len(ids)
+            halves = [[g * s + j for g in range(len(ids)) for j in range(lo, lo + s // 2)] for lo in (0, s // 2)]
+            v = b.fadd(k.shuffle(v, halves[0]), k.shuffle(v, halves[1]))
+            width //= 2
+        for lane, i in enumerate(ids):
+            out[i] = b.extract_element(v, ir.Constant(i32, lane))
+    return [out[i] for i in range(n)]
