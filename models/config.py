@@ -32,7 +32,7 @@ class ModelConfig:
     n_ctx_train: int
     rope_base: float
     rope_dims: int                      # rotary dims per head (partial rotary when < head_dim)
-    rope_style: str = "neox"            # "interleaved" (llama) or "neox"
+    rope_style: str = "neox"            # "interleaved" (llama), "neox", or "none" (no rope: NoPE)
     rope_scaling_type: str = "linear"   # rope.scaling.type: none, linear, yarn, longrope (models/rope.py)
     rope_scaling_factor: float = 1.0    # rope.scaling.factor: the context is stretched this many times
     rope_attn_factor: float = 1.0       # rope.scaling.attn_factor: multiplies rope's cos and sin
@@ -95,17 +95,19 @@ def config_from_gguf(metadata: Mapping, tensor_names, embedding_rows: int = 0) -
     key = keys.raw
 
     n_embd = keys.int("embedding_length", required=True)
-    n_head = keys.int("attention.head_count", required=True)
-    n_head_kv = keys.int("attention.head_count_kv", n_head, per_layer=True, zero_layers=True)
+    # head_count = 0: no attention at all (mamba2), for an architecture whose layers all carry recurrent states
+    attention_free = spec.states is not None and key("attention.head_count") == 0
+    n_head = 0 if attention_free else keys.int("attention.head_count", required=True)
+    n_head_kv = 0 if attention_free else keys.int("attention.head_count_kv", n_head, per_layer=True, zero_layers=True)
     n_layer = keys.int("block_count", required=True)
     check_layers(arch, n_layer, names, shared_decoder=spec.forward is None)   # before flags sized by it
-    if n_head % n_head_kv:
+    if not attention_free and n_head % n_head_kv:
         raise ValueError(f"{arch}.attention.head_count = {n_head} is not a multiple of "
                          f"{arch}.attention.head_count_kv = {n_head_kv}")
-    if n_embd % n_head and f"{arch}.attention.key_length" not in metadata:
+    if not attention_free and n_embd % n_head and f"{arch}.attention.key_length" not in metadata:
         raise ValueError(f"{arch}.embedding_length = {n_embd} is not a multiple of {arch}.attention.head_count = "
                          f"{n_head}, and there is no {arch}.attention.key_length")
-    head_dim = keys.int("attention.key_length", n_embd // n_head)
+    head_dim = 0 if attention_free else keys.int("attention.key_length", n_embd // n_head)
     if "token_embd.weight" not in names:
         raise ValueError("model has no token_embd.weight tensor")
     tokens = metadata.get("tokenizer.ggml.tokens")
@@ -115,7 +117,7 @@ def config_from_gguf(metadata: Mapping, tensor_names, embedding_rows: int = 0) -
         raise ValueError(f"{arch}.rope.scaling.type {scale_type!r} is not supported ({', '.join(SCALING_TYPES)})")
     scale_factor = keys.float("rope.scaling.factor", keys.float("rope.scale_linear", 1.0, zero_means_default=True),
                               zero_means_default=True)
-    rope_dims = keys.int("rope.dimension_count", head_dim)
+    rope_dims = 0 if attention_free else keys.int("rope.dimension_count", head_dim)
     if rope_dims % 2 or rope_dims > head_dim:
         raise ValueError(f"{arch}.rope.dimension_count = {rope_dims} must be even and at most the head dim "
                          f"{head_dim}")
@@ -123,8 +125,9 @@ def config_from_gguf(metadata: Mapping, tensor_names, embedding_rows: int = 0) -
     common = dict(
         arch=arch, n_vocab=n_vocab, n_embd=n_embd, n_layer=n_layer, n_head=n_head,
         n_head_kv=n_head_kv, head_dim=head_dim,
-        head_dim_v=keys.int("attention.value_length", head_dim),
-        n_ff=keys.int("feed_forward_length", required=True, per_layer=True),
+        head_dim_v=0 if attention_free else keys.int("attention.value_length", head_dim),
+        n_ff=keys.int("feed_forward_length", required=True, per_layer=True,
+                      minimum=0 if spec.states is not None else 1),              # 0: no FFN (mamba2)
         norm_eps=keys.float("attention.layer_norm_rms_epsilon", 1e-5),
         n_ctx_train=keys.int("context_length", 2048),
         rope_base=keys.float("rope.freq_base", 10000.0),
@@ -154,6 +157,9 @@ def config_from_gguf(metadata: Mapping, tensor_names, embedding_rows: int = 0) -
     common.update({k: v for k, v in flags.items() if k in fields})
     cfg = ModelConfig(**common, extra={k: flags[k] for k in unknown})
     _check_flags(cfg)
+    if attention_free and len(cfg.recurrent_layers) != n_layer:
+        raise ValueError(f"{arch}.attention.head_count = 0 (no attention) but the architecture's recurrent_layers "
+                         f"{cfg.recurrent_layers} leave layers with attention")
     kv_per_layer = key("attention.head_count_kv")
     if kv_per_layer is not None and not isinstance(kv_per_layer, (int, float, str, bool)):
         for i, n in enumerate(kv_per_layer):
@@ -238,8 +244,8 @@ def _check_flags(cfg: ModelConfig) -> None:
             raise ValueError(f"{cfg.arch}.{key} = {base!r}: yarn scaling needs a rope base other than 1")
     if cfg.swa_layers and len(cfg.swa_layers) != cfg.n_layer:
         raise ValueError(f"{cfg.arch}: {len(cfg.swa_layers)} sliding-window flags for {cfg.n_layer} layers")
-    if cfg.rope_style not in ("neox", "interleaved"):
-        raise ValueError(f"{cfg.arch}: rope_style {cfg.rope_style!r} must be neox or interleaved")
+    if cfg.rope_style not in ("neox", "interleaved", "none"):
+        raise ValueError(f"{cfg.arch}: rope_style {cfg.rope_style!r} must be neox, interleaved or none")
     if cfg.act not in ("silu", "gelu_tanh", "swiglu_oai"):
         raise ValueError(f"{cfg.arch}: act {cfg.act!r} must be silu, gelu_tanh or swiglu_oai")
     if cfg.expert_gating not in ("softmax", "softmax_weight"):

@@ -81,6 +81,51 @@ def forward_batch(cfg: ModelConfig, w: dict, tokens, seq, positions, pick, k_cac
         return head(cfg, w, x), k_out, v_out
 
 
+def hybrid_forward(cfg: ModelConfig, w: dict, tokens, P, k_caches, v_caches, *, states, mixer, last_only=False,
+                   rope_factors=None):
+    """The decoder of a family whose layers attend or recur (``cfg.recurrent_layers``, lfm2, mamba2,
+    granitehybrid): a recurrent layer runs ``mixer(cfg, blk, h, state) -> (y, new state)`` on its normed
+    input where an attention layer attends; the attention, the FFN (none where ``n_ff`` and ``n_expert`` are
+    0, as in mamba2) and the head are the shared decoder's. ``cfg.extra`` may hold granite's
+    ``residual_scale`` and ``logit_scale`` and the output norm's tensor (``output_norm``)."""
+    T = tokens.shape[0]
+    recurrent, scale = set(cfg.recurrent_layers), cfg.extra.get("residual_scale")
+    with scope("embd"):
+        x = ops.take(w["token_embd.weight"], tokens)                              # (T, D)
+        if cfg.embed_scale:
+            x = x * cfg.embed_scale
+        pos = ops.iota(T) + P                                                      # (T,)
+    k_out, v_out, s_out = [], [], []
+    for i in range(cfg.n_layer):
+        blk = Layer(w, i)
+        with scope(f"blk.{i}"):
+            if i in recurrent:
+                with scope("recurrent"):
+                    h = ops.rms_norm(x, blk["attn_norm.weight"], eps=cfg.norm_eps)   # (T, D)
+                    a, state = mixer(cfg, blk, h, states[i])
+                kc = vc = None
+            else:
+                with scope("attn"):
+                    a, kc, vc = attention(cfg, blk, i, x, pos, P, k_caches[i], v_caches[i], rope_factors)
+                state = states[i]
+            x = x + (a * scale if scale else a)
+            if cfg.n_ff or cfg.n_expert:
+                with scope("ffn"):
+                    f = ffn(cfg, blk, x)
+                    x = x + (f * scale if scale else f)
+        k_out.append(kc)
+        v_out.append(vc)
+        s_out.append(state)
+    with scope("output"):
+        if last_only:
+            x = ops.slice(x, 0, Sym("T") - 1, Sym("T"))                            # (1, D)
+        x = ops.rms_norm(x, w[cfg.extra.get("output_norm", "output_norm") + ".weight"], eps=cfg.norm_eps)
+        logits = head(cfg, w, x)
+        if cfg.extra.get("logit_scale"):
+            logits = logits * (1.0 / cfg.extra["logit_scale"])
+        return logits, k_out, v_out, s_out
+
+
 class Layer:
     """Layer i's weights by their short GGUF names: ``blk["attn_q.weight"]``."""
 
@@ -92,6 +137,22 @@ class Layer:
 
     def get(self, name):
         return self.w.get(self.prefix + name)
+
+    def expect(self, name, shape: tuple, why: str):
+        """The weight ``name``, which the metadata ``why`` says is ``shape`` (numpy order; a file may leave
+        out its leading 1s, as ggml counts dims): a file that says otherwise is refused here, by name,
+        before anything runs."""
+        t = self.w.get(self.prefix + name)
+        if t is None:
+            raise ValueError(f"tensor {self.prefix}{name} is missing ({why} says it is "
+                             f"[{','.join(map(str, shape))}])")
+        ones = len(shape) - len(t.shape)
+        if ones > 0 and tuple(t.shape) == tuple(shape[ones:]) and set(shape[:ones]) == {1}:
+            return t.reshape(*shape)
+        if tuple(t.shape) != tuple(shape):
+            raise ValueError(f"tensor {self.prefix}{name} is [{','.join(map(str, t.shape))}], but {why} say "
+                             f"[{','.join(map(str, shape))}]")
+        return t
 
 
 def attention(cfg: ModelConfig, blk: Layer, i: int, x, pos, P, k_cache, v_cache, rope_factors, slots=None):
@@ -131,7 +192,8 @@ def attention(cfg: ModelConfig, blk: Layer, i: int, x, pos, P, k_cache, v_cache,
             slot_rows=slots["slot_rows"], dims=rope["dims"] or Dh, base=rope["base"], rope_scale=rope["scale"],
             style=rope["style"], mscale=rope["mscale"], scale=cfg.scale, **mods)
     else:
-        q, k = ops.rope(q, pos, **rope), ops.rope(k, pos, **rope)
+        if cfg.rope_style != "none":                                               # "none": NoPE (granite-4.0-h)
+            q, k = ops.rope(q, pos, **rope), ops.rope(k, pos, **rope)
         o, k_cache, v_cache = ops.attention(q, k, v, k_cache, v_cache, P, scale=cfg.scale, **mods)   # (T, H, Dv)
     o = ops.linear(o.reshape(T, H * Dv), blk["attn_output.weight"], blk.get("attn_output.bias"))   # (T, D)
     if cfg.post_norms:
@@ -206,9 +268,11 @@ def swiglu_oai(g, u, *, alpha, limit):
 
 
 def shared_expert(cfg: ModelConfig, blk: Layer, h):
-    """qwen2moe's shared expert: a SwiGLU FFN every token takes, scaled by a sigmoid gate of its own,
-    as llama.cpp computes it (the sigmoid as silu(z) / z)."""
+    """A SwiGLU FFN every token takes beside the routed experts; qwen2moe's is scaled by a sigmoid gate of
+    its own, as llama.cpp computes it (the sigmoid as silu(z) / z), granite's has none."""
     g, u = ops.linear(h, blk["ffn_gate_shexp.weight"]), ops.linear(h, blk["ffn_up_shexp.weight"])   # (T, Fs)
     y = ops.linear(ops.swiglu(g, u), blk["ffn_down_shexp.weight"])                # (T, D)
+    if blk.get("ffn_gate_inp_shexp.weight") is None:                              # granite: ungated
+        return y
     z = ops.linear(h, blk["ffn_gate_inp_shexp.weight"].reshape(1, cfg.n_embd))    # (T, 1): the gate [D] (or [1, D])
     return y * (ops.silu(z) / z)
