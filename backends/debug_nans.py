@@ -14,7 +14,7 @@ import os
 import numpy as np
 
 from ggraph.ir.dtypes import ParamAval
-from ggraph.ir.graph import Eqn, Literal, Names, eqn_to_str
+from ggraph.ir.graph import Eqn, Literal, Names, eqn_to_str, subgraphs
 from ggraph.ir.prims import Blocks
 
 ENV = "GGRAPH_DEBUG_NANS"
@@ -62,7 +62,9 @@ def error(e: Eqn, output: int, where: tuple[int, float] | None, inputs) -> NonFi
             what = f"weight {atom.aval.source!r}" if isinstance(atom.aval, ParamAval) else f"operand {names[atom]}"
             cause = f"its {what} already holds {_kind(bad[1])} (element {bad[0]})"
             break
-    fused = " (a fused op: --passes none shows its ops one by one)" if e.prim.kind == "fused" else ""
+    fused = " (a fused op: --passes none shows its ops one by one)" if e.prim.kind == "fused" else \
+        f" (its {subgraphs(e)[0][0]} runs inside it: the numpy backend names the op there that made it)" \
+        if subgraphs(e) else ""
     return NonFiniteError(f"{ENV}: output {output} of {e.prim.name} at {at} is not finite{found}; {cause}: "
                           f"{text}{_operands(e, names)}{fused}")
 

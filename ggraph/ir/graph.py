@@ -8,8 +8,9 @@ A graph is a jaxpr-like straight-line program; its printed text is the user inte
       in (b) }
 
 Weights print as ``param`` lines just before their first use, scope changes print as
-comments, and composites print collapsed (one line) unless ``expand=True``. The parser
-that reads this text back is ``ggraph.ir.text``.
+comments, and composites print collapsed (one line) unless ``expand=True``. A graph an eqn
+holds in its params (a scan's body) always prints nested under it, as ``body={ lambda ; ...``.
+The parser that reads this text back is ``ggraph.ir.text``.
 """
 from __future__ import annotations
 
@@ -193,7 +194,7 @@ class Graph:
             for a in e.inputs:
                 if isinstance(a, Literal) and a.value.ndim:
                     h.update(a.value.tobytes())
-            for _, g in subgraphs(e):                        # a scan's body: its text is printed above
+            for _, g in subgraphs(e):                        # a scan's body (its text is in the text above)
                 h.update(g.signature().encode())
         return h.hexdigest()
 
