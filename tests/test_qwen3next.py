@@ -117,6 +117,23 @@ def test_what_the_converter_writes_as_the_flags_read_it():
     assert "dequant" not in graph, graph                                  # every q8_0 matmul reads its blocks
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("mix, ftype", [("q8_0", "q8_0"), ("q4_k_m", "q4_k_m")])
+def test_ggraph_quantize_writes_llama_quantizes_tensors(mix, ftype, tmp_path):
+    """ggraph's quantiser on the f32 file gives the tensors llama.cpp's llama_model_quantize wrote (hf_models'
+    files): the same types (the delta-net tensors' rows that are not whole k-quant blocks taking llama.cpp's
+    fallbacks) and the same bytes."""
+    from ggraph.gguf import GGUFFile
+    from ggraph.quantize import quantize_file
+    ours = tmp_path / f"{mix}.gguf"
+    quantize_file(hf_models.converted(FAMILY, "f32"), ours, ftype)
+    with GGUFFile(str(ours)) as a, GGUFFile(str(hf_models.converted(FAMILY, mix))) as b:
+        assert set(a.tensors) == set(b.tensors)
+        for name, t in b.tensors.items():
+            assert a.tensors[name].dtype is t.dtype, (name, a.tensors[name].dtype, t.dtype)
+            assert np.array_equal(np.asarray(a.tensors[name].data), np.asarray(t.data)), name
+
+
 # -- flags, from metadata alone ----------------------------------------------------------------------
 
 NAMES = {"token_embd.weight", "blk.0.attn_norm.weight", "blk.1.attn_norm.weight", "blk.2.attn_norm.weight",
