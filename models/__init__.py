@@ -19,8 +19,7 @@ from ggraph.ir.dtypes import Aval, dim, f32, i32, param
 from ggraph.ir.graph import Graph
 # the shipped architectures register themselves, in this order
 from ggraph.models import (llama, qwen2, phi3, gemma2, gemma3, qwen3, qwen3moe, olmo2, olmoe,  # noqa: F401,I001
-                           qwen2moe, gpt_oss, lfm2, mamba2, granitehybrid)
-from ggraph.models import qwen3next  # noqa: F401,I001
+                           qwen2moe, gpt_oss, lfm2, mamba2, granitehybrid, qwen3next)
 from ggraph.models.registry import ARCHITECTURES, Architecture, architecture, register_architecture
 
 __all__ = ["ARCHITECTURES", "Architecture", "Model", "architecture", "load", "register_architecture"]
