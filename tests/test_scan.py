@@ -533,3 +533,13 @@ def test_carries_in_place_only_when_safe():
             assert [c.kernel for c in prog.spec.calls if c.loops][-1] == "copy_bytes"
             for got, w in zip(prog(c0, x), want):
                 np.testing.assert_allclose(got, w, rtol=1e-5, atol=1e-6)
+
+
+def test_plan_keeps_operands_apart_from_outputs():
+    """plan_memory gives a scan's outputs buffers of their own: an operand that dies at the scan (here the
+    transposed xs of axis=1) is still read by every step."""
+    g = run(traced("axis1"), resolve("default"))
+    plan = g.meta["memory_plan"]
+    e = next(e for e in g.eqns if e.prim.name == "scan")
+    ins = {plan.buffer_of[a] for a in e.inputs if a in plan.buffer_of}
+    assert ins and not ins & {plan.buffer_of[o] for o in e.outputs}
