@@ -33,15 +33,17 @@ CTX = 64
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
 
-def assert_agrees(got, want, mix, backend, what):
+def assert_agrees(got, want, mix, backend, what, exempt=None):
     """test_hf_families' bars: every position's cosine >= 0.99999 on f32 files, >= 0.9995 for the llvm
     backend's q8 activations on quantised ones, >= 0.995 for the numpy backend there; top-1 agreement >= 0.95
     (0.9 on f32 files and the numpy backend), where another token than llama.cpp's counts as a miss only if
     llama.cpp is sure of its own (``oracle.decided``: a lead of 0.25): granitehybrid's q8_0 decode has two
-    near-ties (leads of 0.012 and 0.005) where the llvm backend, at cosine 0.9997, picks the runner-up."""
+    near-ties (leads of 0.012 and 0.005) where the llvm backend, at cosine 0.9997, picks the runner-up.
+    Positions ``exempt`` (a mask) are held to cosine 0.9 only."""
     cos = (got * want).sum(1) / np.linalg.norm(got, axis=1) / np.linalg.norm(want, axis=1)
     floor = 0.99999 if mix == "f32" else 0.9995 if backend == "llvm" else 0.995
-    assert cos.min() >= floor, (what, np.flatnonzero(cos < floor), cos.min())
+    held = cos if exempt is None else np.where(exempt, 1.0, cos)
+    assert held.min() >= floor and cos.min() >= 0.9, (what, np.flatnonzero(held < floor), cos.min())
     same = got.argmax(1) == want.argmax(1)
     top1 = float((same | ~oracle.decided(want)).mean())
     assert top1 >= (0.95 if mix != "f32" and backend == "llvm" else 0.9), (what, top1, np.flatnonzero(~same))
@@ -172,6 +174,38 @@ def test_what_the_converter_writes_as_the_flags_read_it(family):
         assert (cfg.extra["residual_scale"], cfg.extra["logit_scale"]) == (0.5, 2.0)
     graph = str(session(family, "q8_0", "llvm").program(False).graph)
     assert "dequant" not in graph, graph                                  # every q8_0 matmul reads its blocks
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", FAMILIES)
+def test_q4_k_m_plans_as_llama_quantize_and_runs_as_llama_cpp(family):
+    """ggraph's Q4_K_M plan of the f32 file gives every tensor (convolution, scan and norm weights kept f32)
+    llama-quantize's type; llama.cpp's Q4_K_M file (q4_k, q6_k rows) runs as llama.cpp runs it, but where
+    llama.cpp's own prefill and token-by-token decode disagree: granitehybrid's position 17, at cosine 0.980,
+    is a router near-tie that llama.cpp's gemm and gemv kernels break in opposite ways, and so do ggraph's
+    (its prefill there equals llama.cpp's decode, its decode llama.cpp's prefill)."""
+    from ggraph import quantize as Q
+    from ggraph.gguf import GGUFFile
+    with GGUFFile(str(hf_models.converted(family, "f32"))) as f, \
+            GGUFFile(str(hf_models.converted(family, "q4_k_m"))) as ref:
+        types = Q.plan(f, "Q4_K_M").types
+        assert {n: t.name for n, t in types.items()} == {n: t.dtype.name for n, t in ref.tensors.items()}
+    path = hf_models.converted(family, "q4_k_m")
+    s = Session(path, backend="llvm", threads=2, ctx=CTX, **EXACT)
+    want, steps = oracle.llama_logits(path, IDS, n_ctx=CTX), oracle.llama_logits_stepwise(path, IDS, n_ctx=CTX)
+    torn = (want * steps).sum(1) / np.linalg.norm(want, axis=1) / np.linalg.norm(steps, axis=1) < 0.9995
+    assert torn.sum() <= 1, (family, np.flatnonzero(torn))
+    assert_agrees(s.logits(IDS), want, "q4_k_m", "llvm", f"{family} Q4_K_M", exempt=torn)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", FAMILIES)
+def test_ggraph_run(family, capsys):
+    from ggraph.cli import main
+    assert main(["run", str(hf_models.converted(family, "q8_0")), "-p", "The quick brown fox", "-n", "8", "--temp",
+                 "0", "--ctx", str(CTX), "--threads", "2"]) == 0
+    out, err = capsys.readouterr()
+    assert out.startswith("The quick brown fox") and "generated: 8 tokens" in err, (out, err)
 
 
 # -- flags, from metadata alone ----------------------------------------------------------------------
