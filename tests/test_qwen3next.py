@@ -91,6 +91,22 @@ def test_a_cut_back_prefix_then_new_tokens_match_llama_cpp(backend):
 
 
 @pytest.mark.slow
+def test_a_second_turn_reusing_the_cached_prefix_equals_a_fresh_prefill():
+    """Session.generate(reuse_cache=True): the second prompt shares 10 tokens with the first turn's context, so
+    the states go back to a snapshot and the rest runs again; its greedy reply is a fresh session's (whose
+    logits the tests above hold to llama.cpp's; llama.cpp's own greedy tokens are near-ties on this random
+    model from the first one, so they decide nothing here)."""
+    path = hf_models.converted(FAMILY, "f32")
+    s = session("f32", "llvm")
+    s.generate(IDS[:12], max_tokens=6, temperature=0)
+    second = IDS[:10] + IDS[14:22]
+    reply = s.generate(second, max_tokens=6, temperature=0, reuse_cache=True)
+    assert s.stats["cached_tokens"] == 10 and s.stats["recomputed_tokens"] > 0, s.stats
+    fresh = Session(path, backend="llvm", threads=2, ctx=CTX, **EXACT)
+    assert reply == fresh.generate(second, max_tokens=6, temperature=0)
+
+
+@pytest.mark.slow
 def test_transformers_agrees_with_llama_cpp_and_ggraph():
     """The oracle's oracle: the converted f32 file computes what the Hugging Face model does."""
     path = hf_models.converted(FAMILY, "f32")
