@@ -22,13 +22,12 @@ says how many bytes the experts' kernels read a token against the active experts
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
-import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
+
+from side_by_side import side_by_side, table_head, table_rows
 
 ROOT = Path(__file__).resolve().parent.parent
 SHAPE = dict(layers=16, width=1024, experts=64, top_k=8, expert_width=512, heads=16, kv_heads=2, head_dim=128)
@@ -101,35 +100,6 @@ def write(path: Path, s: dict, seed: int = 0) -> Path:
     return path
 
 
-def llama_bench(exe: str, path: Path, pp: int, tg: int, threads: int) -> tuple[float, float]:
-    """(prefill, decode) tok/s of one llama-bench repetition of ``-p pp -n tg``; ``exe`` may carry the
-    engine's own options after it ("PATH -rtr 1")."""
-    exe, *extra = exe.split()
-    out = subprocess.run([exe, "-m", str(path), "-p", str(pp), "-n", str(tg), "-t", str(threads), "-r", "1",
-                          "-o", "json", *extra], capture_output=True, text=True, check=True)
-    rows = json.loads(out.stdout)
-    pp_s = next(r["avg_ts"] for r in rows if r["n_prompt"] == pp and r["n_gen"] == 0)
-    tg_s = next(r["avg_ts"] for r in rows if r["n_gen"] == tg and r["n_prompt"] == 0)
-    return pp_s, tg_s
-
-
-def side_by_side(path: Path, threads: int, pp: int, tg: int, rounds: int, engines: dict[str, str]) -> dict:
-    """Median prefill and decode tok/s of ggraph and each llama-bench over ``rounds`` alternating rounds."""
-    from ggraph.bench.measure import GGraphRunner, prompt_tokens
-    runner = GGraphRunner(path, threads, ctx=pp + tg + 16)
-    ids = prompt_tokens(pp, runner.n_vocab)
-    got: dict[str, list] = {name: [] for name in ["ggraph", *engines]}
-    try:
-        for _ in range(rounds):
-            got["ggraph"].append((pp / runner.prefill(ids, 0), tg / runner.decode(ids[0], tg, 0)))
-            for name, exe in engines.items():
-                got[name].append(llama_bench(exe, path, pp, tg, threads))
-    finally:
-        runner.close()
-    return {name: (statistics.median(r[0] for r in rows), statistics.median(r[1] for r in rows), rows)
-            for name, rows in got.items()}
-
-
 def active_bytes(path: Path) -> tuple[int, int]:
     """(bytes of the k experts a token uses, summed over layers; bytes of every expert) of the file."""
     from ggraph.gguf.reader import GGUFFile
@@ -189,15 +159,9 @@ def main(argv=None) -> int:
     for exe in args.ik_bench:
         extra = " ".join(exe.split()[1:])
         engines[f"ik_llama.cpp {extra}".strip()] = exe
-    print(f"| threads | engine | prefill {args.pp} tok/s | decode {args.tg} tok/s | ggraph's ratio (pp / tg) |")
-    print("|---|---|---|---|---|")
+    print(table_head(args.pp, args.tg))
     for t in threads:
-        res = side_by_side(args.model, t, args.pp, args.tg, args.rounds, engines)
-        gpp, gtg, _ = res["ggraph"]
-        for name, (pps, tgs, rows) in res.items():
-            ratio = "" if name == "ggraph" else f"{gpp / pps:.2f}x / {gtg / tgs:.2f}x"
-            runs = "; ".join(f"{a:.1f}/{b:.1f}" for a, b in rows)
-            print(f"| {t} | {name} | {pps:.1f} | {tgs:.1f} | {ratio} |  rounds: {runs}")
+        print(table_rows(side_by_side(args.model, t, args.pp, args.tg, args.rounds, engines), t))
     return 0
 
 

@@ -1,4 +1,5 @@
-"""llama.cpp's command-line tools as oracles: llama-quantize, llama-imatrix, llama-perplexity, llama-gguf-split.
+"""llama.cpp's command-line tools as oracles: llama-quantize, llama-imatrix, llama-perplexity, llama-gguf-split
+(and llama-bench, which benchmarks/ runs beside ggraph).
 
     exe = llama_tool("llama-quantize")        # a pathlib.Path; skips the calling test if it can't be had
 
@@ -30,7 +31,7 @@ import pytest
 
 from llama_cpp_cmake_args import cmake_args, cpu_flags
 
-TOOLS = ("llama-quantize", "llama-imatrix", "llama-perplexity", "llama-gguf-split")
+TOOLS = ("llama-quantize", "llama-imatrix", "llama-perplexity", "llama-gguf-split", "llama-bench")
 _CMAKE_FIXED = ("-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
                 "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=OFF", "-DBUILD_SHARED_LIBS=OFF")
 
@@ -49,6 +50,15 @@ def llama_tool(name: str) -> Path:
     if error:
         pytest.skip(error)
     return bin_dir / name
+
+
+def built_tool(name: str) -> Path | None:
+    """The path of llama.cpp's tool ``name`` if it is built already (or in $GGRAPH_LLAMA_TOOLS), else None;
+    never builds (for tests that run a tool when it is there and do without it otherwise)."""
+    given = os.environ.get("GGRAPH_LLAMA_TOOLS")
+    version, _, root = _where()
+    exe = Path(given) / name if given else None if version is None else root / "build" / "bin" / name
+    return exe if exe is not None and exe.is_file() else None
 
 
 def llama_cpp_source() -> Path:

@@ -46,3 +46,28 @@ def test_tile_benchmark_runs_where_tiles_do():
     assert out.returncode == 0, out.stderr
     rows = [line for line in out.stdout.splitlines() if line.rstrip().endswith(("a tdpbssd", "24 FMAs", "a tileloadd", "16 tdpbssd"))]
     assert len(rows) == 11 and all(float(r.split("cycles for")[0].split()[-1]) > 0 for r in rows), out.stdout
+
+
+def test_hybrid_benchmark_writes_checks_and_runs(tmp_path):
+    """benchmarks/hybrid.py: a tiny lfm2 file (two convolution layers, one attention layer) written, quantised
+    by llama.cpp and checked against it, then decode and prefill timed at two depths, beside llama-bench when
+    tests/llama_tools.py has built it."""
+    pytest.importorskip("llama_cpp", reason="llama.cpp quantises and checks the file")
+    from llama_tools import built_tool
+    path = tmp_path / "lfm2.gguf"
+    out = subprocess.run([sys.executable, str(BENCHMARKS / "hybrid.py"), "--write", str(path),
+                          "--shape", "layers=3,width=256,ffn=512,heads=4,kv_heads=2"], capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    cosine = float(out.stdout.split("least cosine")[1])
+    assert cosine > 0.999, out.stdout                       # Q4_K_M in both engines, activations as q8_K
+    bench = built_tool("llama-bench")
+    out = subprocess.run([sys.executable, str(BENCHMARKS / "hybrid.py"), str(path), "--threads", "1", "--pp", "8",
+                          "--tg", "2", "--rounds", "1", "--depth", "0,16",
+                          *(["--llama-bench", str(bench)] if bench else [])], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [line.split("|") for line in out.stdout.splitlines() if line.startswith("| 1 |")]
+    assert [(r[2].strip(), r[3].strip()) for r in rows] == [(d, e) for d in ("0", "16")
+                                                             for e in ["ggraph"] + ["llama.cpp"] * bool(bench)], out.stdout
+    assert all(float(r[5]) > 0 for r in rows) and float(rows[0][4]) > 0, out.stdout    # decode everywhere, prefill at 0
+    assert "ggraph, 1 thread(s): decode at depth 16 is" in out.stdout
