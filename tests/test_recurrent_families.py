@@ -200,6 +200,17 @@ def test_q4_k_m_plans_as_llama_quantize_and_runs_as_llama_cpp(family):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES)
+def test_a_batch_of_sequences_gives_each_what_it_gets_alone(family):
+    """serve's slots: each slot's own states and KV rows, bit for bit a batch of one and a Session."""
+    from test_batch import run_both
+    path = hf_models.converted(family, "q8_0")
+    for single in (None, Session):
+        got, want = run_both(path, "llvm", single=single, **EXACT)
+        np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", FAMILIES)
 def test_ggraph_run(family, capsys):
     from ggraph.cli import main
     assert main(["run", str(hf_models.converted(family, "q8_0")), "-p", "The quick brown fox", "-n", "8", "--temp",
