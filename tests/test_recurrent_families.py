@@ -2,16 +2,18 @@
 models llama.cpp converted itself.
 
 The models (hf_models.RECURRENT: width 256, 2-3 layers) are made with transformers, converted by llama.cpp's
-convert_hf_to_gguf.py and quantised q8_0 by llama.cpp: lfm2's short convolutions around an attention layer,
+convert_hf_to_gguf.py and quantised by llama.cpp: lfm2's short convolutions around an attention layer,
 mamba2's state-space layers only, granitehybrid's Mamba-2 layers around an attention layer without rope, with
 experts and a shared expert in every layer and granite's four multipliers. On the f32 and q8_0 files, on both
 backends, ggraph's logits equal llama.cpp's at every position from one prefill, token by token (each layer's
 convolution and scan state carried from step to step, as llama.cpp carries them), and after a cut back to a
 shorter prefix (a state restored from a snapshot, the tokens after it run again) as a chat turn that reuses
-the cached prefix does. Bars as test_hf_families' (its ``assert_agrees``): cosine >= 0.99999 on f32 files,
->= 0.9995 for the llvm backend's q8 activations on q8_0, >= 0.995 for the numpy backend there; granitehybrid's
-routers on the numpy backend are compared with llama.cpp on the dequantised weights, as test_hf_families does
-for every family with experts (its module docstring says why).
+the cached prefix does; q8_0 on every feature set this host runs, Q4_K_M on the host's own. Bars as
+test_hf_families' (``assert_agrees`` says them); granitehybrid's routers on the numpy backend are compared with
+llama.cpp on the dequantised weights, as test_hf_families does for every family with experts (its module
+docstring says why). Also: a reuse_cache turn's greedy text, transformers as the oracle's oracle, the flags
+the converter's metadata gives, Q4_K_M plans, batches (serve's slots), ``ggraph run``, and bad metadata or
+tensor shapes refused by name.
 """
 from functools import lru_cache
 
