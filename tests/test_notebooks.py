@@ -1,4 +1,5 @@
 """The notebooks run top to bottom with nbclient, so they never rot. They are stored without outputs."""
+import re
 from pathlib import Path
 
 import nbclient
@@ -7,7 +8,7 @@ import pytest
 
 NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
 NAMES = ["01_new_architecture.ipynb", "02_graphs_and_passes.ipynb", "03_fused_vs_unfused.ipynb",
-         "04_mixture_of_experts.ipynb"]
+         "04_mixture_of_experts.ipynb", "05_recurrent_layers.ipynb"]
 
 
 def execute(name: str):
@@ -65,3 +66,15 @@ def test_04_mixture_of_experts():
     assert "= top_k[k=4]" in out and "= qmatmul_experts" in out                 # the fused graph's routing
     assert "matmul · take(blk.0.ffn_gate_exps.weight, ids) -> qmatmul_experts on q8_0" in out   # --explain
     assert "sigmoid: fused over unfused" in out and "expert matmuls:" in out and images_in(nb) == 2
+
+
+def test_05_recurrent_layers():
+    nb = execute(NAMES[4])
+    out = text_of(nb)
+    assert "= scan[length=T, reverse=False, consts=1, carry=1] u h0 a b" in out        # the body, nested
+    assert "= fused{mul,add,neg,exp,add,div,log,mul,exp,mul,sub,mul,add} e f g h" in out   # one loop in the body
+    assert "[fuse_elementwise] fused{mul,add" in out                                  # the rewrite log
+    assert "both backends agree with the float64 loop at every length: True" in out
+    assert "= state_write state0" in out and "greedy decode chose the tokens a fresh prefill predicts: True" in out
+    ratios = re.search(r"decode at depth 4096 over depth 0: recurrent ([\d.]+)x, hybrid ([\d.]+)x", out)
+    assert float(ratios[1]) > 0.5 and float(ratios[2]) < 0.8 and images_in(nb) == 1   # flat, and growing
