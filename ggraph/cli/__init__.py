@@ -7,6 +7,7 @@
     split     a model as several files (gguf-split)      merge   split files back into one
     imatrix   an importance matrix from text             perplexity  a model's perplexity on a text
     convert   a Hugging Face model folder as a GGUF file  quantize  a model to Q4_K_M, Q8_0, IQ4_XS, ...
+    explore   the compiled graph in Model Explorer, pass by pass, with cost and profile overlays
 
 Every verb takes ``--plugin FILE.py``; plugins load before the command runs.
 """
@@ -16,10 +17,11 @@ import argparse
 import os
 import sys
 
-from ggraph.cli import bench, chat, convert, diff, dump, imatrix, inspect, perplexity, quantize, run, serve, split, target
+from ggraph.cli import (bench, chat, convert, diff, dump, explore, imatrix, inspect, perplexity, quantize, run, serve,
+                        split, target)
 from ggraph.cli.common import plugin_parent
 
-VERBS = (inspect, run, chat, serve, dump, diff, bench, target, convert, imatrix, quantize, split, perplexity)
+VERBS = (inspect, run, chat, serve, dump, diff, explore, bench, target, convert, imatrix, quantize, split, perplexity)
 
 
 class Parser(argparse.ArgumentParser):
