@@ -115,6 +115,7 @@ class _Builder:
         self.eqn_of: dict[str, Eqn] = {}
         self.groups: dict[str, dict[str, str]] = {}
         self.counter = 0
+        self.scans = 0
 
     def new_id(self, prefix: str) -> str:
         self.counter += 1
@@ -189,8 +190,8 @@ class _Builder:
 
     def scan(self, e: Eqn, subs, ns: str, where: dict) -> None:
         """A scan (an eqn that runs graphs) as a layer: its body's operands, eqns and results inside."""
-        self.counter += 1
-        layer = f"{ns}/{e.prim.name}_{self.counter}" if ns else f"{e.prim.name}_{self.counter}"
+        self.scans += 1
+        layer = f"{ns}/{e.prim.name}_{self.scans}" if ns else f"{e.prim.name}_{self.scans}"
         info = {"eqn": eqn_to_str(e, self.names), "scope": e.scope or "(top)"}
         info.update({f"param {k}": _fmt(v) for k, v in e.params.items() if v is not None and not isinstance(v, Graph)})
         if self.kernels is not None:
