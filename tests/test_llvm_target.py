@@ -121,13 +121,140 @@ def test_unknown_target_name():
         target.host_target("avx9")
 
 
-def test_aarch64_sets_are_for_assembly_only():
-    t = target.host_target("neon_dotprod")
+def test_another_architectures_sets_are_for_assembly_only(monkeypatch):
+    monkeypatch.setattr(target, "host_arch", lambda: "x86_64")
+    t = target.named_target("neon_dotprod")
     assert t.arch == "aarch64" and t.has("dotprod") and not t.executable
     m = ir.Module()
     kernels.fmatmul(m, dtypes.f32, 64, 16, t)
     with pytest.raises(ValueError, match="cannot execute"):
         jit.compile(m, t)
+    with pytest.raises(ValueError, match=r"GGRAPH_TARGET=neon_dotprod: that is aarch64 code and this host is "
+                                         r"x86_64 \(it runs: .*generic\)"):
+        target.host_target("neon_dotprod")
+
+
+# /proc/cpuinfo's Features line as qemu-user 10 shows it for QEMU_CPU=max, neoverse-n1 and cortex-a72
+ARM_CPUINFO = {
+    "max": "fp asimd aes pmull sha1 sha2 crc32 atomics fphp asimdhp cpuid asimdrdm jscvt fcma lrcpc dcpop sha3 "
+           "sm3 sm4 asimddp sha512 sve asimdfhm dit uscat ilrcpc flagm sb paca pacg dcpodp sve2 svei8mm i8mm bf16",
+    "neoverse-n1": "fp asimd aes pmull sha1 sha2 crc32 atomics fphp asimdhp cpuid asimdrdm lrcpc dcpop asimddp",
+    "cortex-a72": "fp asimd aes pmull sha1 sha2 crc32 cpuid",
+}
+ARM_CHOICE = {"max": "neon_i8mm", "neoverse-n1": "neon_dotprod", "cortex-a72": "neon"}
+
+
+def as_aarch64_linux(monkeypatch, features: frozenset):
+    monkeypatch.delenv("GGRAPH_TARGET", raising=False)
+    monkeypatch.setattr(target, "host_arch", lambda: "aarch64")
+    monkeypatch.setattr(target, "host_os", lambda: "linux")
+    monkeypatch.setattr(target, "host_features", lambda: features)
+
+
+@pytest.mark.parametrize("cpu", ARM_CPUINFO)
+def test_an_aarch64_linux_host_gets_its_best_neon_set(monkeypatch, cpu):
+    feats = target._cpuinfo_features(f"processor\t: 0\nBogoMIPS\t: 2000.00\nFeatures\t: {ARM_CPUINFO[cpu]}\n")
+    as_aarch64_linux(monkeypatch, feats)
+    best = ARM_CHOICE[cpu]
+    t = target.host_target()
+    assert (t.name, t.triple, t.executable) == (best, target.AARCH64, True)
+    runs = target.AARCH64_NAMES[:target.AARCH64_NAMES.index(best) + 1]
+    assert [r.name for r in target.runnable_targets()] == list(runs)         # best last
+    assert target.host_names() == target.AARCH64_NAMES
+    for name in target.X86_NAMES:
+        with pytest.raises(ValueError, match=f"GGRAPH_TARGET={name}: that is x86_64 code and this host is aarch64 "
+                                             f"\\(it runs: {', '.join(reversed(runs))}\\)"):
+            target.host_target(name)
+    for name in set(target.AARCH64_NAMES) - set(runs):
+        lacks = [f for f in target._SETS[name][2] if f not in feats]
+        with pytest.raises(ValueError, match=f"GGRAPH_TARGET={name}: this host lacks {', '.join(lacks)}$"):
+            target.host_target(name)
+    assert target.host_target("neon").name == "neon"
+
+
+def test_an_aarch64_host_without_advsimd_is_refused_by_name(monkeypatch):
+    as_aarch64_linux(monkeypatch, frozenset())
+    with pytest.raises(ValueError, match="this aarch64 host lacks even the baseline feature set neon \\(neon\\)"):
+        target.host_target()
+    assert target.runnable_targets() == []
+
+
+def test_an_unknown_architecture_is_named(monkeypatch):
+    monkeypatch.delenv("GGRAPH_TARGET", raising=False)
+    monkeypatch.setattr(target, "host_arch", lambda: "riscv64")
+    with pytest.raises(ValueError, match="no native feature set for host architecture riscv64"):
+        target.host_target()
+    assert target.runnable_targets() == [] and target.host_names() == ()
+
+
+# `sysctl hw.optional` on Apple M1 (no i8mm) and M2 (i8mm), as macOS prints it
+M1_SYSCTL = ("hw.optional.arm.FEAT_DotProd: 1\nhw.optional.arm.FEAT_I8MM: 0\nhw.optional.arm.FEAT_BF16: 0\n"
+             "hw.optional.floatingpoint: 1\nhw.optional.AdvSIMD: 1\nhw.optional.neon: 1\n")
+M2_SYSCTL = M1_SYSCTL.replace("FEAT_I8MM: 0", "FEAT_I8MM: 1")
+
+
+def test_macos_features_come_from_sysctl():
+    assert target._sysctl_features(M1_SYSCTL) == {"neon", "dotprod"}
+    assert target._sysctl_features(M2_SYSCTL) == {"neon", "dotprod", "i8mm"}
+    assert target._sysctl_features("hw.optional.arm.FEAT_DotProd: 1\n") == {"dotprod"}
+    with pytest.raises(ValueError, match="no hw.optional"):
+        target._sysctl_features("sysctl: unknown oid 'hw.optional'\n")
+
+
+@pytest.mark.parametrize("text, best", [(M1_SYSCTL, "neon_dotprod"), (M2_SYSCTL, "neon_i8mm")], ids=["M1", "M2"])
+def test_a_mac_gets_mach_o_objects_its_best_set_and_no_system_linker(monkeypatch, text, best):
+    monkeypatch.delenv("GGRAPH_TARGET", raising=False)
+    monkeypatch.setattr(target, "host_arch", lambda: "aarch64")
+    monkeypatch.setattr(target, "host_os", lambda: "darwin")
+    monkeypatch.setattr(target, "_host_sysctl", lambda: text)
+    monkeypatch.setattr(target, "_host_cpuinfo", lambda: "")
+    target.host_features.cache_clear()
+    try:
+        t = target.host_target()
+        assert (t.name, t.triple, t.arch) == (best, "aarch64-apple-macosx11.0.0", "aarch64")
+    finally:
+        target.host_features.cache_clear()
+    monkeypatch.setattr(jit, "host_os", lambda: "darwin")
+    assert jit.system_linker() is None                  # JITLink loads Mach-O objects in the process
+    # the triple is in the cache keys (Apple's ABI differs), which stay as they were for Linux triples
+    linux = dataclasses.replace(t, triple=target.AARCH64)
+    assert jit.cache_key("x", t) != jit.cache_key("x", linux) and jit._key_part(t) != jit._key_part(linux)
+    assert jit._key_part(linux) == ("target", linux.name, linux.cpu, linux.features)
+    m = ir.Module()
+    kernels.fmatmul(m, dtypes.f32, 64, 16, t)
+    target.init_llvm(True)                              # this x86 process pretends to be a Mac
+    obj = jit.emit_object(str(m), t)
+    assert obj[:4] == b"\xcf\xfa\xed\xfe"                  # a 64-bit Mach-O object, not ELF
+
+
+def test_the_linker_is_the_host_architectures_own(monkeypatch, tmp_path):
+    x86_ld, cross_ld = tmp_path / "ld", tmp_path / "aarch64-linux-gnu-ld"
+    x86_ld.write_bytes(b"\x7fELF\x02\x01\x01" + bytes(11) + (62).to_bytes(2, "little") + bytes(40))   # EM_X86_64
+    cross_ld.write_bytes(x86_ld.read_bytes())               # an x86 program that links AArch64 code
+    on_path = {"ld": str(x86_ld), "aarch64-linux-gnu-ld": str(cross_ld)}
+    monkeypatch.setattr(jit.shutil, "which", on_path.get)
+    monkeypatch.setattr(jit, "host_os", lambda: "linux")
+    monkeypatch.setattr(jit, "host_arch", lambda: "x86_64")
+    assert jit.system_linker() == str(x86_ld)
+    monkeypatch.setattr(jit, "host_arch", lambda: "aarch64")          # emulated: the x86 ld cannot link it
+    assert jit.system_linker() == str(cross_ld)
+    del on_path["aarch64-linux-gnu-ld"]
+    assert jit.system_linker() is None                                # JITLink, not a linker that fails
+    on_path["ld"] = "/bin/sh-script-ld"                                 # not ELF (unreadable): trusted
+    assert jit.system_linker() == "/bin/sh-script-ld"
+    del on_path["ld"]
+    on_path["aarch64-linux-gnu-ld"] = str(cross_ld)
+    assert jit.system_linker() is None                                # no ld at all: JITLink
+
+
+def test_the_cli_refuses_a_forced_set_before_it_runs(monkeypatch, capsys):
+    from ggraph.cli import main
+    monkeypatch.setenv("GGRAPH_TARGET", "neon_i8mm" if target.host_arch() == "x86_64" else "avx2")
+    assert main(["inspect", "/no/such/file.gguf"]) == 1
+    err = capsys.readouterr().err
+    assert "code and this host is" in err and "no/such" not in err            # refused before the verb ran
+    monkeypatch.setenv("GGRAPH_TARGET", "avx9")
+    assert main(["target"]) == 1 and "unknown target 'avx9'" in capsys.readouterr().err
 
 
 def test_describe_lists_a_variant_per_op():

@@ -38,7 +38,7 @@ import llvmlite
 from llvmlite import ir
 
 from ggraph.backends.llvm import cache
-from ggraph.backends.llvm.target import Target, host_arch, init_llvm, target_machine
+from ggraph.backends.llvm.target import AARCH64, X86, Target, host_arch, host_os, init_llvm, target_machine
 from ggraph.demo import cache_dir          # one cache root for models and object code
 from ggraph.ir.dims import Sym
 from ggraph.ir.dtypes import Aval, DType
@@ -53,10 +53,15 @@ _names = itertools.count()
 PARALLEL_MIN = 4                   # compile in worker processes once this many new units wait
 
 
+def _os_part(target: Target) -> tuple[str, ...]:
+    """The target's triple where it is not one of the Linux triples every key before macOS assumed."""
+    return () if target.triple in (X86, AARCH64) else (target.triple,)
+
+
 def cache_key(ir_text: str, target: Target) -> str:
     """A hash of everything that decides the object code."""
     h = hashlib.sha256()
-    for part in (ir_text, target.name, target.cpu, target.features, llvmlite.__version__):
+    for part in (ir_text, target.name, target.cpu, target.features, llvmlite.__version__, *_os_part(target)):
         h.update(part.encode())
         h.update(b"\0")
     return h.hexdigest()
@@ -96,7 +101,7 @@ def object_code(module, target: Target) -> tuple[bytes, bool]:
     obj = cache.read(path, cache.OBJECT)
     if obj is not None:
         return obj, True
-    obj = emit_object(text, target)
+    obj = emit_object_elsewhere(text, target) if compile_python() else emit_object(text, target)
     cache.write(path, cache.OBJECT, obj)
     return obj, False
 
@@ -144,7 +149,7 @@ def _key_part(a):
     if isinstance(a, Graph):
         return ("graph", a.signature(), graph_code(a))
     if isinstance(a, Target):
-        return ("target", a.name, a.cpu, a.features)
+        return ("target", a.name, a.cpu, a.features, *_os_part(a))
     if isinstance(a, (tuple, list)):
         return tuple(_key_part(x) for x in a)
     if isinstance(a, (Aval, DType, Sym)):
@@ -261,13 +266,22 @@ class Compiler:
             w.close()
 
 
+def compile_python() -> str | None:
+    """$GGRAPH_COMPILE_PYTHON: a command that runs compile workers in another Python (with the same
+    ggraph and llvmlite), such as the host's own when this process is emulated (tests/arm/), so that LLVM
+    runs natively; None: this Python runs them."""
+    return os.environ.get("GGRAPH_COMPILE_PYTHON") or None
+
+
 class _Worker:
     """One compile worker process (``compile_worker.py``), fed by a thread of its own so that sending
     a big module never blocks the caller, and read by another that posts results."""
 
     def __init__(self, target: Target, n: int, results: queue.Queue):
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))   # the same ggraph as ours
-        self.proc = subprocess.Popen([sys.executable, "-m", "ggraph.backends.llvm.compile_worker"],
+        python = compile_python()
+        env = dict(os.environ) if python else \
+            dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))   # the same ggraph as ours
+        self.proc = subprocess.Popen([python or sys.executable, "-m", "ggraph.backends.llvm.compile_worker"],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
         self.jobs: queue.Queue = queue.Queue()
         self.load = self.sent = 0
@@ -445,11 +459,32 @@ class _Dylib:
         return ctypes.cast(getattr(self._lib, name), ctypes.c_void_p).value
 
 
+_ELF_MACHINES = {62: "x86_64", 183: "aarch64"}              # ELF e_machine -> architecture
+
+
+def _native_binary(path: str) -> bool:
+    """False if ``path`` is an ELF executable for another architecture (an x86 ``ld`` that an emulated
+    AArch64 process finds on PATH links x86 code only); True otherwise."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(20)
+    except OSError:
+        return True
+    if len(head) < 20 or head[:4] != b"\x7fELF":
+        return True                                           # a script: it says nothing
+    machine = struct.unpack_from("<H" if head[5] == 1 else ">H", head, 18)[0]
+    return _ELF_MACHINES.get(machine, host_arch()) == host_arch()
+
+
 def system_linker() -> str | None:
-    """The path of the system linker that makes each program one shared object (``ld``, on Linux),
-    or None: LLJIT links programs in the process then."""
+    """The path of the system linker that makes each program one shared object on Linux: ``ld``, or when
+    that is another architecture's program (emulation) the cross linker named for this one
+    (``aarch64-linux-gnu-ld``, as Debian names it); or None (macOS, Windows, no binutils, a foreign
+    ``ld`` and no cross linker): LLJIT links programs in the process then."""
+    if host_os() != "linux":
+        return None
     ld = shutil.which("ld")
-    return ld if ld is not None and sys.platform.startswith("linux") else None
+    return ld if ld is None or _native_binary(ld) else shutil.which(f"{host_arch()}-linux-gnu-ld")
 
 
 def _shared_library(objects) -> _Dylib | None:

@@ -11,6 +11,8 @@ import enum
 import functools
 import os
 import platform
+import subprocess
+import sys
 from dataclasses import dataclass
 
 X86 = "x86_64-unknown-linux-gnu"
@@ -29,10 +31,15 @@ _SETS = {
     "amx":          (X86,     "x86-64-v4", _AVX512 + ("avx512vnni", "amx-tile", "amx-int8"), 512),
     "neon":         (AARCH64, "generic",   ("neon",),                          128),
     "neon_dotprod": (AARCH64, "generic",   ("neon", "dotprod"),                128),
+    "neon_i8mm":    (AARCH64, "generic",   ("neon", "dotprod", "i8mm"),        128),
 }
 NAMES = tuple(_SETS)
 X86_NAMES = tuple(n for n, s in _SETS.items() if s[0] == X86)
-_PREFERENCE = ("amx", "avx512_vnni", "avx512", "avx2", "generic")   # best first
+AARCH64_NAMES = tuple(n for n, s in _SETS.items() if s[0] == AARCH64)
+_PREFERENCE = {                               # per architecture, best first
+    "x86_64": ("amx", "avx512_vnni", "avx512", "avx2", "generic"),
+    "aarch64": ("neon_i8mm", "neon_dotprod", "neon"),
+}
 # added when the host has them. GFNI: LLVM shifts bytes with one vgf2p8affineqb instead of a word shift
 # and a mask (nibble splits; docs/kernels.md has the measurements)
 _OPTIONAL = {"avx2": ("gfni",), "avx512": ("gfni",), "avx512_vnni": ("avxvnni", "gfni"), "amx": ("avxvnni", "gfni")}
@@ -86,7 +93,7 @@ class Target:
 
     @property
     def arch(self) -> str:
-        return self.triple.split("-")[0]
+        return _ARCH_ALIASES.get(self.triple.split("-")[0], self.triple.split("-")[0])
 
     @property
     def executable(self) -> bool:
@@ -97,9 +104,28 @@ class Target:
         return not any(self.has(f) for f in _TILES) or tile_permission()
 
 
+_ARCH_ALIASES = {"amd64": "x86_64", "arm64": "aarch64"}        # Windows' and Apple's names -> LLVM's
+
+
 def host_arch() -> str:
     machine = platform.machine().lower()
-    return {"amd64": "x86_64", "arm64": "aarch64"}.get(machine, machine)
+    return _ARCH_ALIASES.get(machine, machine)
+
+
+def host_os() -> str:
+    """``sys.platform``: "linux", "darwin", ... (a function, so that tests can stand in for another OS)."""
+    return sys.platform
+
+
+def host_names() -> tuple[str, ...]:
+    """The feature sets of this host's architecture (runnable or not), in NAMES order."""
+    return tuple(n for n, s in _SETS.items() if s[0].split("-")[0] == host_arch())
+
+
+def _os_triple(triple: str) -> str:
+    """``triple`` for this host's operating system: Mach-O objects and Apple's ABI on macOS, where no
+    ELF object can be loaded."""
+    return triple.replace("unknown-linux-gnu", "apple-macosx11.0.0") if host_os() == "darwin" else triple
 
 
 # LLVM's name for each feature the sets above use -> the flag Linux prints for it in /proc/cpuinfo
@@ -109,8 +135,11 @@ _CPUINFO_FLAGS = {
     "avx512vl": "avx512vl", "avx512dq": "avx512dq", "avx512vnni": "avx512_vnni", "avxvnni": "avx_vnni",
     "gfni": "gfni",
     "amx-tile": "amx_tile", "amx-int8": "amx_int8",
-    "neon": "asimd", "dotprod": "asimddp",
+    "neon": "asimd", "dotprod": "asimddp", "i8mm": "i8mm",
 }
+# LLVM's name for each AArch64 feature -> the sysctl that says 1 when an Apple CPU has it (macOS has no /proc)
+_SYSCTL_FLAGS = {"neon": "hw.optional.AdvSIMD", "dotprod": "hw.optional.arm.FEAT_DotProd",
+                 "i8mm": "hw.optional.arm.FEAT_I8MM"}
 
 
 def _cpuinfo_field(text: str, keys: tuple) -> str | None:
@@ -142,12 +171,36 @@ def _cpuinfo_features(text: str) -> frozenset:
     return frozenset(name for name, flag in _CPUINFO_FLAGS.items() if flag in flags)
 
 
+def _sysctl_features(text: str) -> frozenset:
+    """The AArch64 features of `_SYSCTL_FLAGS` that ``sysctl hw.optional`` output (``name: value`` lines)
+    sets to 1, by LLVM's names."""
+    values = {}
+    for line in text.splitlines():
+        key, sep, value = line.partition(":")
+        if sep:
+            values[key.strip()] = value.strip()
+    if not any(key.startswith("hw.optional.") for key in values):
+        raise ValueError("sysctl printed no hw.optional values")
+    return frozenset(name for name, key in _SYSCTL_FLAGS.items() if values.get(key) == "1")
+
+
+@functools.cache
+def _host_sysctl() -> str:
+    """``sysctl hw.optional`` on this (macOS) host, or "" where it cannot run."""
+    try:
+        return subprocess.run(["sysctl", "hw.optional"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
 @functools.cache
 def host_features() -> frozenset:
-    """The host's CPU features by LLVM's names: from the kernel's /proc/cpuinfo on Linux, else from LLVM's
-    feature map (the CPU name can mislead). Reading the file keeps a warm process from loading LLVM (its
-    shared library alone is ~35 MiB resident) just to pick a feature set."""
+    """The host's CPU features by LLVM's names: from the kernel's /proc/cpuinfo on Linux, from sysctl on an
+    Apple ARM CPU, else from LLVM's feature map (the CPU name can mislead). Reading the OS's word keeps a
+    warm process from loading LLVM (its shared library alone is ~35 MiB resident) just to pick a set."""
     try:
+        if host_os() == "darwin" and host_arch() == "aarch64":
+            return _sysctl_features(_host_sysctl())
         return _cpuinfo_features(_host_cpuinfo())
     except ValueError:
         import llvmlite.binding as llvm
@@ -160,7 +213,7 @@ def named_target(name: str, extra: tuple = ()) -> Target:
         raise ValueError(f"unknown target {name!r}; known: {', '.join(NAMES)}")
     triple, cpu, feats, bits = _SETS[name]
     features = feats + tuple(extra) + _TUNING.get(name, ())
-    return Target(name, triple, cpu, ",".join("+" + f for f in features), bits)
+    return Target(name, _os_triple(triple), cpu, ",".join("+" + f for f in features), bits)
 
 
 ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA, SYS_ARCH_PRCTL = 0x1023, 18, 158
@@ -170,7 +223,7 @@ ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA, SYS_ARCH_PRCTL = 0x1023, 18, 158
 def tile_permission() -> bool:
     """Ask Linux, once per process, for the AMX tile data state (arch_prctl(ARCH_REQ_XCOMP_PERM,
     XFEATURE_XTILEDATA)); True if granted. Without it the first tile instruction kills the process."""
-    if platform.system() != "Linux" or host_arch() != "x86_64":
+    if host_os() != "linux" or host_arch() != "x86_64":
         return False
     import ctypes
     try:
@@ -210,31 +263,46 @@ def prefetch_kind(cpuinfo: str) -> Prefetch:
 
 
 def host_target(env: str | None = None) -> Target:
-    """The best feature set this host runs, or the one forced by $GGRAPH_TARGET."""
-    forced = os.environ.get("GGRAPH_TARGET", "") if env is None else env
+    """The best feature set this host runs, or the one forced by $GGRAPH_TARGET (refused, naming what is
+    missing, when this host cannot run it: ``named_target`` gives any set for assembly)."""
+    forced = (os.environ.get("GGRAPH_TARGET", "") if env is None else env).strip()
     features = host_features()
     if forced:
-        target = named_target(forced.strip())
-        if target.arch != host_arch():
-            return target            # allowed for assembly only; jit refuses to run it
-        missing = missing_features(target.name)
-        if missing:
-            raise ValueError(f"GGRAPH_TARGET={forced}: this host lacks {', '.join(missing)}")
-        return _with_host_extras(target.name, features)
-    if host_arch() != "x86_64":
-        raise ValueError(f"no native feature set for host architecture {host_arch()}; "
-                         f"known sets: {', '.join(NAMES)}")
-    for name in _PREFERENCE:
+        forced_target(forced)
+        return _with_host_extras(forced, features)
+    for name in _preference():
         if not missing_features(name):
             return _with_host_extras(name, features)
-    raise ValueError("host lacks even SSE2, the x86-64 baseline")
+    raise ValueError(f"this {host_arch()} host lacks even the baseline feature set "
+                     f"{_preference()[-1]} ({', '.join(missing_features(_preference()[-1]))})")
+
+
+def forced_target(name: str) -> None:
+    """Raise unless this host can run the set ``name`` that $GGRAPH_TARGET forces: the error names the
+    missing features, or the sets it can run when ``name`` is another architecture's."""
+    target = named_target(name)
+    if target.arch != host_arch():
+        runs = ", ".join(n for n in _preference() if not missing_features(n)) or "none"
+        raise ValueError(f"GGRAPH_TARGET={name}: that is {target.arch} code and this host is {host_arch()} "
+                         f"(it runs: {runs})")
+    missing = missing_features(name)
+    if missing:
+        raise ValueError(f"GGRAPH_TARGET={name}: this host lacks {', '.join(missing)}")
+
+
+def _preference() -> tuple[str, ...]:
+    """This host architecture's feature sets, best first."""
+    if host_arch() not in _PREFERENCE:
+        raise ValueError(f"no native feature set for host architecture {host_arch()}; "
+                         f"known sets: {', '.join(NAMES)}")
+    return _PREFERENCE[host_arch()]
 
 
 def runnable_targets() -> list[Target]:
-    """Every x86 feature set this host can execute, best last."""
+    """Every feature set of this host's architecture that it can execute, best last."""
     features = host_features()
-    return [_with_host_extras(n, features) for n in reversed(_PREFERENCE)
-            if host_arch() == "x86_64" and not missing_features(n)]
+    return [_with_host_extras(n, features) for n in reversed(_PREFERENCE.get(host_arch(), ()))
+            if not missing_features(n)]
 
 
 @functools.cache

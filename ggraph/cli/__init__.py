@@ -52,6 +52,9 @@ def main(argv=None) -> int:
         parser.print_help()
         return 2
     try:
+        if os.environ.get("GGRAPH_TARGET", "").strip():     # a set this host cannot run: refused before any work
+            from ggraph.backends.llvm.target import forced_target
+            forced_target(os.environ["GGRAPH_TARGET"].strip())
         plugins.load_defaults()
         for path in args.plugin:
             plugins.load_file(path)

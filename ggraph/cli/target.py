@@ -5,8 +5,11 @@ import json
 import sys
 
 
-FEATURES_THAT_MATTER = ("sse4.1", "sse4.2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl",
-                        "avx512dq", "avx512vnni", "avxvnni", "gfni", "amx-tile", "amx-int8", "neon", "dotprod")
+FEATURES_THAT_MATTER = {               # by host architecture
+    "x86_64": ("sse4.1", "sse4.2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq",
+               "avx512vnni", "avxvnni", "gfni", "amx-tile", "amx-int8", "neon", "dotprod"),
+    "aarch64": ("neon", "dotprod", "i8mm"),
+}
 
 
 def target_report() -> dict:
@@ -20,9 +23,10 @@ def target_report() -> dict:
     chosen = T.host_target()
     return {
         "cpu": llvm.get_host_cpu_name(),
+        "arch": T.host_arch(),
         "llvmlite": llvmlite.__version__,
         "llvm": ".".join(map(str, llvm.llvm_version_info)),
-        "features": {f: f in feats for f in FEATURES_THAT_MATTER},
+        "features": {f: f in feats for f in FEATURES_THAT_MATTER.get(T.host_arch(), ())},
         "amx_tiles": ("granted" if T.tile_permission() else "refused by the kernel")
                      if {"amx-tile", "amx-int8"} <= feats else "not on this CPU",
         "runnable": [t.name for t in T.runnable_targets()],
@@ -49,11 +53,13 @@ def cmd_target(args) -> int:
         json.dump(info, sys.stdout, indent=1)
         print()
         return 0
-    print(f"host cpu: {info['cpu']} (as LLVM names it; ggraph trusts the feature map below)")
+    print(f"host cpu: {info['cpu']}{'' if info['arch'] == 'x86_64' else ' (' + info['arch'] + ')'} "
+          "(as LLVM names it; ggraph trusts the feature map below)")
     print(f"llvmlite {info['llvmlite']}, LLVM {info['llvm']}")
     print("features: " + "  ".join(f"{k}{'+' if v else '-'}" for k, v in info["features"].items()))
     tiled = [op for op, variant in info["kernels"].items() if "AMX" in variant]
-    print(f"AMX tile data: {info['amx_tiles']}" + (f"; tiles in {', '.join(tiled)}" if tiled else ""))
+    if info["arch"] == "x86_64":
+        print(f"AMX tile data: {info['amx_tiles']}" + (f"; tiles in {', '.join(tiled)}" if tiled else ""))
     print(f"feature sets this host runs: {', '.join(info['runnable'])}")
     print(f"chosen: {info['chosen']}" + (" (forced by GGRAPH_TARGET)" if info["forced"] else
                                          " (best available; GGRAPH_TARGET=<set> forces one)"))
