@@ -51,10 +51,12 @@ class Exploration:
 
     def ui_state(self, expand=(), select: str = "") -> dict:
         """Open on the last graph of the first collection; with a second collection, that one's last graph
-        in a pane beside it (``--compare``). ``expand``: layers open (``blk.0/attn``), ``select``: a node id."""
+        in a pane beside it (``--compare``). ``expand``: layers open (``blk.0/attn``), ``select``: a node id of
+        the first pane. (Model Explorer lists a served collection's graphs by node count, not in the order
+        given: the ids' numbers give the pipeline's order.)"""
         panes = []
         for label, gs in self.collections[:2]:
-            panes.append({"deepestExpandedGroupNodeIds": list(expand), "selectedNodeId": select,
+            panes.append({"deepestExpandedGroupNodeIds": list(expand), "selectedNodeId": "" if panes else select,
                           "selectedGraphId": gs[-1].json["id"], "selectedCollectionLabel": page_label(label),
                           "widthFraction": 1 / min(2, len(self.collections)), "selected": not panes})
         return {"paneStates": panes}
