@@ -12,8 +12,8 @@ the cached prefix does; q8_0 on every feature set this host runs, Q4_K_M on the 
 test_hf_families' (``assert_agrees`` says them); granitehybrid's routers on the numpy backend are compared with
 llama.cpp on the dequantised weights, as test_hf_families does for every family with experts (its module
 docstring says why). Also: a reuse_cache turn's greedy text, transformers as the oracle's oracle, the flags
-the converter's metadata gives, Q4_K_M plans, batches (serve's slots), ``ggraph run``, and bad metadata or
-tensor shapes refused by name.
+the converter's metadata gives, Q4_K_M plans, batches (serve's slots), perplexity against llama-perplexity,
+``ggraph run``, and bad metadata or tensor shapes refused by name.
 """
 from functools import lru_cache
 
@@ -209,6 +209,32 @@ def test_a_batch_of_sequences_gives_each_what_it_gets_alone(family):
     for single in (None, Session):
         got, want = run_both(path, "llvm", single=single, **EXACT)
         np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", FAMILIES)
+def test_perplexity_matches_llama_perplexity(family):
+    """4 chunks of 128 tokens, each from zeroed states, as llama-perplexity runs them (measured 2e-8..2e-7 apart)."""
+    import io
+    import re
+    import subprocess
+    from ggraph.perplexity import perplexity
+    from llama_tools import llama_tool
+    from test_perplexity import CALIBRATION, CALIBRATION_PATH
+    path = hf_models.converted(family, "f32")
+    theirs = None
+    for _ in range(3):      # llama.cpp's log thread loses its last lines at exit now and then; they are retried
+        run = subprocess.run([str(llama_tool("llama-perplexity")), "-m", str(path), "-f", str(CALIBRATION_PATH),
+                              "-c", "128", "--chunks", "4", "-t", "2", "-ctk", "f16", "-ctv", "f16"],
+                             capture_output=True, text=True, timeout=600)
+        assert run.returncode == 0, run.stderr[-2000:]
+        running = re.findall(r"\[(\d+)\]([\d.]+),", run.stdout)      # the estimate after each chunk
+        if running and running[-1][0] == "4":
+            theirs = float(running[-1][1])
+            break
+    assert theirs is not None, f"llama-perplexity printed no 4th chunk: {run.stdout[-500:]}"
+    mine = perplexity(path, CALIBRATION, n_ctx=128, n_chunks=4, threads=2, out=io.StringIO())
+    assert abs(mine.ppl / theirs - 1) < 1e-5, f"ggraph {mine.ppl:.4f} vs llama.cpp {theirs:.4f}"
 
 
 @pytest.mark.slow
