@@ -92,6 +92,7 @@ class Exploration:
             raise ValueError(f"--port {port}: not a TCP port (1..65535)")
         elif _in_use(host, port):
             raise ValueError(f"--port {port}: already in use on {host}")
+        _quiet(server)
         cfg = me.config()
         for i, (label, gs) in enumerate(self.collections):
             cfg.graphs_list.append(json.dumps({"graphCollections": [collection(label, gs)]}))
@@ -116,6 +117,14 @@ class Exploration:
         if self.url is None:
             return f"<pre>{len(self.graphs())} graphs, not served: call .serve()</pre>"
         return f'<iframe src="{self.url}" width="100%" height="800" style="border:1px solid #ccc"></iframe>'
+
+
+def _quiet(server) -> None:
+    """Model Explorer's server module without its console chatter (its own URL, which lacks our page state,
+    and its list of adapters) and without its check for a newer release on PyPI and GitHub at every start."""
+    server.print = lambda *args, **kw: None
+    server._check_new_version = lambda print_msg=True: {"version": "", "runningVersion": "", "releaseUrl": "",
+                                                         "desktopAppUrl": ""}
 
 
 def page_label(label: str) -> str:
