@@ -186,6 +186,9 @@ def test_cli_export_of_a_model_with_compare_and_layer(llama, tmp_path, capsys):
     w = attr(next(n for n in qm if "blk.1.attn_q.weight" in attr(n, "weight")[0]), "weight")[0]
     assert w.endswith("f32[64,64], 16.00 KiB")                   # 64 x 64 f32 weights
     assert os.path.exists(out / "cost_flops_at_T_2_P_3.nodedata.json")
+    code, _, err = cli(capsys, "explore", llama, "--export", out)
+    assert code == 1 and "graphs.json already exists there: remove it or give --force" in err
+    assert cli(capsys, "explore", llama, "--export", out, "--force")[0] == 0
 
 
 def test_cli_with_a_plugin_architecture(llama, tmp_path, capsys):
@@ -199,6 +202,25 @@ def test_cli_with_a_plugin_architecture(llama, tmp_path, capsys):
     assert code == 0, err
     final = json.load(open(tmp_path / "out" / "graphs.json"))[0]["subgraphs"][-1]
     assert any(n["namespace"] == "blk.1/attn" and n["label"] == "rope_attention" for n in final["nodes"])
+
+
+def test_cli_profile_overlays_the_program_that_ran(llama, tmp_path, capsys):
+    code, _, err = cli(capsys, "explore", llama, "--profile", "-t", 1, "--pp", 8, "--export", tmp_path)
+    assert code == 0, err
+    assert "profiled at 1 thread(s): prefill T=8" in err
+    graphs = json.load(open(tmp_path / "graphs.json"))[0]["subgraphs"]
+    assert graphs[-1]["id"] == "10 program (profiled)"
+    nodes = {n["id"]: n for n in graphs[-1]["nodes"]}
+    for step in ("prefill_T_8", "decode_P_8"):
+        (data,) = json.load(open(tmp_path / f"profile_{step}_time_us.nodedata.json")).values()
+        times = {n: r["value"] for n, r in data["results"].items()}
+        assert {nodes[n]["label"] for n in times} >= {"qmatmul", "rope_attention"}   # the kernels that ran
+        assert all(t > 0 for t in times.values())
+        (share,) = json.load(open(tmp_path / f"profile_{step}_share_of_the_step.nodedata.json")).values()
+        total = sum(r["value"] for r in share["results"].values())
+        assert 0.3 < total <= 1.0 + 1e-9                          # the rest: barriers, ops on no node
+        (roof,) = json.load(open(tmp_path / f"profile_{step}_fraction_of_roofline.nodedata.json")).values()
+        assert set(roof["results"]) == set(times)
 
 
 @pytest.mark.parametrize("argv,says", [
@@ -297,6 +319,7 @@ def test_the_page_of_a_user_function(browser, shots):
     final = ex.collections[0][1][-1]
     (mm,) = [n for n, e in final.eqn_of.items() if e.prim.name == "matmul"]
     url = ex.serve(open_browser=False, select=mm)
+    assert f'<iframe src="{url}"' in ex._repr_html_()         # Jupyter shows the served page inline
     page = open_page(browser, url)
     passes = [g.json["id"] for g in ex.collections[0][1]]
     (eqn,) = attr(node(final.json, mm), "eqn")

@@ -8,11 +8,12 @@
 """
 from __future__ import annotations
 
+import os
 import sys
 import time
 
-from ggraph.cli.common import (DEFAULT_CTX, add_cache_type_args, add_ctx_arg, add_model_arg, add_pass_args,
-                               model_path, resolved_passes)
+from ggraph.cli.common import (DEFAULT_CTX, add_cache_type_args, add_ctx_arg, add_force_arg, add_model_arg,
+                               add_pass_args, model_path, resolved_passes)
 
 
 def cmd_explore(args) -> int:
@@ -32,6 +33,10 @@ def cmd_explore(args) -> int:
         raise ValueError(f"--ctx must be at least 1, got {args.ctx}")
     if args.export is None:
         _check_installed()
+    elif os.path.exists(os.path.join(args.export, "graphs.json")) and not args.force:
+        raise ValueError(f"--export {args.export}: graphs.json already exists there: remove it or give --force")
+    elif os.path.exists(args.export) and not os.path.isdir(args.export):
+        raise ValueError(f"--export {args.export}: not a directory")
     path = model_path(args)
     model = load(path)
     n = model.config.n_layer
@@ -121,4 +126,5 @@ def add_parser(sub, parents) -> None:
     p.add_argument("--no-browser", action="store_true", help="serve without opening a browser (remote, headless)")
     p.add_argument("--export", metavar="DIR",
                    help="write graphs.json and the overlays' node data files into DIR instead of serving")
+    add_force_arg(p)
     p.set_defaults(fn=cmd_explore)

@@ -223,16 +223,15 @@ def add_profile_overlays(ex: Exploration, session, shown: MEGraph, pp: int) -> d
     gid = shown.json["id"]
     summary = {"bandwidth_gb_s": bandwidth, "peaks": peaks}
     for step, (dims, profiles) in runs.items():
-        seconds: dict[str, float] = {}
-        for profile, _ in profiles:                        # each node's fastest run of the step
-            one: dict[str, float] = {}
+        per_eqn: dict[int, float] = {}                     # each eqn's fastest run of the step, as bench's
+        for profile, _ in profiles:
+            one: dict[int, float] = {}
             for call, t in profile:
-                nid = node_of.get(id(call.eqn))
-                if nid is not None:
-                    one[nid] = one.get(nid, 0.0) + t
-            for nid, t in one.items():
-                seconds[nid] = min(t, seconds.get(nid, t))
-        total = sum(t for profile, idle in profiles[:1] for _, t in profile) + min(i for _, i in profiles)
+                one[id(call.eqn)] = one.get(id(call.eqn), 0.0) + t
+            for k, t in one.items():
+                per_eqn[k] = min(t, per_eqn.get(k, t))
+        seconds = {node_of[k]: t for k, t in per_eqn.items() if k in node_of}
+        total = sum(per_eqn.values()) + min(i for _, i in profiles)      # the waiting at barriers counts too
         share, moved, roof = {}, {}, {}
         for nid, t in seconds.items():
             e = shown.eqn_of[nid]
