@@ -20,7 +20,7 @@ from ggraph.ir import composites
 from ggraph.backends.llvm import jit
 from ggraph.backends.llvm.kernels.attention import (Attention, Rope, attention_kernels, from_rope_attention,
                                                      kernel_arg_names, kernel_names, partial_bytes)
-from ggraph.backends.llvm.target import X86_NAMES, named_target
+from ggraph.backends.llvm.target import host_names, named_target
 from ggraph.passes.fuse_rope_attention import fuse_rope_attention
 
 #  name: (attention, rope)
@@ -60,7 +60,7 @@ def _build(target_name: str) -> jit.Library:
 _LIBS: dict = {}
 
 
-@pytest.fixture(params=X86_NAMES)
+@pytest.fixture(params=host_names())
 def target(request):
     return runnable_target(request.param, _LIBS, _build)
 

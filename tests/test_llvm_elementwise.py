@@ -21,7 +21,7 @@ from ggraph import dtypes, f32, i32, ops
 from ggraph.backends.llvm import jit
 from ggraph.backends.llvm.kernels import copies
 from ggraph.backends.llvm.kernels import elementwise as ew
-from ggraph.backends.llvm.target import X86_NAMES, named_target
+from ggraph.backends.llvm.target import host_names, named_target
 from ggraph.passes.inline_composites import inline_composites
 
 P = ctypes.c_void_p
@@ -129,7 +129,7 @@ def _build(target_name: str) -> jit.Library:
 _LIBS: dict = {}
 
 
-@pytest.fixture(params=X86_NAMES)
+@pytest.fixture(params=host_names())
 def target(request):
     """A target name this host can run, with its compiled kernel library."""
     return runnable_target(request.param, _LIBS, _build)

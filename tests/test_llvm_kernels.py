@@ -24,9 +24,9 @@ from ggraph.backends.llvm.kernels import amx as amx_tiles  # noqa: E402
 from ggraph.backends.llvm.kernels.qmatmul import tiles  # noqa: E402
 from ggraph.backends.llvm.kernels import rows16  # noqa: E402
 from ggraph.backends.llvm.kernels.qmatmul import ROWS, block_format  # noqa: E402
-from ggraph.backends.llvm.target import X86_NAMES, named_target, runnable_targets  # noqa: E402
+from ggraph.backends.llvm.target import host_names, named_target, runnable_targets  # noqa: E402
 
-TARGETS = X86_NAMES                       # generic, avx2, avx512, avx512_vnni, amx
+TARGETS = host_names()                    # x86: generic, avx2, avx512, avx512_vnni, amx; AArch64: neon, ...
 TOKENS = (1, 3, 17, 40, 64)               # 40 = one full 2-group tile plus a tail group
 N, V, FK = 37, 50, 100                    # odd rows; table rows; float-weight K (a K tail)
 K_OF_BLOCK = {32: 96, 256: 512}
@@ -617,7 +617,7 @@ def gemma():
 
 def test_gemma_tensors_on_host_target(gemma):
     """The first rows of real q8_0 / q5_0 / q4_k / q6_k matrices, and the embedding gather."""
-    host = max(runnable_targets(), key=lambda t: X86_NAMES.index(t.name)).name
+    host = max(runnable_targets(), key=lambda t: TARGETS.index(t.name)).name
     t = named_target(host)
     m = ir.Module()
     infos = {}
