@@ -1,6 +1,6 @@
 """An emulated AArch64 Linux to run ggraph's tests in, built from Debian's and PyPI's packages, once.
 
-    python tests/arm/emulator.py setup                                  # once (~150 MB into the cache)
+    python tests/arm/emulator.py setup                                  # once (~350 MB into the cache)
     python tests/arm/emulator.py run --cpu max -- -m ggraph.cli target
     python tests/arm/emulator.py run --cpu neoverse-n1 -- -m pytest -x -q tests/test_llvm_kernels.py
 
@@ -115,6 +115,10 @@ def _build(root: Path, log) -> None:
         dest = root / ("sysroot" if deb.name.endswith("_arm64.deb") else "tools")
         _run(["dpkg", "-x", str(deb), str(dest)], f"dpkg -x {deb.name}")
     shutil.rmtree(debs)
+    shutil.rmtree(root / "apt")                                  # lists and the package cache: build-time only
+    for tool in (root / "tools/usr/bin").glob("qemu-*"):         # qemu-user brings every architecture's emulator
+        if tool.name != "qemu-aarch64":
+            tool.unlink()
     _wheels(root, log)
     _wrappers(root)
     log("arm: checking the guest Python")

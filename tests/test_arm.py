@@ -1,0 +1,96 @@
+"""ggraph on AArch64, in an emulated guest (tests/arm/emulator.py: qemu-user 10, Debian's arm64 CPython,
+numpy and llvmlite wheels; LLVM runs in this host's Python, the guest generates IR, links and runs): each
+emulated CPU gets its best NEON set, a tiny q4_k_m model's logits on neon, neon_dotprod and neon_i8mm
+agree with llama.cpp's (run here, on the host) as closely as on x86, and the thread team's barrier and
+futex hold at 2-4 threads. Skipped, saying why, where the guest cannot be built (no network, no apt).
+The whole conformance suites run in the guest by hand (tests/arm/README.md)."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import zoo
+from test_models import agreement, prompt_ids
+
+from arm import emulator
+
+ARM = Path(__file__).parent / "arm"
+
+pytestmark = pytest.mark.slow
+GUEST_TIMEOUT = 900                              # seconds: everything in the guest runs ~10-50x slower
+
+
+@pytest.fixture(scope="module")
+def guest() -> Path:
+    """The emulated environment, built on first use (about a minute, ~350 MB in the cache)."""
+    if not sys.platform.startswith("linux"):
+        pytest.skip("the emulated AArch64 guest is built from Debian packages (Linux only)")
+    if os.uname().machine == "aarch64":
+        pytest.skip("this host is AArch64: the whole suite runs natively")
+    try:
+        return emulator.setup(log=lambda *a: None)
+    except emulator.Unavailable as e:
+        pytest.skip(f"no emulated AArch64 guest: {e}")
+
+
+def in_guest(root: Path, cpu: str, *args: str, **env) -> str:
+    """The guest Python's stdout for ``args`` on emulated CPU ``cpu``; the test fails with its output
+    if it exits non-zero."""
+    done = subprocess.run(emulator.guest_command(list(args), root), env=emulator.guest_env(cpu, **env),
+                          cwd=emulator.REPO, capture_output=True, text=True, timeout=GUEST_TIMEOUT)
+    assert done.returncode == 0, f"guest on {cpu} exited {done.returncode}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    return done.stdout
+
+
+T_ORDER = ("neon", "neon_dotprod", "neon_i8mm")
+
+
+@pytest.mark.parametrize("cpu", emulator.CPUS)
+def test_each_emulated_cpu_gets_its_best_neon_set(guest, cpu):
+    out = in_guest(guest, cpu, "-c", "from ggraph.backends.llvm import target as T; "
+                   "print(T.host_arch(), T.host_target().name, ','.join(t.name for t in T.runnable_targets()))")
+    arch, best, runs = out.split()
+    assert (arch, best) == ("aarch64", emulator.CPUS[cpu])
+    assert runs.split(",") == list(T_ORDER[:T_ORDER.index(best) + 1])
+
+
+def test_ggraph_target_in_the_guest(guest):
+    out = in_guest(guest, "max", "-m", "ggraph.cli", "target")
+    assert "features: neon+  dotprod+  i8mm+" in out
+    assert "chosen: neon_i8mm (best available" in out
+    assert "linked by " + str(guest / "bin" / "aarch64-linux-gnu-ld") in out
+    assert "AMX" not in out
+    refused = subprocess.run(emulator.guest_command(["-m", "ggraph.cli", "target"], guest),
+                             env=emulator.guest_env("cortex-a72", GGRAPH_TARGET="neon_dotprod"),
+                             capture_output=True, text=True, timeout=GUEST_TIMEOUT)
+    assert refused.returncode == 1
+    assert "GGRAPH_TARGET=neon_dotprod: this host lacks dotprod" in refused.stderr
+
+
+@pytest.fixture(scope="module")
+def q4_k_m():
+    """A tiny llama in llama.cpp's Q4_K_M mix (q4_k, q6_k, q8_0 ... as llama-quantize picks them), the
+    prompt, and llama.cpp's logits for it, computed on this host."""
+    oracle = pytest.importorskip("oracle")
+    path = zoo.cached_model("llama", "q4_k_m", **zoo.K_QUANT_DIMS)
+    ids = prompt_ids(40)                              # 32 tokens and more: the gemm as well as the tails
+    return path, ids, oracle.llama_logits(path, ids, n_ctx=64)
+
+
+@pytest.mark.parametrize("cpu", emulator.CPUS)
+def test_a_q4_k_m_model_matches_llama_cpp_on_every_neon_set(guest, q4_k_m, cpu, tmp_path):
+    path, ids, want = q4_k_m
+    out = tmp_path / "logits.npy"
+    name = in_guest(guest, cpu, str(ARM / "guest_logits.py"), str(path), ",".join(map(str, ids)), str(out), "2")
+    assert name.split()[-1] == emulator.CPUS[cpu]
+    cos, top1 = agreement(np.load(out), want)
+    assert cos > 0.9999 and top1 == 1.0, (cpu, cos, top1)             # the bar x86's feature sets meet
+
+
+def test_the_barrier_and_futex_in_the_guest(guest):
+    out = in_guest(guest, "max", "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                   str(ARM / "test_team_barrier.py"))
+    assert "4 passed" in out, out
