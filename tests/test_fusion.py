@@ -181,12 +181,47 @@ def test_rope_attention_numpy_rule_against_loops():
     np.testing.assert_array_equal(vc2[:P + T], vfull)
 
 
+def nope_fn(q, k, v, kc, vc, P, pos, ff):
+    return ops.attention(q, k, v, kc, vc, P, scale=0.5, window=3)
+
+
+def test_attention_without_rope_fuses_with_no_rotation():
+    log = RewriteLog()
+    g = run(ggraph.trace(nope_fn, *AVALS), ["fuse_rope_attention", "dce"], log=log)
+    assert str(g) == textwrap.dedent("""\
+    { lambda ; q:f32[T,4,8] k:f32[T,2,8] v:f32[T,2,4] kc:f32[16,2,8] vc:f32[16,2,4] P:i32[] pos:i32[T] ff:f32[3]. let
+        a:i32[T] = iota[n=T, dtype=i32]
+        b:i32[T] = add a P
+        c:f32[T,4,4] d:f32[16,2,8] e:f32[16,2,4] = rope_attention[dims=0, base=0.0, rope_scale=1.0, style=neox, \
+scale=0.5, window=3] q k v kc vc P b
+      in (c d e) }""")
+    assert details(log, "rewrote") == ["attention without rope -> rope_attention (dims=0: no rotation)"]
+    assert str(parse(str(g))) == str(g)
+
+
+@pytest.mark.parametrize("backend", ["numpy", "llvm"])
+def test_attention_without_rope_against_loops(backend):
+    """The NoPE rope_attention (dims 0) = per-head attention over the cache, unrotated, on both backends."""
+    T, P, C = 5, 4, 16
+    q, k, v = randn(T, 4, 8), randn(T, 2, 8), randn(T, 2, 4)
+    kc, vc = np.zeros((C, 2, 8), np.float32), np.zeros((C, 2, 4), np.float32)
+    kc[:P], vc[:P] = randn(P, 2, 8), randn(P, 2, 4)
+    prog = ggraph.compile(ggraph.trace(nope_fn, *AVALS), backend=backend)
+    assert prog.graph.count("rope_attention") == 1
+    out, kc2, vc2 = prog(q, k, v, kc.copy(), vc.copy(), np.int32(P), np.zeros(T, np.int32), np.ones(3, np.float32))
+    kfull, vfull = np.concatenate([kc[:P], k]), np.concatenate([vc[:P], v])
+    np.testing.assert_allclose(out, attention_ref(q, kfull, vfull, 0.5, 3, None, past=P), rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(kc2[:P + T], kfull)
+
+
 @pytest.mark.parametrize("fn, reason", [
     (lambda q, k, v, kc, vc, P, pos, ff: ops.attention(ops.rope(q, pos, base=1e4), ops.rope(k, pos, base=1e4), v,
                                                       scale=0.5),
      "attention has no KV cache"),
     (lambda q, k, v, kc, vc, P, pos, ff: ops.attention(q, ops.rope(k, pos, base=1e4), v, kc, vc, P, scale=0.5),
      "q is not the output of rope"),
+    (lambda q, k, v, kc, vc, P, pos, ff: ops.attention(ops.rope(q, pos, base=1e4), k, v, kc, vc, P, scale=0.5),
+     "k is not the output of rope"),
     (lambda q, k, v, kc, vc, P, pos, ff: ops.attention(ops.rope(q, pos, base=1e4), ops.rope(k, pos, base=1e6),
                                                       v, kc, vc, P, scale=0.5),
      "q and k ropes differ: base 10000.0 vs 1000000.0"),

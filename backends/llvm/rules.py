@@ -337,7 +337,7 @@ def _rope_attention(lw, e):
         refs["P"] = Sym("P")
         lw.bound(Sym("P") + q.aval.shape[0], kc.aval.shape[0],
                  f"attention at {e.scope or 'top'}: the KV cache has {kc.aval.shape[0]} rows")
-    if rope.freq_factors:
+    if rope is not None and rope.freq_factors:
         refs["freq_factors"] = lw.ref(e.inputs[7])
     if attn.sinks:
         refs["sinks"] = lw.ref(e.inputs[-1])

@@ -172,8 +172,11 @@ def _rope_attention_shape(q, k, v, k_cache, v_cache, pos, positions, *extra, dim
         raise ShapeError(f"rope_attention: positions must be i32[{T}], got {positions}")
     if style not in composites.ROPE_STYLES:
         raise ShapeError(f"rope_attention: style must be one of {composites.ROPE_STYLES}, got {style!r}")
-    if dims % 2 or not (0 < dims and (not isinstance(D, int) or dims <= D)):
-        raise ShapeError(f"rope_attention: rotary dims {dims} must be even and at most the head dim {D}")
+    if dims % 2 or not (0 <= dims and (not isinstance(D, int) or dims <= D)):
+        raise ShapeError(f"rope_attention: rotary dims {dims} must be even and at most the head dim {D} "
+                         f"(0: no rotation)")
+    if dims == 0 and freq_factors is not None:
+        raise ShapeError("rope_attention: freq_factors with rotary dims 0 (no rotation)")
     if freq_factors is not None and (freq_factors.dtype is not f32 or freq_factors.shape != (dims // 2,)):
         raise ShapeError(f"rope_attention: freq_factors must be f32[{dims // 2}], got {freq_factors}")
     if sinks and (sink is None or sink.dtype is not f32 or sink.shape != (H,)):
@@ -185,8 +188,10 @@ def _rope_attention_impl(q, k, v, k_cache, v_cache, pos, positions, *extra, dims
                          mscale=1.0, slot_rows=None, sinks=None, **attend):
     freq_factors, sink = _extras(extra, sinks)
     rope = dict(dims=dims, base=base, scale=rope_scale, style=style, mscale=mscale)
-    qr = composites._np_rope(q, positions, freq_factors, **rope)                         # (T, H, D)
-    kr = composites._np_rope(k, positions, freq_factors, **rope)                         # (T, Hkv, D)
+    qr, kr = q, k                                                                        # dims 0: no rotation
+    if dims:
+        qr = composites._np_rope(q, positions, freq_factors, **rope)                     # (T, H, D)
+        kr = composites._np_rope(k, positions, freq_factors, **rope)                     # (T, Hkv, D)
     attend.update(scale=scale, sinks=sinks)
     sink = () if sink is None else (sink,)
     if slot_rows is None:

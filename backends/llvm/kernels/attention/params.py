@@ -75,9 +75,9 @@ class Attention:
             raise ValueError(f"attention: slot_rows {self.slot_rows} must be at least 1")
 
 
-def from_rope_attention(eqn) -> tuple[Attention, Rope]:
+def from_rope_attention(eqn) -> tuple[Attention, Rope | None]:
     """The kernels' static parameters for a `rope_attention` eqn (inputs q k v k_cache v_cache
-    pos positions [freq_factors]); shapes other than T must be static."""
+    pos positions [freq_factors]); shapes other than T must be static. Rotary dims 0: no Rope."""
     q, k, v = (a.aval for a in eqn.inputs[:3])
     (_, H, D), Hkv, Dv = q.shape, k.shape[1], v.shape[2]
     for name, d in (("H", H), ("D", D), ("Hkv", Hkv), ("Dv", Dv)):
@@ -87,6 +87,8 @@ def from_rope_attention(eqn) -> tuple[Attention, Rope]:
     kt, vt = (a.aval.dtype.name for a in eqn.inputs[3:5])
     attn = Attention(H, Hkv, D, Dv, float(p["scale"]), p.get("window"), p.get("softcap"), kt, vt, p.get("slot_rows"),
                      p.get("chunk"), p.get("score_mod"), p.get("mask_mod"), bool(p.get("sinks")))
+    if not p["dims"]:
+        return attn, None
     rope = Rope(int(p["dims"]), float(p["base"]), float(p["rope_scale"]), p["style"], float(p.get("mscale", 1.0)),
                 freq_factors=len(eqn.inputs) - attn.sinks > 7)
     return attn, rope
