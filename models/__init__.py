@@ -2,7 +2,7 @@
 
 Architectures are registered by name (``register_architecture``, see ``registry.py``); the
 shipped ones are llama (Mixtral's experts too), qwen2, phi3, gemma2, gemma3, qwen3, qwen3moe, qwen2moe, olmo2,
-olmoe and gpt-oss, and plugins add more.
+olmoe, gpt-oss, and the recurrent and hybrid lfm2, mamba2, granitehybrid and qwen3next; plugins add more.
 
     model = ggraph.models.load("model.gguf")
     graph = model.graph(ctx=4096)            # prefill/decode step: tokens, P, KV caches -> logits
