@@ -20,8 +20,8 @@ printed (needs llama-cpp-python).
 
 Each round runs every engine in turn (benchmarks/side_by_side.py); each figure is the median of the
 rounds, and the load average is printed beside them. ``--depth`` times decode after that many tokens
-(llama-bench ``-d``; ggraph holds them in its caches and states untimed), and prints each engine's decode
-at depth against its own at depth 0. ``--profile`` times a decode step and a prefill step per kernel
+(llama-bench ``-d``; ggraph holds them in its caches and states untimed, a session per depth), every depth
+in every round, and prints each engine's decode at depth against its own at depth 0. ``--profile`` times a decode step and a prefill step per kernel
 (ggraph.bench.profile_ggraph).
 """
 from __future__ import annotations
@@ -115,7 +115,7 @@ def metadata(family: str, s: dict) -> list[tuple[str, object, str]]:
 
 def stored_f16(name: str, x: np.ndarray) -> bool:
     """Matrices go to the f16 file llama.cpp quantises; convolution taps and the SSM's vectors stay f32."""
-    return x.ndim >= 2 and not any(k in name for k in ("conv", "ssm_a", "ssm_d", "_norm"))
+    return x.ndim >= 2 and not name.endswith(("conv.weight", "conv1d.weight", "ssm_a", "ssm_d", "_norm.weight"))
 
 
 def write(path: Path, family: str, s: dict, seed: int = 0) -> Path:
@@ -197,7 +197,7 @@ def main(argv=None) -> int:
     p.add_argument("--shape", default="", help="override the shape, e.g. layers=3,width=256 (keys: lfm2 "
                    + ", ".join(SHAPES["lfm2"]) + "; mamba2 " + ", ".join(SHAPES["mamba2"]) + ")")
     p.add_argument("--threads", default="1,2")
-    p.add_argument("--pp", type=int, default=512, help="prefill tokens (0: decode only)")
+    p.add_argument("--pp", type=int, default=512, help="prefill tokens, timed at the first depth (0: decode only)")
     p.add_argument("--tg", type=int, default=128)
     p.add_argument("--depth", default="0", help="tokens in the context before the timed steps, e.g. 0,16384")
     p.add_argument("--rounds", type=int, default=3)
@@ -221,7 +221,7 @@ def main(argv=None) -> int:
     if args.model is None:
         p.error("name the benchmark file (or --write one)")
     threads = [int(t) for t in args.threads.split(",")]
-    depths = [int(d) for d in args.depth.split(",")]
+    depths = tuple(int(d) for d in args.depth.split(","))
     if args.profile:
         for t in threads:
             print(profile(args.model, t, args.pp or 64))
@@ -232,8 +232,7 @@ def main(argv=None) -> int:
     print(table_head(args.pp, args.tg, depth=True))
     flat: dict[tuple, float] = {}
     for t in threads:
-        for depth in depths:
-            res = side_by_side(args.model, t, args.pp if depth == 0 else 0, args.tg, args.rounds, engines, depth)
+        for depth, res in side_by_side(args.model, t, args.pp, args.tg, args.rounds, engines, depths).items():
             print(table_rows(res, t, depth), flush=True)
             flat.update({(t, depth, name): tg for name, (_, tg, _) in res.items()})
     print(f"({load()})")

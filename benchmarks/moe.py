@@ -161,7 +161,7 @@ def main(argv=None) -> int:
         engines[f"ik_llama.cpp {extra}".strip()] = exe
     print(table_head(args.pp, args.tg))
     for t in threads:
-        print(table_rows(side_by_side(args.model, t, args.pp, args.tg, args.rounds, engines), t))
+        print(table_rows(side_by_side(args.model, t, args.pp, args.tg, args.rounds, engines)[0], t))
     return 0
 
 

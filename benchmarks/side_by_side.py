@@ -2,12 +2,12 @@
 moe.py and hybrid.py that times engines.
 
     res = side_by_side(path, threads=1, pp=512, tg=128, rounds=3, engines={"llama.cpp": "PATH/llama-bench"})
-    print_table(res, threads=1, pp=512, tg=128)
+    print(table_head(512, 128)); print(table_rows(res[0], threads=1))
 
-Each round runs every engine in turn (ggraph in this process: one prefill of ``pp`` tokens and ``tg``
-decode steps from it, after ``depth`` tokens held untimed, as ``llama-bench -p PP -n TG -d DEPTH`` does;
-each llama-bench a process of one repetition), so that the noise of a shared machine falls on all alike.
-``pp=0`` times decode only. An engine is a binary with, optionally, options of its own after it in one
+Each round runs every engine in turn at every depth (ggraph in this process: one prefill of ``pp``
+tokens and ``tg`` decode steps from it, after ``depth`` tokens held untimed, as ``llama-bench -p PP -n TG
+-d DEPTH`` does; each llama-bench a process of one repetition), so that the noise of a shared machine
+falls on all alike. ``pp=0`` times decode only. An engine is a binary with, optionally, options of its own after it in one
 string ("PATH -rtr 1").
 """
 from __future__ import annotations
@@ -34,24 +34,31 @@ def llama_bench(exe: str, path: Path, pp: int, tg: int, threads: int, depth: int
 
 
 def side_by_side(path: Path, threads: int, pp: int, tg: int, rounds: int, engines: dict[str, str],
-                 depth: int = 0) -> dict[str, tuple[float, float, list]]:
-    """{engine: (median prefill tok/s, median decode tok/s, each round's (prefill, decode))} of ggraph and
-    each llama-bench over ``rounds`` alternating rounds at ``depth``."""
+                 depths=(0,)) -> dict[int, dict[str, tuple[float, float, list]]]:
+    """{depth: {engine: (median prefill tok/s, median decode tok/s, each round's (prefill, decode))}} of ggraph
+    and each llama-bench over ``rounds`` alternating rounds. Every round runs every depth: ggraph holds
+    each depth's context in a session of its own, so that decode at depth and at 0 see the same load. The
+    prefill is timed at the first depth only (0.0 at the others)."""
     from ggraph.bench.measure import GGraphRunner, context_needed, prompt_tokens
-    runner = GGraphRunner(path, threads, ctx=context_needed(depth, max(pp, 1), tg) + 16)
-    ids, context = prompt_tokens(max(pp, 1), runner.n_vocab), prompt_tokens(depth, runner.n_vocab, seed=1)
-    got: dict[str, list] = {name: [] for name in ["ggraph", *engines]}
+    runners = {}
+    got: dict[int, dict[str, list]] = {d: {name: [] for name in ["ggraph", *engines]} for d in depths}
     try:
-        runner.fill(context, depth)
+        for d in depths:
+            runners[d] = r = GGraphRunner(path, threads, ctx=context_needed(d, max(pp, 1), tg) + 16)
+            r.fill(prompt_tokens(d, r.n_vocab, seed=1), d)
+        ids = prompt_tokens(max(pp, 1), runners[depths[0]].n_vocab)
         for _ in range(rounds):
-            prefill = pp / runner.prefill(ids, depth) if pp else 0.0
-            got["ggraph"].append((prefill, tg / runner.decode(ids[0], tg, depth) if tg else 0.0))
-            for name, exe in engines.items():
-                got[name].append(llama_bench(exe, path, pp, tg, threads, depth))
+            for d, r in runners.items():
+                p = pp if d == depths[0] else 0
+                prefill = p / r.prefill(ids, d) if p else 0.0
+                got[d]["ggraph"].append((prefill, tg / r.decode(ids[0], tg, d) if tg else 0.0))
+                for name, exe in engines.items():
+                    got[d][name].append(llama_bench(exe, path, p, tg, threads, d))
     finally:
-        runner.close()
-    return {name: (statistics.median(r[0] for r in rows), statistics.median(r[1] for r in rows), rows)
-            for name, rows in got.items()}
+        for r in runners.values():
+            r.close()
+    return {d: {name: (statistics.median(r[0] for r in rows), statistics.median(r[1] for r in rows), rows)
+                for name, rows in res.items()} for d, res in got.items()}
 
 
 def table_head(pp: int, tg: int, depth: bool = False) -> str:
