@@ -1,8 +1,8 @@
 """ggraph on AArch64, in an emulated guest (tests/arm/emulator.py: qemu-user 10, Debian's arm64 CPython,
 numpy and llvmlite wheels; LLVM runs in this host's Python, the guest generates IR, links and runs): each
 emulated CPU gets its best NEON set, a tiny q4_k_m model's logits on neon and neon_i8mm agree with
-llama.cpp's (run here, on the host) as closely as on x86, and the thread team's barrier and
-futex hold at 2-4 threads. Skipped, saying why, where the guest cannot be built (no network, no apt).
+llama.cpp's (run here, on the host) as closely as on x86, neon_i8mm's smmla gemm gives neon_dotprod's
+bits, and the thread team's barrier and futex hold at 2-4 threads. Skipped, saying why, where the guest cannot be built (no network, no apt).
 The whole conformance suites run in the guest by hand (tests/arm/README.md)."""
 import os
 import subprocess
@@ -90,7 +90,7 @@ def q4_k_m():
     return path, ids, oracle.llama_logits(path, ids, n_ctx=64)
 
 
-# neon (smull dots) and neon_i8mm (sdot dots; neon_dotprod's kernels, which have no smmla yet): the
+# neon (smull dots) and neon_i8mm (smmla gemm, sdot gemv: neon_dotprod's bits, test_i8mm_gemm): the
 # conformance suites run every set by hand (docs/arm.md), CI this pair
 @pytest.mark.parametrize("cpu", ["cortex-a72", "max"])
 def test_a_q4_k_m_model_matches_llama_cpp_on_neon_sets(guest, q4_k_m, cpu, tmp_path):
@@ -100,6 +100,14 @@ def test_a_q4_k_m_model_matches_llama_cpp_on_neon_sets(guest, q4_k_m, cpu, tmp_p
     assert name.split()[-1] == emulator.CPUS[cpu]
     cos, top1 = agreement(np.load(out), want)
     assert cos > 0.9999 and top1 == 1.0, (cpu, cos, top1)             # the bar x86's feature sets meet
+
+
+def test_the_smmla_gemm_in_the_guest(guest):
+    """Two weight types of tests/arm/test_i8mm_gemm.py (every type runs by hand): a 32-weight one and
+    a super-block one with integer sub-block scales."""
+    out = in_guest(guest, "max", "-m", "pytest", "-q", "-p", "no:cacheprovider", str(ARM / "test_i8mm_gemm.py"),
+                   "-k", "q8_0 or q4_k")
+    assert "2 passed" in out, out
 
 
 def test_the_barrier_and_futex_in_the_guest(guest):

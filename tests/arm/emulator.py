@@ -4,8 +4,9 @@
     python tests/arm/emulator.py run --cpu max -- -m ggraph.cli target
     python tests/arm/emulator.py run --cpu neoverse-n1 -- -m pytest -x -q tests/test_llvm_kernels.py
 
-What it builds, in $GGRAPH_ARM_CACHE (else ~/.cache/ggraph/arm), without touching the system's apt
-state (apt runs on a private sources list and lists directory):
+What it builds, in a folder of $GGRAPH_ARM_CACHE (else ~/.cache/ggraph/arm) named for the host's numpy,
+llvmlite, Python and checkout (a guest that runs keeps its folder while another is built), without
+touching the system's apt state (apt runs on a private sources list and lists directory):
 - tools/: qemu-user 10 (Debian bookworm-backports, statically linked; Debian 12's qemu 7.2 shows the
   guest the host's x86 /proc/cpuinfo) and binutils-aarch64-linux-gnu (the guest's ``ld``);
 - sysroot/: Debian 12's arm64 CPython 3.11 and the libraries it needs (``QEMU_LD_PREFIX``);
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import fcntl
+import hashlib
 import importlib.util
 import os
 import shutil
@@ -58,9 +60,14 @@ def _versions() -> str:
     return f"stamp {STAMP} numpy {numpy.__version__} llvmlite {llvmlite.__version__} host {sys.executable} repo {REPO}"
 
 
+def env_dir() -> Path:
+    """The folder of the environment for this Python's numpy and llvmlite and this checkout."""
+    return cache_root() / f"env-{hashlib.sha256(_versions().encode()).hexdigest()[:12]}"
+
+
 def ready(root: Path | None = None) -> bool:
-    """True if ``setup`` has built the environment for this Python's numpy and llvmlite and this checkout."""
-    root = root or cache_root()
+    """True if ``setup`` has built the environment in ``root`` (default ``env_dir()``)."""
+    root = root or env_dir()
     try:
         return (root / "ready").read_text() == _versions()
     except OSError:
@@ -80,9 +87,9 @@ def _run(cmd: list, what: str, **kw) -> str:
 
 
 def setup(root: Path | None = None, log=print) -> Path:
-    """Build the environment in ``root`` (default ``cache_root()``) unless it is there; returns ``root``.
+    """Build the environment in ``root`` (default ``env_dir()``) unless it is there; returns ``root``.
     Safe with other processes doing the same (an exclusive lock on ``root/lock``)."""
-    root = root or cache_root()
+    root = root or env_dir()
     if ready(root):
         return root
     root.mkdir(parents=True, exist_ok=True)
@@ -218,7 +225,7 @@ def _script(path: Path, body: str) -> None:
 
 def guest_command(args: list[str], root: Path | None = None) -> list[str]:
     """The command that runs the guest Python with ``args`` (QEMU_CPU from the environment, default max)."""
-    return [str((root or cache_root()) / "bin" / "python"), *args]
+    return [str((root or env_dir()) / "bin" / "python"), *args]
 
 
 def guest_env(cpu: str, **extra) -> dict:

@@ -266,6 +266,12 @@ class Isa:
         self.t.require("dotprod", "sdot")
         return self.k.intrinsic("llvm.aarch64.neon.sdot.v4i32.v16i8", acc.type, [acc, a, b])
 
+    def mmla(self, acc: ir.Value, a: ir.Value, b: ir.Value) -> ir.Value:
+        """acc (<4 x i32>, a 2x2 matrix by rows) + a·bᵀ, where a and b are <16 x i8> 2x8 matrices by rows
+        (s8 x s8): smmla, ARMv8.6's int8 matrix multiply."""
+        self.t.require("i8mm", "smmla")
+        return self.k.intrinsic("llvm.aarch64.neon.smmla.v4i32.v16i8", acc.type, [acc, a, b])
+
     def _dot_generic(self, acc: ir.Value, a: ir.Value, b: ir.Value, signed: bool) -> ir.Value:
         """The portable form: widen, multiply, add groups of four."""
         k = self.k

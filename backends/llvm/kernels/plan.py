@@ -72,6 +72,7 @@ class QmatmulPlan:
     gathers: bool                 # gemv gathers groups of 32-weight blocks by word shuffles (fmt.run)
     gemm_tile: tuple[int, int]    # (rows R, token groups G) of Method.GEMM's register tile
     gemm_from_memory: bool        # GEMM broadcasts weight words from memory (16 vector registers)
+    gemm_mmla: bool = False       # GEMM dots 2 rows x 2 tokens x 8 bytes at once (smmla, AArch64 i8mm)
 
     @property
     def steps(self) -> list[tuple[int, ...]]:
@@ -180,7 +181,8 @@ def qmatmul_plan(dtype, N: int, target: Target, rows_only: bool = False, layout:
         blocks_per_dot=2 if fmt.dtype.block_size == 32 and target.vector_bits >= 512 else 1,
         gathers=fmt.run is not None and target.vector_bits >= 512 and target.has("avx512vnni"),
         gemm_tile=_GEMM_TILES.get(target.name, _DEFAULT_GEMM_TILE),
-        gemm_from_memory=target.arch == "x86_64" and target.vector_bits < 512)
+        gemm_from_memory=target.arch == "x86_64" and target.vector_bits < 512,
+        gemm_mmla=target.has("i8mm"))
 
 
 # -- float weights -----------------------------------------------------------------------------

@@ -138,6 +138,8 @@ def variant(dtype, target: Target) -> str:
         else ("sdot" if target.has("dotprod") else "smull")
     gemm_ = (f"gemm {TILE_ROWS} rows (rows as lanes) x {TILE_TOKENS} tokens"
              if plan.many is Method.ROWS_GEMM else f"gemm {R} rows x {G * GROUP} tokens")
+    if plan.gemm_mmla and plan.many is Method.GEMM:
+        gemm_ += " by smmla (2x8 by 8x2 int8 tiles; row tails by sdot)"
     if plan.tiles is not None:
         planes = ("as one s8 plane, 2 tiles of rows a unit" if fmt.dtype in amx.ONE_PLANE
                   else f"as lo/hi s8 planes, {amx.TILE} rows a unit")

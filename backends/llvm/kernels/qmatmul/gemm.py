@@ -1,9 +1,10 @@
 """The quantised matmul for T > 1 without AVX-512 VNNI (Method.GEMM): tiles of R rows x G groups
 of 16 tokens (``plan.gemm_tile``). Lanes are tokens: each 4-byte word of a decoded weight chunk is
 broadcast and dotted with the same word of 16 tokens (one 64-byte load of act_quant's interleaved
-activations), so no horizontal sums. Its arithmetic is the rows gemm's (super-blocks summed times
-their integer scales, one float step per block), so every x86 vector feature set gives a prefill
-the same bits.
+activations), so no horizontal sums. With AArch64's i8mm, pairs of rows dot pairs of tokens 8 bytes at
+a time instead (smmla, ``_mmla_dots``): the same integer sums. Its arithmetic is the rows gemm's
+(super-blocks summed times their integer scales, one float step per block), so every x86 vector
+feature set gives a prefill the same bits, and every AArch64 one too.
 """
 from __future__ import annotations
 
@@ -114,6 +115,7 @@ def _chunk(m: Matmul, decs, blk, c, xg, dx, acc, sums) -> None:
         xrows = [xg] + [[launder(k, x) for x in xg] for _ in range(R - 1)]
     subs = m.chunk_subs(c)
     words = k.add(k.mul(blk, fmt.dtype.block_size // 4), k.mul(c, 8))
+    mmla = m.plan.gemm_mmla and R % 2 == 0 and (dec0.signed or dec0.qmax <= 127)     # s8 x s8, as sdot
     for si, s in enumerate(subs):
         xs = [None if lay.keeps_s else m.xsum(L, xg[g], blk, s) for g in range(G)]
         init = [b.mul(x, ir.Constant(vec(i32, L), [-dec0.offset] * L)) if dec0.offset
@@ -121,7 +123,9 @@ def _chunk(m: Matmul, decs, blk, c, xg, dx, acc, sums) -> None:
         dots = [[init[g] for g in range(G)] for _ in range(R)]
         per = 8 // len(subs)
         run = isa.i16_run(dec0.signed, dec0.qmax, 4 * L)
-        for r in range(R):
+        if mmla:
+            dots = _mmla_dots(m, chunks, xg, words, range(si * per, (si + 1) * per), init)
+        for r in range(0 if mmla else R):
             part = [None] * G                                                        # i16 pair sums
             for n_j, j in enumerate(range(si * per, (si + 1) * per)):
                 xv = [k.load(vec(i8, 4 * L), xrows[r][g], lay.qs(k, L, k.add(words, j))) for g in range(G)]
@@ -150,6 +154,34 @@ def _chunk(m: Matmul, decs, blk, c, xg, dx, acc, sums) -> None:
                 if xf is not None:
                     a = isa.fma(k.splat(b.fneg(decs[r].min(k, s)), L), xf, a)
                 acc[r][g].set(a)
+
+
+def _mmla_dots(m: Matmul, chunks, xg, words, js: range, init) -> list:
+    """``dots[r][g]``: ``init[g]`` plus the dot of words ``js`` of chunk row r with every token of group g,
+    by smmla on (2 rows x 8 bytes) by (2 tokens x 8 bytes) tiles: words j, j+1 of a row pair (one
+    register), of each token pair (zipped from the two 64-byte word loads); each 2x2 result's rows go
+    back to the token lanes at the end."""
+    k, isa, lay = m.k, m.isa, m.lay
+    L, R, G = GROUP, len(chunks), len(xg)
+    zero = ir.Constant(vec(i32, 4), [0] * 4)
+    dots = [[None] * G for _ in range(R)]
+    for g in range(G):
+        acc = [[zero] * (L // 2) for _ in range(R // 2)]              # [row pair][token pair]
+        for j in js[::2]:
+            xj, xj1 = (k.cast_vec(k.load(vec(i8, 4 * L), xg[g], lay.qs(k, L, k.add(words, w))), i32)
+                       for w in (j, j + 1))                            # (16,) i32: every token's word
+            zipped = k.shuffle(xj, [i for t in range(L) for i in (t, L + t)], xj1)       # t: word j, j+1
+            tokens = [k.cast_vec(x, i8) for x in k.split(zipped, L // 2)]               # (16,) i8 pairs
+            for rp in range(R // 2):
+                rows = k.cast_vec(k.shuffle(chunks[2 * rp], [j, j + 1, 8 + j, 9 + j], chunks[2 * rp + 1]), i8)
+                for p, x in enumerate(tokens):
+                    acc[rp][p] = isa.mmla(acc[rp][p], rows, x)        # [r·t, r·t+1, r+1·t, r+1·t+1]
+        for rp in range(R // 2):
+            joined = k.concat(*acc[rp])                                 # (32,) i32
+            for half in (0, 1):                                         # row 2rp, then 2rp + 1
+                lanes = k.shuffle(joined, [4 * p + 2 * half + i for p in range(L // 2) for i in (0, 1)])
+                dots[2 * rp + half][g] = k.b.add(init[g], lanes)
+    return dots
 
 
 def _store_tile(m: Matmul, n0, R: int, g0, G: int, acc) -> None:
