@@ -20,9 +20,9 @@ printed (needs llama-cpp-python).
 
 Each round runs every engine in turn (benchmarks/side_by_side.py); each figure is the median of the
 rounds, and the load average is printed beside them. ``--depth`` times decode after that many tokens
-(llama-bench ``-d``; ggraph holds them in its caches and states untimed, a session per depth), every depth
-in every round, and prints each engine's decode at depth against its own at depth 0. ``--profile`` times a decode step and a prefill step per kernel
-(ggraph.bench.profile_ggraph).
+(llama-bench ``-d``; ggraph holds them in its caches and states untimed, a session per depth), every
+depth in every round, and prints each engine's decode at depth against its own at depth 0.
+``--profile`` times a decode step and a prefill step per kernel (ggraph.bench.profile_ggraph).
 """
 from __future__ import annotations
 

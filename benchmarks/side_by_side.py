@@ -7,8 +7,8 @@ moe.py and hybrid.py that times engines.
 Each round runs every engine in turn at every depth (ggraph in this process: one prefill of ``pp``
 tokens and ``tg`` decode steps from it, after ``depth`` tokens held untimed, as ``llama-bench -p PP -n TG
 -d DEPTH`` does; each llama-bench a process of one repetition), so that the noise of a shared machine
-falls on all alike. ``pp=0`` times decode only. An engine is a binary with, optionally, options of its own after it in one
-string ("PATH -rtr 1").
+falls on all alike. ``pp=0`` times decode only. An engine is a binary with, optionally, options of its
+own after it in one string ("PATH -rtr 1").
 """
 from __future__ import annotations
 

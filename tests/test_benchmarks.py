@@ -62,12 +62,13 @@ def test_hybrid_benchmark_writes_checks_and_runs(tmp_path):
     cosine = float(out.stdout.split("least cosine")[1])
     assert cosine > 0.999, out.stdout                       # Q4_K_M in both engines, activations as q8_K
     bench = built_tool("llama-bench")
+    engines = ["ggraph"] + ["llama.cpp"] * bool(bench)
     out = subprocess.run([sys.executable, str(BENCHMARKS / "hybrid.py"), str(path), "--threads", "1", "--pp", "8",
                           "--tg", "2", "--rounds", "1", "--depth", "0,16",
-                          *(["--llama-bench", str(bench)] if bench else [])], capture_output=True, text=True, timeout=600)
+                          *(["--llama-bench", str(bench)] if bench else [])],
+                         capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     rows = [line.split("|") for line in out.stdout.splitlines() if line.startswith("| 1 |")]
-    assert [(r[2].strip(), r[3].strip()) for r in rows] == [(d, e) for d in ("0", "16")
-                                                             for e in ["ggraph"] + ["llama.cpp"] * bool(bench)], out.stdout
+    assert [(r[2].strip(), r[3].strip()) for r in rows] == [(d, e) for d in ("0", "16") for e in engines], out.stdout
     assert all(float(r[5]) > 0 for r in rows) and float(rows[0][4]) > 0, out.stdout    # decode everywhere, prefill at 0
     assert "ggraph, 1 thread(s): decode at depth 16 is" in out.stdout
