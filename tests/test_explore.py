@@ -253,6 +253,15 @@ CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networki
                  "--disable-sync", "--no-first-run", "--disable-quic"]
 
 
+def spare_port() -> int:
+    """A port the system has free now: a served page lives as long as the test process, so it must not take
+    8080, which later tests (ggraph serve's defaults) expect to find free."""
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 @pytest.fixture(scope="module")
 def browser():
     """Debian's Chromium, headless, driven by Playwright (.ci/run installs Chromium on CI)."""
@@ -318,7 +327,7 @@ def test_the_page_of_a_user_function(browser, shots):
     ex = explore(user_fn, *AVALS, serve=False)
     final = ex.collections[0][1][-1]
     (mm,) = [n for n, e in final.eqn_of.items() if e.prim.name == "matmul"]
-    url = ex.serve(open_browser=False, select=mm)
+    url = ex.serve(port=spare_port(), open_browser=False, select=mm)
     assert f'<iframe src="{url}"' in ex._repr_html_()         # Jupyter shows the served page inline
     page = open_page(browser, url)
     passes = [g.json["id"] for g in ex.collections[0][1]]
@@ -337,7 +346,7 @@ def test_the_demo_model_page_with_the_unfused_graph_beside(browser, shots):
     ex = explore(graph, compare="none", serve=False)
     final = ex.collections[0][1][-1]
     att = next(n for n, e in final.eqn_of.items() if e.scope == "blk.0.attn" and e.prim.name == "rope_attention")
-    url = ex.serve(open_browser=False, select=att)
+    url = ex.serve(port=spare_port(), open_browser=False, select=att)
     page = open_page(browser, url)
     assert "unfused_none (unfused (none))" in page.inner_text("body")         # the second pane
     passes = [g.json["id"] for g in ex.collections[0][1]]
