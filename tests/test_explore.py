@@ -191,12 +191,22 @@ def test_cli_export_of_a_model_with_compare_and_layer(llama, tmp_path, capsys):
     assert cli(capsys, "explore", llama, "--export", out, "--force")[0] == 0
 
 
-def test_cli_with_a_plugin_architecture(llama, tmp_path, capsys):
-    model = edited(llama, tmp_path / "my.gguf", rename_arch="mylm")
-    p = tmp_path / "mylm_plugin.py"
+@pytest.fixture
+def registrations():
+    """Architectures a test's plugin registers are removed after it (test_plugins registers its own names)."""
+    from ggraph.models import ARCHITECTURES
+    before = dict(ARCHITECTURES)
+    yield
+    ARCHITECTURES.clear()
+    ARCHITECTURES.update(before)
+
+
+def test_cli_with_a_plugin_architecture(llama, tmp_path, capsys, registrations):
+    model = edited(llama, tmp_path / "my.gguf", rename_arch="explorelm")
+    p = tmp_path / "explorelm_plugin.py"
     p.write_text(textwrap.dedent('''
         from ggraph.models import register_architecture
-        register_architecture("mylm", lambda key, names, n_layer: dict(rope_style="interleaved", act="silu"))
+        register_architecture("explorelm", lambda key, names, n_layer: dict(rope_style="interleaved", act="silu"))
     '''))
     code, _, err = cli(capsys, "explore", "--plugin", p, model, "--export", tmp_path / "out")
     assert code == 0, err
