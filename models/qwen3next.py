@@ -25,8 +25,7 @@ from ggraph.ir.recurrent import softplus
 from ggraph.ir.trace import scope
 from ggraph.models.config import MetadataError
 from ggraph.models.registry import register_architecture
-from ggraph.models.rope import layer_rope
-from ggraph.models.transformer import Layer, head, moe_ffn
+from ggraph.models.transformer import Layer, head, moe_ffn, rope_params
 
 
 def recurrent_layers(key, n_layer) -> tuple[int, ...]:
@@ -118,12 +117,7 @@ def gated_attention(cfg, blk, i, h, pos, P, k_cache, v_cache, rope_factors):
     v = ops.linear(h, blk["attn_v.weight"]).reshape(T, Hkv, Dh)
     q = ops.rms_norm(q, blk["attn_q_norm.weight"], eps=cfg.norm_eps)
     k = ops.rms_norm(k, blk["attn_k_norm.weight"], eps=cfg.norm_eps)
-    lr = layer_rope(cfg, i)
-    factors = rope_factors
-    if lr.factors is not None:                                                     # yarn: one constant per pair
-        factors = ops.to_tracer(lr.factors) if factors is None else factors * ops.to_tracer(lr.factors)
-    rope = dict(base=lr.base, scale=lr.scale, dims=cfg.rope_dims, style=cfg.rope_style, freq_factors=factors,
-                mscale=lr.mscale)
+    rope = rope_params(cfg, i, rope_factors)
     q, k = ops.rope(q, pos, **rope), ops.rope(k, pos, **rope)
     o, k_cache, v_cache = ops.attention(q, k, v, k_cache, v_cache, P, scale=cfg.scale)   # (T, H, Dh)
     o = o.reshape(T, H * Dh) * sigmoid(gate.reshape(T, H * Dh))

@@ -155,6 +155,17 @@ class Layer:
         return t
 
 
+def rope_params(cfg: ModelConfig, i: int, rope_factors=None) -> dict:
+    """ops.rope's parameters for layer i: its base and scaling, and the file's frequency factors times yarn's
+    constants (one per pair) when either applies."""
+    lr = layer_rope(cfg, i)
+    factors = rope_factors
+    if lr.factors is not None:
+        factors = ops.to_tracer(lr.factors) if factors is None else factors * ops.to_tracer(lr.factors)
+    return dict(base=lr.base, scale=lr.scale, dims=cfg.rope_dims, style=cfg.rope_style, freq_factors=factors,
+                mscale=lr.mscale)
+
+
 def attention(cfg: ModelConfig, blk: Layer, i: int, x, pos, P, k_cache, v_cache, rope_factors, slots=None):
     T = x.shape[0]
     H, Hkv, Dh, Dv = cfg.n_head, cfg.n_head_kv, cfg.head_dim, cfg.head_dim_v
@@ -173,12 +184,7 @@ def attention(cfg: ModelConfig, blk: Layer, i: int, x, pos, P, k_cache, v_cache,
     if cfg.qk_norm in (True, "head"):                                              # each head on its own
         q = ops.rms_norm(q, blk["attn_q_norm.weight"], eps=cfg.norm_eps)
         k = ops.rms_norm(k, blk["attn_k_norm.weight"], eps=cfg.norm_eps)
-    lr = layer_rope(cfg, i)
-    factors = rope_factors
-    if lr.factors is not None:                                                     # yarn: one constant per pair
-        factors = ops.to_tracer(lr.factors) if factors is None else factors * ops.to_tracer(lr.factors)
-    rope = dict(base=lr.base, scale=lr.scale, dims=cfg.rope_dims, style=cfg.rope_style, freq_factors=factors,
-                mscale=lr.mscale)                                                  # q and k share these
+    rope = rope_params(cfg, i, rope_factors)                                       # q and k share these
     mods = {}                                                                      # inlined into the kernels
     if cfg.is_swa(i):
         mods["mask_mod"] = ops.sliding_window(cfg.sliding_window)                  # q_idx - kv_idx < W

@@ -233,19 +233,7 @@ class _Planner:
 
     def _last_reads(self) -> dict[Var, int]:
         """Index of the last eqn reading each storage root (len(eqns) for graph outputs)."""
-        last: dict[Var, int] = {}
-        root: dict[Var, Var] = {}
-        for i, e in enumerate(self.graph.eqns):
-            for a in e.inputs:
-                if isinstance(a, Var):
-                    last[root.get(a, a)] = i
-            for k, src in aliases(e).items():
-                if isinstance(e.inputs[src], Var):
-                    root[e.outputs[k]] = root.get(e.inputs[src], e.inputs[src])
-        for o in self.graph.outvars:
-            if isinstance(o, Var):
-                last[root.get(o, o)] = len(self.graph.eqns)
-        return last
+        return self.graph.last_reads()[1]
 
     def run(self) -> MemoryPlan:
         for i, e in enumerate(self.graph.eqns):

@@ -17,7 +17,7 @@ from ggraph.ir.fused import qmatmul_experts_p, qmatmul_p, rope_attention_p
 from ggraph.ir.recurrent import fused_causal_conv_p, fused_ssm_scan_p
 from ggraph.ir.delta_rule import fused_gated_delta_rule_p
 from ggraph.ir.graph import Eqn, Graph, Literal, Var
-from ggraph.ir.primitive import aliases, fusable
+from ggraph.ir.primitive import fusable
 from ggraph.ir.scan import scan_p
 from ggraph.backends.llvm import kernels as K
 from ggraph.backends.llvm.kernels import attention as A
@@ -519,20 +519,8 @@ def _carries_in_place(body: Graph, nc: int, nk: int) -> dict[Var, int]:
     read of the old carry (views of it included) comes before that eqn, or is by that eqn when its kernel
     reads row r before writing row r (the op table's in_place) over the carry's rows only; the new value is
     no view, no y and no other carry, and the old value is no output of the step."""
-    root: dict[Var, Var] = {}
-    last: dict[Var, int] = {}                                 # storage root -> the last eqn reading it
-    made_by: dict[Var, int] = {}
-    for i, e in enumerate(body.eqns):
-        for a in e.inputs:
-            if isinstance(a, Var):
-                last[root.get(a, a)] = i
-        for k, src in aliases(e).items():
-            if isinstance(e.inputs[src], Var):
-                root[e.outputs[k]] = root.get(e.inputs[src], e.inputs[src])
-        made_by.update((o, i) for o in e.outputs)
-    for o in body.outvars:                                    # read at the step's end
-        if isinstance(o, Var):
-            last[root.get(o, o)] = len(body.eqns)
+    root, last = body.last_reads()                            # the step's outputs are read at its end
+    made_by = {o: i for i, e in enumerate(body.eqns) for o in e.outputs}
     out = {}
     for k in range(nk):
         v, old = body.outvars[k], body.invars[nc + k]

@@ -156,6 +156,24 @@ class Graph:
     def producers(self) -> dict[Var, Eqn]:
         return {o: e for e in self.eqns for o in e.outputs}
 
+    def last_reads(self) -> tuple[dict[Var, Var], dict[Var, int]]:
+        """(the storage root of each output that aliases an operand (a view, a cache update), the index of
+        the last eqn reading each storage root); graph outputs are read at len(eqns)."""
+        from ggraph.ir.primitive import aliases
+        root: dict[Var, Var] = {}
+        last: dict[Var, int] = {}
+        for i, e in enumerate(self.eqns):
+            for a in e.inputs:
+                if isinstance(a, Var):
+                    last[root.get(a, a)] = i
+            for k, src in aliases(e).items():
+                if isinstance(e.inputs[src], Var):
+                    root[e.outputs[k]] = root.get(e.inputs[src], e.inputs[src])
+        for o in self.outvars:
+            if isinstance(o, Var):
+                last[root.get(o, o)] = len(self.eqns)
+        return root, last
+
     def walk(self, expand: bool = False) -> Iterable[Eqn]:
         """Every eqn; with expand, the eqns inside composite bodies too (not the composite itself)."""
         for e in self.eqns:
