@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ggraph.ir.dtypes import ParamAval
 from ggraph.ir.fused import qmatmul_experts_p, qmatmul_p
 
 GGML_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q8_0": 8, "bf16": 30}     # llama.cpp's ids of the cache types
@@ -244,11 +245,25 @@ def stream_bandwidth(threads: int, mbytes: int = 1024, repeats: int = 3) -> floa
     return stream.best
 
 
-def machine_peaks(target, threads: int) -> dict[str, float]:
-    """The core clock (GHz) and the f32 (GFLOP/s) and int8 (Gop/s) peaks of ``target``'s instructions
-    on ``threads`` cores, measured now (``ggraph.bench.peaks``): turbo and a busy neighbour count."""
+def machine_peaks(target, threads: int) -> dict:
+    """The core clock (GHz), the f32 (GFLOP/s) and int8 (Gop/s) peaks of ``target``'s instructions on
+    ``threads`` cores, and under "reads" [(level, bytes it holds, GB/s)] from L1 to DRAM, measured now
+    (``ggraph.bench.peaks``). A roof must bound every op from above, and on a shared machine a
+    neighbour seldom leaves every core free at once: so the compute peaks and the caches a core has
+    alone are one core's times ``threads``, and the shared levels the faster of one core and all."""
     from ggraph.bench import peaks
-    return peaks.measure(target, threads)
+    one = peaks.measure(target, 1)
+    out = {k: v if k == "ghz" else v * threads for k, v in one.items()}
+    reads = peaks.read_levels(target, 1)
+    if threads > 1:
+        sizes = peaks.cache_sizes()
+        together = {name: gb_s for name, _, gb_s in peaks.read_levels(target, threads)}
+        reads = [(name, holds * threads if sizes.get(name, (0, False))[1] else holds,
+                  gb_s * threads if sizes.get(name, (0, False))[1] else max(gb_s, together[name]))
+                 for name, holds, gb_s in reads]
+    # data a smaller level holds is never slower to read than from a larger one
+    out["reads"] = [(name, holds, max(g for _, _, g in reads[k:])) for k, (name, holds, _) in enumerate(reads)]
+    return out
 
 
 def op_kind(eqn) -> str:
@@ -290,7 +305,7 @@ def profile_rows(runs, dims: dict, bandwidth: float, peaks: dict, core_hz: float
     groups = {"op": {}, "layer": {}}
     for eqn, seconds in per_eqn.values():
         flops, nbytes = eqn.cost(dims) if eqn is not None else (0, 0)
-        bound = _bound(op_kind(eqn), flops, nbytes, bandwidth, peaks, dims.get("T", 1))   # each op at its own limit
+        bound = eqn_bound(eqn, dims, bandwidth, peaks) if eqn is not None else 0.0   # each op at its own limit
         layer = ".".join(eqn.scope.split(".")[:2]) if eqn is not None and eqn.scope.startswith("blk.") \
             else (eqn.scope.split(".")[0] if eqn is not None and eqn.scope else "top")
         for by, key in (("op", op_kind(eqn)), ("layer", layer)):
@@ -318,11 +333,40 @@ def profile_rows(runs, dims: dict, bandwidth: float, peaks: dict, core_hz: float
     return out
 
 
-def _bound(kind: str, flops: float, nbytes: float, bandwidth: float, peaks: dict, tokens: int) -> float:
-    """The least time an op of this kind can take: its bytes at the measured bandwidth, or its
-    flops at the peak (int8 for quantised matmuls, the AMX tiles' where they take the matmul),
-    whichever is longer."""
-    return max(nbytes / (bandwidth * 1e9), flops / (_peak(kind, peaks, tokens) * 1e9))
+def _bound(kind: str, flops: float, nbytes: float, bandwidth: float, peaks: dict, tokens: int,
+           cached: float = 0.0, cache_gb_s: float = 0.0) -> float:
+    """The least time an op of this kind can take: its bytes at the measured bandwidth (``cached`` of
+    them at ``cache_gb_s``), or its flops at the peak (int8 for quantised matmuls, the AMX tiles' where
+    they take the matmul), whichever is longer."""
+    memory = (nbytes - cached) / (bandwidth * 1e9) + (cached / (cache_gb_s * 1e9) if cached else 0.0)
+    return max(memory, flops / (_peak(kind, peaks, tokens) * 1e9))
+
+
+def activation_bytes(eqn, dims: dict, outputs: bool = True) -> float:
+    """The bytes of ``eqn``'s inputs (and outputs) that are not weights: activations, caches, ids."""
+    total = 0.0
+    for v in list(eqn.inputs) + (list(eqn.outputs) if outputs else []):
+        aval = getattr(v, "aval", None)
+        if aval is None or isinstance(aval, ParamAval):
+            continue
+        total += aval.nbytes({**{s: 1 for s in aval.symbols}, **dims})
+    return total
+
+
+def eqn_bound(eqn, dims: dict, bandwidth: float, peaks: dict) -> float:
+    """The least time ``eqn`` can take at ``dims``. Weights stream at ``bandwidth`` (DRAM: a step's
+    weights do not fit the caches). The rest (activations, caches), when the smallest cache level that
+    holds all of it is not DRAM (``peaks["reads"]``), may still sit there from the op that wrote it:
+    then its reads go at that level's read bandwidth and its writes overlap them (a core loads and
+    stores in the same cycle), so only the reads count."""
+    flops, nbytes = eqn.cost(dims)
+    kind, tokens = op_kind(eqn), dims.get("T", 1)
+    acts = min(nbytes, activation_bytes(eqn, dims)) if peaks.get("reads") else 0.0
+    level = next((gb_s for _, holds, gb_s in peaks.get("reads", ()) if acts <= holds), None)
+    if not acts or level is None or acts > peaks["reads"][-2][1]:
+        return _bound(kind, flops, nbytes, bandwidth, peaks, tokens)
+    reads = min(acts, activation_bytes(eqn, dims, outputs=False))
+    return _bound(kind, flops, nbytes - acts + reads, bandwidth, peaks, tokens, reads, max(level, bandwidth))
 
 
 def _peak(kind: str, peaks: dict, tokens: int) -> float:
@@ -340,8 +384,7 @@ def step_bound(program, dims: dict, bandwidth: float, peaks: dict) -> float:
     """Seconds a step of ``program`` at ``dims`` (T, P) takes at the roofline: every op at its limit."""
     total = 0.0
     for eqn in program.graph.eqns:
-        flops, nbytes = eqn.cost(dims)
-        total += _bound(op_kind(eqn), flops, nbytes, bandwidth, peaks, dims["T"])
+        total += eqn_bound(eqn, dims, bandwidth, peaks)
     return total
 
 
@@ -382,8 +425,8 @@ def profile_ggraph(path, pp: int = 64, threads: int = 1, passes="default", ctx: 
     s = Session(path, backend="llvm", threads=threads, passes=passes, ctx=ctx or max(depth + pp + 8, 64),
                 profile=True, disabled=disabled, ubatch=ubatch or UBATCH)
     prog = s.program(last_only=True)
-    bandwidth = stream_bandwidth(threads)
     peaks = machine_peaks(prog.target, threads)
+    bandwidth = peaks["reads"][-1][2]                      # DRAM's, read by the same loop as the caches'
     core_hz = threads * peaks["ghz"] * 1e9
     ids = prompt_tokens(depth + pp, s.config.n_vocab)
     s.step(ids[depth:])                                      # warm: page in the weights
@@ -400,12 +443,26 @@ def profile_ggraph(path, pp: int = 64, threads: int = 1, passes="default", ctx: 
         steps.append((prog.last_profile, prog.last_idle))
     decode = profile_rows(steps, {"T": 1, "P": depth + pp}, bandwidth, peaks, core_hz)
     return {"roofline": {"bandwidth_gb_s": bandwidth, "peak_gflop_s": peaks["f32"], "peak_int8_gop_s": peaks["int8"],
+                         "reads": [{"level": name, "holds_bytes": None if name == "DRAM" else int(holds), "gb_s": gb_s}
+                                   for name, holds, gb_s in peaks["reads"]],
                          "target": prog.target.name, "threads": threads, "ghz": core_hz / threads / 1e9,
                          "peak_int8_ops_cycle": peaks["int8"] * 1e9 / core_hz, "peak_f32_ops_cycle": peaks["f32"] * 1e9 / core_hz,
                          **({"peak_tiles_gop_s": peaks["tiles"], "peak_tiles_ops_cycle": peaks["tiles"] * 1e9 / core_hz}
                             if "tiles" in peaks else {})},
             "prefill": prefill, "decode": decode, "prefill_step": step,
             "calls": len(prog.spec.calls), "barriers": sum(barriers_needed(prog.spec.calls))}
+
+
+ROOF_NOISE = 0.1                   # how far over 100% of its roof an op may read from timing noise alone
+
+
+def roofline_note(roof: dict) -> str:
+    """One line on the memory roofs of a profile: DRAM for weights, each cache level for the rest."""
+    from ggraph.units import fmt_bytes
+    levels = ", ".join(f"{r['level']} ({fmt_bytes(r['holds_bytes'])}) {r['gb_s']:.0f}" for r in roof["reads"][:-1])
+    return (f"memory roofs: weights at {roof['bandwidth_gb_s']:.1f} GB/s (DRAM); activations and caches at the read "
+            f"bandwidth of the smallest cache that holds an op's data: {levels} GB/s (writes overlap the reads), "
+            f"else DRAM's; timing noise can put an op up to {ROOF_NOISE:.0%} over its roof")
 
 
 def profile_table(title: str, rows: list[dict]) -> str:

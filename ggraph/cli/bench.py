@@ -250,6 +250,9 @@ def profile_report(r: dict) -> str:
             f"{roof['bandwidth_gb_s']:.1f} GB/s, {roof['peak_gflop_s']:.0f} GFLOP/s f32 and "
             f"{roof['peak_int8_gop_s']:.0f} Gop/s int8{_tiles(roof)} peak, measured in this run ('of roofline' = the time the "
             f"limit allows / the time taken)")
+    if "reads" in roof:
+        from ggraph.bench.measure import roofline_note
+        head += "\n" + roofline_note(roof)
     if "ghz" in roof:
         head += (f"\n'op/cyc': operations (a multiply-add is 2) per core per cycle at {roof['ghz']:.2f} GHz (measured); "
                  f"the peaks are {roof['peak_f32_ops_cycle']:.0f} f32 and {roof['peak_int8_ops_cycle']:.0f} int8"

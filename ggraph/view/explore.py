@@ -202,13 +202,14 @@ PROFILE_DECODE_STEPS = 5            # decode steps profiled; each op counts its 
 def add_profile_overlays(ex: Exploration, session, shown: MEGraph, pp: int) -> dict:
     """Run ``session`` (profile=True, llvm) on a prompt of ``pp`` tokens and a few decode steps; overlay each
     node of ``shown`` (the MEGraph of ``session.program(last_only=True).graph``) with its time, share of the
-    step, bytes moved and fraction of its roofline limit (bytes at the bandwidth or flops at the peak measured
-    now, whichever takes longer). Returns the step totals and the roofline measured."""
-    from ggraph.bench.measure import _bound, machine_peaks, op_kind, prompt_tokens, stream_bandwidth
+    step, bytes moved and fraction of its roofline limit (``bench --profile``'s: weights at DRAM's bandwidth,
+    the rest at the cache's that holds it, or flops at the peak, measured now, whichever takes longer).
+    Returns the step totals and the roofline measured."""
+    from ggraph.bench.measure import eqn_bound, machine_peaks, prompt_tokens
     prog = session.program(last_only=True)
     node_of = {id(e): nid for nid, e in shown.eqn_of.items()}
-    bandwidth = stream_bandwidth(prog.threads)
     peaks = machine_peaks(prog.target, prog.threads)
+    bandwidth = peaks["reads"][-1][2]
     ids = prompt_tokens(pp, session.config.n_vocab)
     session.step(ids)                                       # warm: page the weights in
     session.reset()
@@ -235,9 +236,8 @@ def add_profile_overlays(ex: Exploration, session, shown: MEGraph, pp: int) -> d
         share, moved, roof = {}, {}, {}
         for nid, t in seconds.items():
             e = shown.eqn_of[nid]
-            flops, nbytes = e.cost(dims)
-            share[nid], moved[nid] = t / total, nbytes
-            roof[nid] = _bound(op_kind(e), flops, nbytes, bandwidth, peaks, dims["T"]) / t if t else 0.0
+            share[nid], moved[nid] = t / total, e.cost(dims)[1]
+            roof[nid] = eqn_bound(e, dims, bandwidth, peaks) / t if t else 0.0
         ex.add_overlay(f"profile {step}: time (us)", {gid: {n: t * 1e6 for n, t in seconds.items()}})
         ex.add_overlay(f"profile {step}: share of the step", {gid: share})
         ex.add_overlay(f"profile {step}: bytes moved", {gid: moved})
