@@ -12,10 +12,11 @@ import pytest
 import ggraph
 from ggraph import f32, ops
 from ggraph.compiler import optimize
-from ggraph.backends.llvm.target import X86_NAMES, named_target, runnable_targets
+from ggraph.backends.llvm.target import X86_NAMES, runnable_targets
 from ggraph.ir.primitive import ShapeError
 from ggraph.passes import RewriteLog
-from test_recurrent_ops import ggml  # noqa: F401  (the fixture: libggml through ctypes)
+from llvm_targets import compiled_for as llvm, fused_kernels
+from test_recurrent_ops import close, ggml  # noqa: F401  (ggml: the fixture, libggml through ctypes)
 
 rng = np.random.default_rng(7)
 RUNNABLE = [t.name for t in runnable_targets()]
@@ -64,20 +65,6 @@ def graph(Hk, Hv, Dk, Dv):
                         f32["T", Hv], f32[Hv, Dv, Dk])
 
 
-def close(got, want, rtol, what):
-    """Each output within rtol of the largest magnitude of its reference."""
-    for i, (g, w) in enumerate(zip(got, want)):
-        assert g.shape == w.shape, f"{what}: output {i} has shape {g.shape}, want {w.shape}"
-        err = np.abs(g.astype(np.float64) - w).max() / max(np.abs(w).max(), 1e-30)
-        assert err <= rtol, f"{what}: output {i} is {err:.3g} off (relative to its largest value)"
-
-
-def llvm(g, target, threads, **passes):
-    if target not in RUNNABLE:
-        pytest.skip(f"host cannot run {target}")
-    return ggraph.compile(g, backend="llvm", target=named_target(target), threads=threads, **passes)
-
-
 # -- numpy: the rule and the decomposition -------------------------------------------------------------------
 
 @pytest.mark.parametrize("Hk,Hv,Dk,Dv", CASES)
@@ -111,11 +98,7 @@ def test_scale_and_strong_decay():
 @pytest.mark.parametrize("target", X86_NAMES)
 @pytest.mark.parametrize("threads", [1, 2, 3])
 def test_llvm_kernel(target, threads):
-    for Hk, Hv, Dk, Dv in CASES:
-        g = graph(Hk, Hv, Dk, Dv)
-        prog = llvm(g, target, threads)
-        assert prog.graph.count("fused_gated_delta_rule") == 1
-        rule = ggraph.compile(g, passes=[])
+    for (Hk, Hv, Dk, Dv), prog, rule in fused_kernels(CASES, graph, "fused_gated_delta_rule", target, threads):
         for T in TS:
             args = args_for(T, Hk, Hv, Dk, Dv)
             got = prog(*args)

@@ -12,13 +12,14 @@ import pytest
 
 import ggraph
 from ggraph import f32, ops
-from ggraph.backends.llvm.target import X86_NAMES, named_target, runnable_targets
+from ggraph.backends.llvm.target import X86_NAMES, runnable_targets
 from ggraph.ir import param
 from ggraph.ir.primitive import ShapeError
 from ggraph.ir.prims import state_write
 from ggraph.ir.text import parse
 from ggraph.compiler import optimize
 from ggraph.passes import RewriteLog
+from llvm_targets import compiled_for as llvm, fused_kernels
 
 rng = np.random.default_rng(42)
 RUNNABLE = [t.name for t in runnable_targets()]
@@ -149,20 +150,10 @@ def test_ssm_scan_softplus_edges():
 
 # -- llvm: the fused kernels bit for bit, every feature set, 1-3 threads ---------------------------------------
 
-def llvm(graph, target, threads, **passes):
-    if target not in RUNNABLE:
-        pytest.skip(f"host cannot run {target}")
-    return ggraph.compile(graph, backend="llvm", target=named_target(target), threads=threads, **passes)
-
-
 @pytest.mark.parametrize("target", X86_NAMES)
 @pytest.mark.parametrize("threads", [1, 2, 3])
 def test_causal_conv_llvm_kernel(target, threads):
-    for C, K, bias in CONV_CASES:
-        g = conv_graph(C, K, bias)
-        prog = llvm(g, target, threads)
-        assert prog.graph.count("fused_causal_conv") == 1
-        rule = ggraph.compile(g, passes=[])
+    for (C, K, bias), prog, rule in fused_kernels(CONV_CASES, conv_graph, "fused_causal_conv", target, threads):
         for T in TS:
             args = conv_args(T, C, K, bias)
             same(prog(*args), rule(*args), f"C={C} K={K} T={T} on {target}, {threads} threads")
@@ -171,11 +162,7 @@ def test_causal_conv_llvm_kernel(target, threads):
 @pytest.mark.parametrize("target", X86_NAMES)
 @pytest.mark.parametrize("threads", [1, 2, 3])
 def test_ssm_scan_llvm_kernel(target, threads):
-    for H, D, N, G in SCAN_CASES:
-        g = scan_graph(H, D, N, G)
-        prog = llvm(g, target, threads)
-        assert prog.graph.count("fused_ssm_scan") == 1
-        rule = ggraph.compile(g, passes=[])
+    for (H, D, N, G), prog, rule in fused_kernels(SCAN_CASES, scan_graph, "fused_ssm_scan", target, threads):
         for T in TS:
             args = scan_args(T, H, D, N, G)
             same(prog(*args), rule(*args), f"H={H} D={D} N={N} G={G} T={T} on {target}, {threads} threads")
