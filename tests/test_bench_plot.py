@@ -54,7 +54,8 @@ def test_plot_writes_png_svg_with_and_without_a_profile(tmp_path):
     assert len(bench_plot.figure(plain).axes) == 2
     fig = bench_plot.figure([profiled(), result(passes="none", pp_tok_s=30)])
     assert len(fig.axes) == 4 and "roofline" in fig.axes[2].get_title()
-    assert [t.get_text() for t in fig.axes[3].get_yticklabels()][-1] == "prefill qmatmul q8_0"   # slowest on top
+    assert [t.get_text() for t in fig.axes[3].get_yticklabels()] == ["qmatmul q8_0  [1]", "fused  [2]",
+                                                                      "qmatmul q8_0  [3]", "take"]   # take: no flops
     bench_plot.plot_results([profiled()], tmp_path / "roof.svg")
     assert "<svg" in (tmp_path / "roof.svg").read_text()[:500]
 
@@ -103,3 +104,56 @@ def test_a_plot_into_a_missing_directory_is_refused_before_measuring(tmp_path, c
     with pytest.raises(SystemExit) as stop:                 # argparse's usage error, before any measuring
         main(["bench", "--demo", "--plot", str(tmp_path / "no" / "such" / "b.png")])
     assert stop.value.code == 2 and "does not exist" in capsys.readouterr().err
+
+
+def crowded(n=14):
+    """A profile whose op kinds sit almost on one spot of the roofline, in both phases: labels must still not collide."""
+    rows = {phase: [dict(name=f"op{k}", seconds=0.01 * (k + 1), bytes=1e7 * (1 + 0.01 * k), flops=1e8 * (1 + 0.02 * k),
+                         roofline=0.5) for k in range(n)] + [dict(name="barrier/idle", seconds=0.05, bytes=0, flops=0,
+                                                                  roofline=0.0)]
+            for phase in ("prefill", "decode")}
+    roof = {"bandwidth_gb_s": 7.0, "peak_gflop_s": 150.0, "peak_int8_gop_s": 300.0}
+    return result(profile={k: {"op": v, "layer": []} for k, v in rows.items()}, roofline=roof)
+
+
+def _boxes(fig, ax):
+    """Each number's text box on the roofline (without its leader line)."""
+    from matplotlib.text import Text
+    renderer = fig.canvas.get_renderer()
+    return {t.get_text(): Text.get_window_extent(t, renderer) for t in ax.texts if t.get_text().isdigit()}
+
+
+def test_every_point_on_the_roofline_is_numbered_and_no_two_numbers_overlap():
+    fig = bench_plot.figure([crowded()])
+    ax = fig.axes[2]
+    points = sum(len(c.get_offsets()) for c in ax.collections)
+    boxes = _boxes(fig, ax)
+    assert sorted(map(int, boxes)) == list(range(1, points + 1))            # TOP_OPS per phase, each numbered
+    listed = list(boxes.values())
+    for i, a in enumerate(listed):
+        for b in listed[i + 1:]:
+            assert not a.overlaps(b), "two roofline numbers overlap"
+    frame = ax.get_window_extent(fig.canvas.get_renderer())
+    assert all(frame.x0 <= b.x0 and b.x1 <= frame.x1 and frame.y0 <= b.y0 and b.y1 <= frame.y1 for b in listed)
+    # the table beside the points carries the same numbers
+    ticks = [t.get_text() for t in fig.axes[3].get_yticklabels()]
+    assert sorted(int(t.split("[")[1].rstrip("]")) for t in ticks if "[" in t) == sorted(map(int, boxes))
+
+
+def test_the_table_is_sorted_within_each_phase_as_its_title_says():
+    table = bench_plot.table_rows(bench_plot._profiled([crowded()]))
+    for block in ("prefill", "decode"):
+        shares = [t["share"] for t in table if t["block"] == block and t["row"] is not None]
+        assert shares == sorted(shares, reverse=True) and len(shares) == bench_plot.TOP_OPS
+        rest = [t for t in table if t["block"] == block and t["row"] is None]
+        assert len(rest) == 1 and rest[0]["label"] == "3 more op kinds"      # 14 op kinds and the idle row
+    assert [t["block"] for t in table].index("decode") == bench_plot.TOP_OPS + 1   # prefill's block first
+    assert "most time first" in bench_plot.figure([crowded()]).axes[3].get_title()
+
+
+def test_compared_pipelines_are_called_fused_and_unfused():
+    rs = [result(passes="default"), result(passes="none", pp_tok_s=20), result(passes="rms_norm,dce", pp_tok_s=50)]
+    assert [bench_plot.run_name(r) for r in rs] == ["ggraph fused", "ggraph unfused", "ggraph rms_norm,dce"]
+    fig = bench_plot.figure(rs)
+    assert [t.get_text() for t in fig.axes[0].get_legend().get_texts()] == ["ggraph fused", "ggraph unfused",
+                                                                           "ggraph rms_norm,dce"]

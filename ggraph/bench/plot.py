@@ -13,13 +13,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ggraph.bench.measure import IDLE, ROOF_NOISE
+
 RESULT_FIELDS = ("engine", "pp", "tg", "threads", "pp_tok_s", "tg_tok_s")
 ROW_FIELDS = ("seconds", "bytes", "flops")
 PHASES = ("prefill", "decode")
 COLOURS = ("#4c78a8", "#f58518", "#54a24b", "#e45756", "#72b7b2", "#b279a2", "#ff9da6", "#9d755d")
 PHASE_MARKERS = {"prefill": "o", "decode": "^"}
-TOP_OPS = 12                                   # op kinds shown in the "near the roof" panel
-LABELLED = 4                                   # op kinds named on the roofline, per profile and phase
+TOP_OPS = 12                                   # op kinds listed per profile and phase in the "near its roof" table
+DPI = 110
 PLOT_FORMATS = ("png", "svg", "pdf")
 
 
@@ -70,9 +72,12 @@ def check(results: list[dict]) -> None:
 
 
 def run_name(r: dict) -> str:
-    """engine and pipeline or flash attention: ``ggraph default``, ``ggraph none``, ``llama.cpp -fa 1``."""
+    """engine and pipeline or flash attention: ``ggraph fused``, ``ggraph unfused`` (the pipelines
+    ``--compare fused,unfused`` names), ``ggraph rms_norm,dce``, ``llama.cpp -fa 1``."""
     if r.get("passes"):
-        return f"{r['engine']} {r['passes']}"
+        from ggraph.cli.bench import NAMED_PASSES
+        called = {passes: name for name, passes in NAMED_PASSES.items()}
+        return f"{r['engine']} {called.get(r['passes'], r['passes'])}"
     fa = {"on": " -fa 1", "off": " -fa 0"}.get(r.get("flash_attn", ""), "")
     return r["engine"] + fa
 
@@ -144,68 +149,164 @@ def _profiled(results: list[dict]) -> list[tuple[str, dict, list[dict]]]:
              op_kinds(profile_rows(r["profile"]))) for r in results if r.get("profile")]
 
 
-def _roofline(ax, profiled) -> None:
-    """Achieved GFLOP/s against arithmetic intensity, under the bandwidth slope and the compute roof."""
+def table_rows(profiled) -> list[dict]:
+    """The rows of the "near its roof" panel, in its order: one block per profile and phase, each block's
+    op kinds by their share of that phase's time, most first (at most TOP_OPS; the rest summed in one
+    row). Each row has its number ("n", as the roofline's points are numbered; None for a row with no
+    flops, which the log axes cannot show), "block", "label",
+    "fraction" of its roof, "share" of its phase's time, "gb_s", and the row it came from."""
+    rows, n = [], 0
+    for name, roof, kinds in profiled:
+        for phase in dict.fromkeys(r["phase"] for r in kinds):
+            mine = sorted((r for r in kinds if r["phase"] == phase), key=lambda r: -r["seconds"])
+            total = sum(r["seconds"] for r in mine) or 1.0
+            block = f"{name + ': ' if len(profiled) > 1 else ''}{phase or '(no phase)'}"
+            for r in mine[:TOP_OPS]:
+                drawn = r["flops"] > 0 and r["bytes"] > 0 and r["seconds"] > 0      # a point on the roofline
+                n += drawn
+                rows.append({"n": n if drawn else None, "block": block, "label": r["op"], "fraction": roof_fraction(r, roof),
+                             "share": r["seconds"] / total, "gb_s": r["bytes"] / r["seconds"] / 1e9 if r["seconds"] else 0.0,
+                             "row": r, "profile": name})
+            rest = mine[TOP_OPS:]
+            if rest:
+                rows.append({"n": None, "block": block, "label": f"{len(rest)} more op kinds", "fraction": float("nan"),
+                             "share": sum(r["seconds"] for r in rest) / total, "gb_s": 0.0, "row": None, "profile": name})
+    return rows
+
+
+def _roofline(ax, profiled, table: list[dict]) -> list[tuple[float, float, str]]:
+    """Achieved GFLOP/s against arithmetic intensity, under the memory slopes and the compute roofs.
+    Returns the points drawn as (x, y, number): ``place_labels`` numbers them once the layout is final."""
     import numpy as np
     roofs = [roof for _, roof, _ in profiled if roof]
-    points = [(name, row) for name, _, rows in profiled for row in rows
-              if row["flops"] > 0 and row["bytes"] > 0 and row["seconds"] > 0]
-    ai = [row["flops"] / row["bytes"] for _, row in points] or [1.0]
-    xs = np.geomspace(min(ai) / 4, max(ai) * 4, 64)
+    points = [(t["profile"], t["row"], t["n"]) for t in table if t["n"] is not None]
+    ai = [row["flops"] / row["bytes"] for _, row, _ in points] or [1.0]
+    lo, hi = min(ai) / 4, max(ai) * 4
+    widen = max(1.0, 1e3 / (hi / lo)) ** 0.5                  # three decades at least: major ticks labelled only
+    xs = np.geomspace(lo / widen, hi * widen, 64)
     for roof in roofs[:1]:
         bw, peak = roof["bandwidth_gb_s"], roof["peak_gflop_s"]
         ax.plot(xs, np.minimum(peak, bw * xs), color="#333333", lw=1.2,
-                label=f"roof: {bw:.1f} GB/s, {peak:.0f} GFLOP/s f32")
+                label=f"roof: {bw:.1f} GB/s (DRAM), {peak:.0f} GFLOP/s f32")
         if roof.get("peak_int8_gop_s"):
             ax.plot(xs, np.minimum(roof["peak_int8_gop_s"], bw * xs), color="#333333", lw=0.8, ls="--",
                     label=f"int8 roof: {roof['peak_int8_gop_s']:.0f} Gop/s")
+        top = max(peak, roof.get("peak_int8_gop_s") or 0.0)
+        for level in roof.get("reads", [])[:-1]:
+            ax.plot(xs, np.minimum(top, level["gb_s"] * xs), color="#999999", lw=0.6, ls=":")
+        if roof.get("reads"):
+            ax.plot([], [], color="#999999", lw=0.6, ls=":", label="cache slopes: " + ", ".join(
+                f"{lv['level']} {lv['gb_s']:.0f}" for lv in roof["reads"][:-1]) + " GB/s")
     names = list(dict.fromkeys(name for name, _, _ in profiled))
-    ranked: dict[tuple, int] = {}
-    for name, row in points:                      # rows come slowest first: name the slowest few per phase
-        rank = ranked[(name, row["phase"])] = ranked.get((name, row["phase"]), -1) + 1
+    drawn = []
+    for name, row, n in points:
         colour = COLOURS[names.index(name) % len(COLOURS)]
         x, y = row["flops"] / row["bytes"], row["flops"] / row["seconds"] / 1e9
-        ax.scatter(x, y, color=colour, marker=PHASE_MARKERS.get(row["phase"], "s"), s=22 if rank < LABELLED else 8,
-                   alpha=1.0 if rank < LABELLED else 0.5, zorder=3)
-        if rank < LABELLED:
-            ax.annotate(f"{row['phase'] + ' ' if row['phase'] else ''}{row['op']}", (x, y), fontsize=6,
-                        xytext=(3, 3), textcoords="offset points")
+        ax.scatter(x, y, color=colour, marker=PHASE_MARKERS.get(row["phase"], "s"), s=22, zorder=3)
+        drawn.append((x, y, str(n)))
     for k, name in enumerate(names):
         ax.scatter([], [], color=COLOURS[k % len(COLOURS)], label=name)
-    for phase in dict.fromkeys(row["phase"] for _, row in points):
+    for phase in dict.fromkeys(row["phase"] for _, row, _ in points):
         ax.scatter([], [], color="#777777", marker=PHASE_MARKERS.get(phase, "s"), label=phase or "(no phase)")
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlabel("arithmetic intensity (flop / byte)")
     ax.set_ylabel("achieved GFLOP/s")
-    ax.set_title("roofline per op kind (the slowest named)" + ("" if roofs else " - no roofline measured"),
+    ax.set_title("roofline per op kind (numbers: the table on the right)" + ("" if roofs else " - no roofline measured"),
                  fontsize=10)
-    ax.legend(fontsize=7, loc="lower right")
+    ax.legend(fontsize=6.5, loc="lower right")
     ax.grid(True, which="both", lw=0.3, alpha=0.5)
+    return drawn
 
 
-def _near_roof(ax, profiled) -> None:
-    """Per op kind: % of its roofline bound (bars) and share of the time (text), slowest op kinds first."""
-    rows = []
-    for name, roof, kinds in profiled:
-        phase_s: dict[str, float] = {}
-        for r in kinds:
-            phase_s[r["phase"]] = phase_s.get(r["phase"], 0.0) + r["seconds"]
-        for r in kinds:
-            rows.append((r["seconds"], f"{name + ': ' if len(profiled) > 1 else ''}{r['phase']} {r['op']}".strip(),
-                         roof_fraction(r, roof), r["seconds"] / (phase_s[r["phase"]] or 1),
-                         r["bytes"] / r["seconds"] / 1e9 if r["seconds"] else 0.0))
-    rows = sorted(rows, reverse=True)[:TOP_OPS][::-1]
-    ys = range(len(rows))
-    ax.barh(ys, [100 * f if f == f else 0 for _, _, f, _, _ in rows], color="#4c78a8")
-    for y, (_, _, frac, share, gbs) in zip(ys, rows):
-        near = f"{100 * frac:.0f}% of roof, " if frac == frac else ""
-        ax.text(1, y, f"{near}{gbs:.1f} GB/s, {100 * share:.0f}% of its phase's time", va="center", fontsize=6.5)
-    ax.set_yticks(list(ys), [label for _, label, _, _, _ in rows], fontsize=7)
-    ax.set_xlim(0, max([110.0] + [105 * f for _, _, f, _, _ in rows if f == f]))
+# offsets (points) tried around a point for its number: nearest ring first, then farther ones with a leader line
+RINGS = (7, 12, 18, 26, 36, 50)
+ANGLES = (45, 135, 315, 225, 0, 180, 90, 270, 22, 158, 338, 202, 68, 112, 292, 248)
+
+
+def place_labels(fig, ax, points: list[tuple[float, float, str]], fontsize: float = 6.5) -> list:
+    """Number each point of ``ax`` where its text overlaps no other number, marker or the legend, and
+    stays inside the axes: the first free spot on rings of growing radius around it (a thin leader
+    line from the second ring on). Run once the figure's layout is final. Returns the annotations."""
+    import math
+
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.text import Text
+    if not hasattr(fig.canvas, "get_renderer"):
+        FigureCanvasAgg(fig)
+    fig.draw_without_rendering()
+    renderer = fig.canvas.get_renderer()
+    frame = ax.get_window_extent(renderer)
+    px = fig.dpi / 72
+    marks = [ax.transData.transform((x, y)) for x, y, _ in points]
+    taken = [(mx - 4 * px, my - 4 * px, mx + 4 * px, my + 4 * px) for mx, my in marks]
+    if ax.get_legend() is not None:
+        b = ax.get_legend().get_window_extent(renderer)
+        taken.append((b.x0, b.y0, b.x1, b.y1))
+
+    def free(b) -> bool:
+        inside = frame.x0 <= b.x0 and b.x1 <= frame.x1 and frame.y0 <= b.y0 and b.y1 <= frame.y1
+        return inside and not any(b.x0 < x1 and x0 < b.x1 and b.y0 < y1 and y0 < b.y1 for x0, y0, x1, y1 in taken)
+
+    def label(x, y, text, dx, dy, leader):
+        t = ax.annotate(text, (x, y), xytext=(dx, dy), textcoords="offset points", fontsize=fontsize,
+                        ha="center", va="center", zorder=4, annotation_clip=False,
+                        arrowprops=dict(arrowstyle="-", lw=0.4, color="#666666", shrinkA=0, shrinkB=2)
+                        if leader else None)
+        t.update_positions(renderer)
+        return t
+
+    placed = []
+    for (x, y, text) in points:
+        spot = None
+        for ring in RINGS:
+            for angle in ANGLES:
+                dx, dy = ring * math.cos(math.radians(angle)), ring * math.sin(math.radians(angle))
+                t = label(x, y, text, dx, dy, False)
+                if free(Text.get_window_extent(t, renderer)):         # the text alone, not its leader line
+                    spot = (dx, dy, ring > RINGS[0])
+                t.remove()
+                if spot:
+                    break
+            if spot:
+                break
+        t = label(x, y, text, *spot) if spot else label(x, y, text, RINGS[0], 0, False)   # nowhere free: overlapping
+        t.set_in_layout(False)
+        b = Text.get_window_extent(t, renderer)
+        taken.append((b.x0, b.y0, b.x1, b.y1))
+        placed.append(t)
+    return placed
+
+
+def _near_roof(ax, table: list[dict]) -> None:
+    """The table beside the roofline: per profile and phase, op kinds by share of the phase's time (most
+    first), each numbered as its point, its bar the % of its roofline limit."""
+    ys, labels, y, block = [], [], 0, None
+    for t in table:
+        if t["block"] != block:
+            block = t["block"]
+            ax.text(-0.01, y, block, transform=ax.get_yaxis_transform(), ha="right", va="center", fontsize=7.5,
+                    fontweight="bold")
+            y += 1
+        frac, row = t["fraction"], t["row"]
+        ax.barh(y, 100 * frac if frac == frac else 0, color="#4c78a8", height=0.8)
+        if row is None:
+            text = f"{100 * t['share']:.0f}% of the phase's time"
+        elif row["op"] == IDLE:
+            text = f"no roof: threads waiting for each other, {100 * t['share']:.0f}% of the {row['phase']}'s time"
+        else:
+            text = (f"{100 * frac:.0f}% of roof, {t['gb_s']:.1f} GB/s, " if frac == frac else "") + \
+                f"{100 * t['share']:.0f}% of the {row['phase']}'s time" + ("" if t["n"] else ", no flops: no point")
+        ax.text(1, y, text, va="center", fontsize=6.5)
+        ys.append(y)
+        labels.append(f"{t['label']}  [{t['n']}]" if t["n"] else t["label"])
+        y += 1
+    ax.set_yticks(ys, labels, fontsize=7)
+    ax.set_ylim(y - 0.4, -0.6)                                     # the first block on top
+    ax.set_xlim(0, max([110.0] + [105 * t["fraction"] for t in table if t["fraction"] == t["fraction"]]))
     ax.axvline(100, color="#333333", lw=0.8)
-    ax.set_xlabel("% of the roofline bound at the op's intensity")
-    ax.set_title("how near its roof each op kind runs (slowest first)", fontsize=10)
+    ax.set_xlabel(f"% of the op's roofline limit (over 100%: timing noise, up to {ROOF_NOISE:.0%})")
+    ax.set_title("each phase's op kinds, most time first", fontsize=10)
 
 
 # ---------------------------------------------------------------------------------------
@@ -217,17 +318,22 @@ def figure(results: list[dict], title: str | None = None):
     from matplotlib.figure import Figure
     check(results)
     profiled = _profiled(results)
-    rows = 2 if profiled else 1
-    fig = Figure(figsize=(12, 4.6 * rows), layout="constrained")
-    axes = fig.subplots(rows, 2, squeeze=False)
+    table = table_rows(profiled)
+    blocks = len({t["block"] for t in table})
+    low = max(4.6, 0.19 * (len(table) + blocks) + 1.2)           # the table's rows stay readable
+    fig = Figure(figsize=(12, 4.6 + (low if profiled else 0)), layout="constrained", dpi=DPI)
+    axes = fig.subplots(2 if profiled else 1, 2, squeeze=False, height_ratios=[4.6, low] if profiled else None)
     _speed_bars(axes[0][0], results, "pp_tok_s", "pp", "prefill (pp tokens in one step)")
     _speed_bars(axes[0][1], results, "tg_tok_s", "tg", "decode (one token per step)")
+    points = []
     if profiled:
-        _roofline(axes[1][0], profiled)
-        _near_roof(axes[1][1], profiled)
+        points = _roofline(axes[1][0], profiled, table)
+        _near_roof(axes[1][1], table)
     model = Path(str(results[0].get("model", ""))).name
     fig.suptitle(title or f"ggraph bench{' · ' + model if model else ''} · ratios to the first row of each group",
                  fontsize=11)
+    if points:
+        place_labels(fig, axes[1][0], points)
     return fig
 
 
@@ -257,7 +363,7 @@ def plot_path(text: str) -> str:
 
 def plot_results(results: list[dict], path, title: str | None = None) -> str:
     """Write the figure to ``path`` (png, svg or pdf by its suffix); returns the path."""
-    figure(results, title).savefig(str(path), format=plot_format(path), dpi=110)
+    figure(results, title).savefig(str(path), format=plot_format(path), dpi=DPI)
     return str(path)
 
 
