@@ -7,6 +7,7 @@ As a module-scoped pytest fixture (import it into the test module; skips when ra
     def test_rows_from_both_nodes(ray_cluster):
         ray_cluster.address                  # "127.0.0.1:PORT": ray.init(address=...) or --cluster
         ray_cluster.client_address           # "ray://127.0.0.1:PORT", through the Ray Client server
+        ray_cluster.dashboard_url            # for the state API: list_tasks(address=ray_cluster.dashboard_url)
         ray_cluster.nodes["node_b"].home     # the HOME that node's processes see (a dir of its own)
         ray_cluster.env()                    # os.environ with RAY_ADDRESS set, so "--cluster auto" (and
                                              # ray.init("auto")) in a subprocess finds this cluster
@@ -63,6 +64,7 @@ class Node:
 class Cluster:
     address: str                       # "127.0.0.1:PORT" (the head's GCS)
     client_address: str                # "ray://127.0.0.1:PORT"
+    dashboard_url: str                 # "http://127.0.0.1:PORT": ray.util.state.list_tasks(address=...)
     root: Path                         # the private dir: Ray's temp dirs, the nodes' HOMEs, logs
     nodes: dict[str, Node]
 
@@ -175,18 +177,18 @@ def local_cluster(nodes: tuple[NodeSpec, ...] = (NodeSpec("node_a"), NodeSpec("n
     root = Path(tempfile.mkdtemp(prefix="rayc-", dir="/tmp"))    # short: Ray's socket paths must fit 107 bytes
     from ggraph.demo import cache_dir                                # the real HOME's kernel cache, shared
     base_env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"GGRAPH_CACHE": str(cache_dir())}
-    port, client_port = free_port(), free_port()
+    port, client_port, dashboard_port = free_port(), free_port(), free_port()
     started: dict[str, Node] = {}
     try:
-        head = ["--head", "--node-ip-address", "127.0.0.1", "--port", str(port), "--include-dashboard", "false",
-                "--ray-client-server-port", str(client_port)]
+        head = ["--head", "--node-ip-address", "127.0.0.1", "--port", str(port), "--dashboard-host", "127.0.0.1",
+                "--dashboard-port", str(dashboard_port), "--ray-client-server-port", str(client_port)]
         started[nodes[0].name] = _start(nodes[0], root, head, base_env)
         address = f"127.0.0.1:{port}"
         for spec in nodes[1:]:                    # `ray start --address` waits for the head's GCS itself
             started[spec.name] = _start(spec, root, ["--address", address, "--node-ip-address", "127.0.0.1"],
                                         base_env)
         _wait_for(address, started)
-        yield Cluster(address, f"ray://127.0.0.1:{client_port}", root, started)
+        yield Cluster(address, f"ray://127.0.0.1:{client_port}", f"http://127.0.0.1:{dashboard_port}", root, started)
     finally:
         _stop(started, root)
         shutil.rmtree(root, ignore_errors=True)
