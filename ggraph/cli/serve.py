@@ -13,7 +13,13 @@ def cmd_serve(args) -> int:
     """Serve a GGUF model over HTTP with OpenAI's API: /v1/chat/completions, /v1/completions (both
     streaming or not), /v1/embeddings, /v1/models, /health and /metrics (Prometheus). --parallel N
     slots each hold a context of --ctx tokens, and every step runs all of them at once (continuous
-    batching); requests beyond them wait in a queue (then get 503)."""
+    batching); requests beyond them wait in a queue (then get 503). With --cluster, --replicas N copies of
+    the server run on a Ray cluster behind one endpoint (docs/serve.md)."""
+    if args.replicas is not None and args.cluster is None:
+        raise ValueError("--replicas needs --cluster ADDRESS: a Ray cluster's (auto, HOST:PORT or ray://HOST:PORT; "
+                         "'ray start --head' starts one here)")
+    if args.replicas is not None and args.replicas < 1:
+        raise ValueError(f"--replicas must be at least 1 replica, got {args.replicas}")
     try:
         import uvicorn
         from ggraph.serve.app import create_app
@@ -29,6 +35,8 @@ def cmd_serve(args) -> int:
         raise ValueError(f"--parallel must be at least 1 slot, got {args.parallel}")
     if args.queue < 0:
         raise ValueError(f"--queue must be >= 0 waiting requests, got {args.queue}")
+    if args.cluster is not None:
+        return _serve_on_cluster(args, passes)
     _check_port(args.host, args.port)                      # before the slow part
     path = model_path(args)
     engine = Engine(path, parallel=args.parallel, ctx=context_length(args, path), queue=args.queue,
@@ -45,6 +53,28 @@ def cmd_serve(args) -> int:
         server.run()
     finally:
         engine.close()
+    return 0
+
+
+def _serve_on_cluster(args, passes) -> int:
+    """--cluster: the same server as N Ray Serve replicas, each loading the file on its own node."""
+    try:
+        from ggraph.cluster.serve import ReplicaSpec, serve_on_cluster
+    except ModuleNotFoundError as e:
+        if not (e.name or "").startswith("ray"):
+            raise
+        print("ggraph serve: error: --cluster needs Ray Serve: pip install 'ggraph[cluster]'", file=sys.stderr)
+        return 1
+    path = model_path(args)
+    spec = ReplicaSpec(path, args.alias or Path(path).stem, parallel=args.parallel, ctx=args.ctx, queue=args.queue,
+                       api_key=args.api_key, pooling=args.pooling, backend=args.backend, threads=args.threads,
+                       passes=tuple(p.name for p in passes), plugins=tuple(args.plugin), max_memory=args.max_memory,
+                       cache_type_k=args.cache_type_k, cache_type_v=args.cache_type_v)
+    try:
+        serve_on_cluster(spec, args.replicas or 1, args.cluster, args.host, args.port)
+    except RuntimeError as e:                              # Ray's, or a replica's that could not start
+        print(f"ggraph serve: error: {e}".splitlines()[0], file=sys.stderr)
+        return 1
     return 0
 
 
@@ -80,6 +110,12 @@ def add_parser(sub, parents) -> None:
                    help="how /v1/embeddings pools a text's final hidden states (default mean)")
     p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn's log level (default warning; info logs every request)")
+    p.add_argument("--cluster", default=None, metavar="ADDRESS",
+                   help="serve on the Ray cluster at ADDRESS (auto, HOST:PORT or ray://HOST:PORT), behind one "
+                        "endpoint on the head node's --host/--port; needs 'ggraph[cluster]'")
+    p.add_argument("--replicas", type=int, default=None, metavar="N",
+                   help="with --cluster: N copies of the server, each with its own --parallel slots and weights, "
+                        "on the nodes Ray picks (default 1)")
     from ggraph.cli.common import add_compile_args
     add_compile_args(p)
     p.set_defaults(fn=cmd_serve)

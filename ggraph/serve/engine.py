@@ -140,6 +140,11 @@ class Engine:
         return self._closed
 
     @property
+    def alive(self) -> bool:
+        """Open, and its scheduler thread running: what a Ray Serve replica's health check asks."""
+        return not self._closed and self._thread.is_alive()
+
+    @property
     def tokenizer(self):
         return self.session.tokenizer
 
