@@ -45,15 +45,22 @@ def _flash_attn(args, cache_vs: list[str]) -> list[bool]:
     return settings
 
 
-def _bench_ctx(args, path, needed: int) -> int:
-    """The context of every bench run: --ctx, else depth + pp + tg (within the model's trained length)."""
-    if args.ctx is not None:
-        ctx = _int_list(args.ctx, "--ctx")
-        if len(ctx) > 1:
-            raise ValueError(f"--ctx takes one context length when benchmarking speed, got {args.ctx!r}")
-        if ctx[0] < needed:
-            raise ValueError(f"--ctx {ctx[0]} is too small: the largest depth + pp + tg is {needed} tokens")
-        return ctx[0]
+def _ctx_arg(args, needed: int) -> int | None:
+    """--ctx for a speed run (one length, at least the largest depth + pp + tg), or None when not given."""
+    if args.ctx is None:
+        return None
+    ctx = _int_list(args.ctx, "--ctx")
+    if len(ctx) > 1:
+        raise ValueError(f"--ctx takes one context length when benchmarking speed, got {args.ctx!r}")
+    if ctx[0] < needed:
+        raise ValueError(f"--ctx {ctx[0]} is too small: the largest depth + pp + tg is {needed} tokens")
+    return ctx[0]
+
+
+def bench_context(ctx: int | None, path, needed: int) -> int:
+    """The context of every bench run: ``ctx``, else depth + pp + tg (within the model's trained length)."""
+    if ctx is not None:
+        return ctx
     from ggraph.models import load
     trained = load(path).config.n_ctx_train
     if needed > trained:
@@ -67,15 +74,16 @@ def cmd_bench(args) -> int:
     file; with --memory, planned and resident memory against context length instead."""
     from ggraph.backends.llvm.team import check_threads
     from ggraph.bench.measure import LLAMA_NEEDS_FA
-    path = model_path(args)
+    cluster = _cluster_args(args)
+    path = None if cluster else model_path(args)                # on a cluster, each node resolves its own
     if args.plot:
         check_output(args.plot, args.force, "--plot")
     threads = _int_list(args.threads, "--threads")
-    for t in threads:
+    for t in threads if not cluster else ():                      # a node's cores are checked on the node
         check_threads(t)
     cache_k = _cache_type(args.cache_type_k, "--cache-type-k")
     cache_v = _cache_type(args.cache_type_v, "--cache-type-v")
-    if args.vs_llama_cpp and importlib.util.find_spec("llama_cpp") is None:
+    if args.vs_llama_cpp and not cluster and importlib.util.find_spec("llama_cpp") is None:
         raise ValueError("--vs-llama-cpp needs llama-cpp-python: pip install llama-cpp-python (see the README)")
     if args.memory:
         return cmd_memory(args, path, threads, cache_k, cache_v)
@@ -91,8 +99,17 @@ def cmd_bench(args) -> int:
     pipelines = [NAMED_PASSES.get(p, p) for p in (args.compare.split(",") if args.compare else [args.passes])]
     for pipe in pipelines:
         resolved_passes(args, pipe, "--compare" if args.compare else "--passes")   # checked before the slow part
-    ctx = _bench_ctx(args, path, max(depths) + max(pps) + max(tgs))
+    needed = max(depths) + max(pps) + max(tgs)
     fas = [fa for fa in _flash_attn(args, [cache_v]) if fa or cache_v not in LLAMA_NEEDS_FA]
+    if cluster:
+        from ggraph.cluster.bench import Sweep
+        sweep = Sweep(models=cluster["models"], threads=tuple(threads), depths=tuple(depths), pps=tuple(pps),
+                      tgs=tuple(tgs), pipelines=tuple(pipelines), targets=cluster["targets"], repeats=args.repeats,
+                      ctx=_ctx_arg(args, needed), cache_k=cache_k, cache_v=cache_v, backend=args.backend,
+                      disabled=tuple(args.no_pass), max_memory=args.max_memory, vs_llama_cpp=args.vs_llama_cpp,
+                      flash_attn=tuple(fas), roofline=args.roofline)
+        return cmd_cluster(args, sweep, cluster["nodes"])
+    ctx = bench_context(_ctx_arg(args, needed), path, needed)
     results = bench_speed(args, path, threads, depths, pps, tgs, pipelines, ctx, cache_k, cache_v, fas)
     if args.profile:
         from ggraph import bench
@@ -114,43 +131,142 @@ def cmd_bench(args) -> int:
     return 0
 
 
+def _cluster_args(args) -> dict | None:
+    """--cluster's models, nodes and feature sets (None without --cluster); its flags refused without it,
+    and the modes it does not run refused with it."""
+    if args.cluster is None:
+        given = [f for f, v in (("--nodes", args.nodes), ("--targets", args.targets), ("--models", args.models)) if v]
+        if given:
+            raise ValueError(f"{', '.join(given)} need{'s' * (len(given) == 1)} --cluster ADDRESS")
+        return None
+    for flag, given in (("--memory", args.memory), ("--profile", args.profile)):
+        if given:
+            raise ValueError(f"{flag} does not run on --cluster: run it on the node itself")
+    from ggraph.cluster.bench import DEMO, require_ray
+    require_ray()                                            # one line saying how to install it, before any work
+    models = ([DEMO] if args.demo else [args.model] if args.model else []) + _items(args.models, "--models")
+    if not models:
+        raise ValueError("give a MODEL path, --models or --demo: each node reads it as its own path")
+    targets = _items(args.targets, "--targets")
+    if targets:
+        from ggraph.backends.llvm.target import NAMES
+        unknown = [t for t in targets if t not in NAMES]
+        if unknown:
+            raise ValueError(f"--targets {unknown[0]}: not a feature set (known: {', '.join(NAMES)})")
+    return {"models": tuple(models), "nodes": _items(args.nodes, "--nodes") or None,
+            "targets": tuple(targets) or (None,)}
+
+
+def _items(text: str | None, flag: str) -> list[str]:
+    """A comma list; an empty item is a mistake."""
+    if text is None:
+        return []
+    items = [x.strip() for x in text.split(",")]
+    if not all(items):
+        raise ValueError(f"{flag} must be a comma-separated list without empty items, got {text!r}")
+    return items
+
+
+def cmd_cluster(args, sweep, nodes: list[str] | None) -> int:
+    """The sweep on the cluster: each run's rows on stderr as it finishes, then the table (or --json/--csv) of
+    them all and the nodes that failed; 1 when any failed, 130 on Ctrl-C (after the rows so far)."""
+    from ggraph.cluster.bench import Failure, bench_sweep
+    rows, failures, interrupted = [], [], False
+    events = bench_sweep(args.cluster, sweep, nodes)
+    try:
+        for event in events:
+            if isinstance(event, Failure):
+                failures.append(event)
+                print(f"failed: {event}", file=sys.stderr)
+                continue
+            for r in event:
+                rows.append(r)
+                print(f"[{len(rows)}] {cluster_line(r)}", file=sys.stderr)
+    except KeyboardInterrupt:
+        interrupted = True
+    finally:
+        events.close()                                   # cancels what is still queued or running
+    if interrupted:
+        print("interrupted: the sweep's remaining tasks were cancelled", file=sys.stderr)
+    if rows and not _print_rows(args, rows):
+        print(cluster_table(rows))
+        if args.roofline:
+            for node in dict.fromkeys(r["node"] for r in rows):
+                print(f"\n{node}:" + roofline_table([r for r in rows if r["node"] == node]))
+    for f in failures:
+        print(f"ggraph bench: node {f}", file=sys.stderr)
+    if args.plot and rows:
+        from ggraph.cluster.plot import plot_nodes
+        print(f"wrote {plot_nodes(rows, args.plot)}", file=sys.stderr)
+    sys.stdout.flush()
+    return 130 if interrupted else 1 if failures or not rows else 0
+
+
+def cluster_line(r: dict) -> str:
+    """One row as it arrives: where it ran and what it measured."""
+    run = r["passes"] or (f"fa {r['flash_attn']}" if r["flash_attn"] else "")
+    speeds = "".join(f", {n} {r[n]}: {r[n + '_tok_s']:.1f} tok/s" for n in ("pp", "tg") if r[n])
+    return f"{r['node']} ({r['cpu']}, {r['target']}): {r['engine']} {run} {r['model']} {r['threads']}t " \
+           f"depth {r['depth']}{speeds}"
+
+
+def cluster_table(rows: list[dict]) -> str:
+    """``bench_table`` with the node and feature set in front (ratios: to the first row of each configuration,
+    across nodes), then which CPU each node is."""
+    lines = bench_table(rows).splitlines()
+    width = max(len("node"), *(len(r["node"]) for r in rows))
+    out = [f"{'node':<{width}} {'target':<12} {lines[0]}"]
+    out += [f"{r['node']:<{width}} {r['target']:<12} {line}" for r, line in zip(rows, lines[1:])]
+    out.append("")
+    for node, r in {r["node"]: r for r in rows}.items():
+        out.append(f"{node}: {r['cpu']} (LLVM: {r['llvm_cpu']}), {r['hostname']} {r['node_ip']}")
+    return "\n".join(out)
+
+
 def bench_speed(args, path, threads, depths, pps, tgs, pipelines, ctx, cache_k, cache_v, fas) -> list[dict]:
     """Every (threads, depth, pp, tg) configuration: ggraph per pipeline, then llama.cpp per flash attention
     setting, loaded once per thread count, their rounds alternating."""
-    from ggraph.bench.measure import (GGraphRunner, LlamaCppRunner, StreamRunner, bench_side_by_side, round_bytes,
-                                      roofline_limits)
     from ggraph.progress import Progress
     results = []
     with Progress(len(threads) * len(depths) * len(pps) * len(tgs), "benchmarking", stream=sys.stderr) as bar:
         for t in threads:
-            runners = []
-            try:
-                for pipe in pipelines:
-                    runners.append(GGraphRunner(path, t, ctx, args.backend, pipe, cache_k, cache_v,
-                                                args.no_pass, args.max_memory))
-                for fa in fas if args.vs_llama_cpp else ():
-                    runners.append(LlamaCppRunner(path, t, ctx, cache_k, cache_v, fa))
-                roof = _machine_peaks(runners[0], t) if args.roofline else None
-                stream = StreamRunner(t) if roof else None
-                for depth in depths:
-                    for pp in pps:
-                        for tg in tgs:
-                            nbytes = round_bytes(runners[0].session, pp, tg, depth) if stream else 0
-                            rows = [r.row() for r in bench_side_by_side(runners, pp, tg, depth, args.repeats,
-                                                                        stream, nbytes)]
-                            if roof:
-                                limits = roofline_limits(runners[0].session, pp, tg, depth, stream.best, roof["peaks"])
-                                for r in rows:
-                                    r.update(limits, bandwidth_gb_s=stream.best,
-                                             peak_int8_gop_s=roof["peaks"]["int8"],
-                                             peak_tiles_gop_s=roof["peaks"].get("tiles"),
-                                             peak_gflop_s=roof["peaks"]["f32"], limit_target=roof["target"])
-                            results += rows
-                            bar.advance()
-            finally:
-                for r in runners:
-                    r.close()
+            for rows in thread_rows(path, t, depths, pps, tgs, pipelines, ctx, cache_k, cache_v, fas,
+                                    backend=args.backend, disabled=args.no_pass, max_memory=args.max_memory,
+                                    vs_llama_cpp=args.vs_llama_cpp, roofline=args.roofline, repeats=args.repeats):
+                results += rows
+                bar.advance()
     return results
+
+
+def thread_rows(path, t, depths, pps, tgs, pipelines, ctx, cache_k, cache_v, fas, *, backend, disabled,
+                max_memory, vs_llama_cpp, roofline, repeats):
+    """The rows of each (depth, pp, tg) configuration at ``t`` threads, one list (an engine each) at a time:
+    the engines loaded once, and with ``roofline`` the peaks measured once and the bandwidth every round."""
+    from ggraph.bench.measure import (GGraphRunner, LlamaCppRunner, StreamRunner, bench_side_by_side, round_bytes,
+                                      roofline_limits)
+    runners = []
+    try:
+        for pipe in pipelines:
+            runners.append(GGraphRunner(path, t, ctx, backend, pipe, cache_k, cache_v, disabled, max_memory))
+        for fa in fas if vs_llama_cpp else ():
+            runners.append(LlamaCppRunner(path, t, ctx, cache_k, cache_v, fa))
+        roof = _machine_peaks(runners[0], t) if roofline else None
+        stream = StreamRunner(t) if roof else None
+        for depth in depths:
+            for pp in pps:
+                for tg in tgs:
+                    nbytes = round_bytes(runners[0].session, pp, tg, depth) if stream else 0
+                    rows = [r.row() for r in bench_side_by_side(runners, pp, tg, depth, repeats, stream, nbytes)]
+                    if roof:
+                        limits = roofline_limits(runners[0].session, pp, tg, depth, stream.best, roof["peaks"])
+                        for r in rows:
+                            r.update(limits, bandwidth_gb_s=stream.best, peak_int8_gop_s=roof["peaks"]["int8"],
+                                     peak_tiles_gop_s=roof["peaks"].get("tiles"),
+                                     peak_gflop_s=roof["peaks"]["f32"], limit_target=roof["target"])
+                    yield rows
+    finally:
+        for r in runners:
+            r.close()
 
 
 def cmd_memory(args, path, threads, cache_k, cache_v) -> int:
@@ -360,6 +476,20 @@ def add_parser(sub, parents) -> None:
     p.add_argument("--plot", metavar="FILE.png", type=plot_path,
                    help="also draw tok/s bars with ratios (and a roofline with a profile); with --memory, bytes "
                         "against context length")
+    fleet = p.add_argument_group("on a Ray cluster (pip install 'ggraph[cluster]'; see the README's \"Beyond one "
+                                 "machine\")")
+    fleet.add_argument("--cluster", metavar="ADDRESS",
+                       help="run the sweep as Ray tasks on the cluster at ADDRESS (auto, HOST:PORT or "
+                            "ray://HOST:PORT), one whole node per benchmark, each node compiling for its own CPU; "
+                            "MODEL is read on each node (~ and $VARS expanded there)")
+    fleet.add_argument("--nodes", metavar="LIST",
+                       help="with --cluster: comma list of the nodes to use, each a custom resource name "
+                            "(node_a), a label KEY=VALUE, an IP address, a hostname or a node id prefix "
+                            "(default: every alive node)")
+    fleet.add_argument("--targets", metavar="LIST",
+                       help="with --cluster: comma list of feature sets (GGRAPH_TARGET) to sweep on each node, "
+                            "e.g. avx2,avx512_vnni (default: each node's best)")
+    fleet.add_argument("--models", metavar="LIST", help="with --cluster: more model paths to sweep (comma list)")
     add_force_arg(p)
     add_memory_arg(p)
     p.set_defaults(fn=cmd_bench)

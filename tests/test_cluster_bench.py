@@ -1,0 +1,143 @@
+"""ggraph bench --cluster on a local two-node Ray cluster (tests/ray_cluster.py): rows from every node with
+where they ran, a node without the file reported by name, --nodes, --json/--csv/--plot, Ctrl-C, no Ray."""
+import json
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+import zoo
+from ggraph.cli import main
+from ray_cluster import ray_cluster  # noqa: F401  (the module-scoped fixture)
+
+FAST = ["-p", "4", "-n", "2", "--repeats", "1"]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return zoo.cached_model("llama")
+
+
+@pytest.fixture(scope="module")
+def homes(ray_cluster, model):
+    """``~/both.gguf`` on both nodes, ``~/only_a.gguf`` on node_a alone (each node has its own HOME)."""
+    for node in ray_cluster.nodes.values():
+        shutil.copy(model, node.home / "both.gguf")
+    shutil.copy(model, ray_cluster.nodes["node_a"].home / "only_a.gguf")
+    return ray_cluster
+
+
+def _rows(text: str) -> list[dict]:
+    got = json.loads(text)
+    return got.get("results", [got])
+
+
+def test_a_sweep_gathers_rows_from_both_nodes(homes, capsys, tmp_path):
+    import llvmlite.binding as llvm
+
+    from ggraph.backends.llvm.target import host_target
+    plot = tmp_path / "nodes.png"
+    assert main(["bench", "~/both.gguf", "--cluster", homes.address, *FAST, "--compare", "fused,unfused",
+                 "--roofline", "--json", "--plot", str(plot)]) == 0
+    out = capsys.readouterr()
+    rows = _rows(out.out)
+    assert sorted((r["node"], r["passes"]) for r in rows) == [("node_a", "default"), ("node_a", "none"),
+                                                               ("node_b", "default"), ("node_b", "none")]
+    for r in rows:                  # each node read its own HOME's file and compiled for the CPU it runs on
+        assert r["model_path"] == str(homes.nodes[r["node"]].home / "both.gguf")
+        assert r["target"] == host_target().name and r["llvm_cpu"] == llvm.get_host_cpu_name()
+        assert r["cpu"] and r["node_ip"] and r["node_id"] and r["pp_tok_s"] > 0 and r["tg_tok_s"] > 0
+        assert r["bandwidth_gb_s"] > 0 and r["peak_int8_gop_s"] > 0 and r["limit_target"] == r["target"]
+    assert out.err.count("] node_a (") == 2 and out.err.count("] node_b (") == 2      # streamed as they came
+    assert plot.stat().st_size > 0
+
+
+def test_a_node_without_the_file_is_reported_and_the_others_kept(homes, capsys):
+    from ggraph.backends.llvm.target import NAMES, forced_target
+    unrunnable = next(n for n in NAMES if not _runs(forced_target, n))
+    assert main(["bench", "~/only_a.gguf", "--cluster", homes.address, *FAST, "--csv",
+                 "--targets", f"generic,{unrunnable}"]) == 1
+    out = capsys.readouterr()
+    header, *lines = out.out.splitlines()
+    cols = header.split(",")
+    rows = [dict(zip(cols, line.split(","))) for line in lines]
+    assert [(r["node"], r["target"]) for r in rows] == [("node_a", "generic")]
+    missing = homes.nodes["node_b"].home / "only_a.gguf"
+    assert f"ggraph bench: node node_b ({rows[0]['cpu']}): ~/only_a.gguf: no such file {missing}" in out.err
+    assert f"ggraph bench: node node_a ({rows[0]['cpu']}): ~/only_a.gguf, {unrunnable}: GGRAPH_TARGET=" in out.err
+
+
+def _runs(forced_target, name: str) -> bool:
+    try:
+        forced_target(name)
+        return True
+    except ValueError:
+        return False
+
+
+def test_python_api_streams_rows_and_failures(homes):
+    from ggraph.cluster import Failure, Sweep, bench_sweep
+    events = list(bench_sweep(homes.address, Sweep(models=("~/only_a.gguf",), pps=(4,), tgs=(1,), repeats=1)))
+    failures = [e for e in events if isinstance(e, Failure)]
+    rows = [r for e in events if not isinstance(e, Failure) for r in e]
+    assert [f.node for f in failures] == ["node_b"] and "no such file" in failures[0].reason
+    assert [r["node"] for r in rows] == ["node_a"]
+
+
+def test_nodes_selects_by_resource_through_ray_client(homes, capsys):
+    assert main(["bench", "~/both.gguf", "--cluster", homes.client_address, "--nodes", "node_b", *FAST,
+                 "--json"]) == 0
+    assert [r["node"] for r in _rows(capsys.readouterr().out)] == ["node_b"]
+    assert main(["bench", "~/both.gguf", "--cluster", homes.address, "--nodes", "node_c", *FAST]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("ggraph bench: error: --nodes node_c: no alive node has that resource") and "node_a" in err
+
+
+def test_bad_addresses_are_one_line_errors(model, capsys):
+    assert main(["bench", str(model), "--cluster", "nowhere", *FAST]) == 1
+    assert capsys.readouterr().err == "ggraph bench: error: --cluster 'nowhere': give auto, HOST:PORT or " \
+                                      "ray://HOST:PORT\n"
+    from ray_cluster import free_port
+    port = free_port()
+    assert main(["bench", str(model), "--cluster", f"ray://127.0.0.1:{port}", *FAST]) == 1
+    assert capsys.readouterr().err.startswith(f"ggraph bench: error: --cluster ray://127.0.0.1:{port}: cannot connect")
+    assert main(["bench", str(model), "--nodes", "node_a", *FAST]) == 1
+    assert capsys.readouterr().err == "ggraph bench: error: --nodes needs --cluster ADDRESS\n"
+
+
+def test_without_ray_the_flag_says_how_to_install_it(model, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "ray", None)                   # `import ray` raises ImportError
+    assert main(["bench", str(model), "--cluster", "auto", *FAST]) == 1
+    assert capsys.readouterr().err == "ggraph bench: error: --cluster needs Ray: pip install 'ggraph[cluster]'\n"
+
+
+def test_ctrl_c_cancels_the_sweep_and_leaves_no_task_running(homes):
+    from ray.util.state import list_tasks
+    cmd = [sys.executable, "-m", "ggraph.cli", "bench", "~/both.gguf", "--cluster", "auto", "-p", "4,8", "-n", "2",
+           "-t", "1,2", "--targets", "generic,avx2" if _x86() else "generic", "--repeats", "20"]
+    proc = subprocess.Popen(cmd, env=homes.env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            cwd="/")
+    first = proc.stderr.readline()                  # the first run's rows: every node has runs queued behind it
+    assert first.startswith("[1] node_"), first + proc.stderr.read()
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    assert "interrupted: the sweep's remaining tasks were cancelled" in err and out.startswith("node ")
+    runs = []
+    for _ in range(30):                             # the state API catches up with the cluster in a while
+        runs = [t for t in list_tasks(address=homes.dashboard_url, filters=[("func_or_class_name", "=", "_run")],
+                                      limit=1000, raise_on_missing_output=False)]
+        if not [t for t in runs if t.state not in ("FINISHED", "FAILED")]:
+            break
+        time.sleep(1)
+    assert runs and all(t.state in ("FINISHED", "FAILED") for t in runs), [(t.name, t.state) for t in runs]
+    assert any(t.state == "FAILED" for t in runs)  # cancelled ones: 8 runs asked for, few ran to the end
+    assert len(runs) < 8
+
+
+def _x86() -> bool:
+    from ggraph.backends.llvm.target import host_arch
+    return host_arch() == "x86_64"
