@@ -16,11 +16,10 @@ from ggraph.backends.llvm.target import X86_NAMES, runnable_targets
 from ggraph.ir.primitive import ShapeError
 from ggraph.passes import RewriteLog
 from llvm_targets import compiled_for as llvm, fused_kernels
-from test_recurrent_ops import close, ggml  # noqa: F401  (ggml: the fixture, libggml through ctypes)
+from test_recurrent_ops import TS, close, ggml, rule_and_decomposition  # noqa: F401  (ggml: the fixture)
 
 rng = np.random.default_rng(7)
 RUNNABLE = [t.name for t in runnable_targets()]
-TS = (1, 7, 33)
 # (Hk, Hv, Dk, Dv): k heads shared by 2 value heads; Qwen3-Next's head size 128; sizes past whole vectors
 # of 16 and Dk != Dv; 4 rows of 64 a unit
 CASES = [(2, 4, 16, 16), (1, 2, 128, 128), (2, 2, 40, 24), (2, 8, 64, 64)]
@@ -69,14 +68,8 @@ def graph(Hk, Hv, Dk, Dv):
 
 @pytest.mark.parametrize("Hk,Hv,Dk,Dv", CASES)
 def test_numpy_rule_and_decomposition(Hk, Hv, Dk, Dv):
-    g = graph(Hk, Hv, Dk, Dv)
-    rule, plain = ggraph.compile(g, passes=[]), ggraph.compile(g, passes="none")
-    assert plain.graph.count("gated_delta_rule") == 0 and plain.graph.count("scan") == 1
-    for T in TS:
-        args = args_for(T, Hk, Hv, Dk, Dv)
-        want = delta_ref(*args)
-        close(rule(*args), want, 2e-6, f"rule T={T}")
-        close(plain(*args), want, 2e-6, f"decomposition T={T}")
+    rule_and_decomposition(graph(Hk, Hv, Dk, Dv), "gated_delta_rule", lambda T: args_for(T, Hk, Hv, Dk, Dv),
+                           delta_ref, 2e-6)
 
 
 def test_scale_and_strong_decay():

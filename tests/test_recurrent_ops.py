@@ -71,6 +71,18 @@ def close(got, want, rtol, what):
         assert err <= rtol, f"{what}: output {i} is {err:.3g} off (relative to its largest value)"
 
 
+def rule_and_decomposition(g, op, args_at, ref, rtol):
+    """``op``'s numpy rule and its decomposition (no ``op`` left, one ops.scan) each within ``rtol`` of the float64
+    rule ``ref`` on the arguments ``args_at(T)``, for every T of TS."""
+    rule, plain = ggraph.compile(g, passes=[]), ggraph.compile(g, passes="none")
+    assert plain.graph.count(op) == 0 and plain.graph.count("scan") == 1
+    for T in TS:
+        args = args_at(T)
+        want = ref(*args)
+        close(rule(*args), want, rtol, f"rule T={T}")
+        close(plain(*args), want, rtol, f"decomposition T={T}")
+
+
 def same(got, want, what):
     for i, (g, w) in enumerate(zip(got, want)):
         np.testing.assert_array_equal(g, w, err_msg=f"{what}: output {i}")
@@ -126,14 +138,7 @@ def test_causal_conv_numpy_rule_and_decomposition(C, K, bias):
 
 @pytest.mark.parametrize("H,D,N,G", SCAN_CASES)
 def test_ssm_scan_numpy_rule_and_decomposition(H, D, N, G):
-    g = scan_graph(H, D, N, G)
-    rule, plain = ggraph.compile(g, passes=[]), ggraph.compile(g, passes="none")
-    assert plain.graph.count("ssm_scan") == 0 and plain.graph.count("scan") == 1
-    for T in TS:
-        args = scan_args(T, H, D, N, G)
-        want = scan_ref(*args)
-        close(rule(*args), want, 2e-6, f"rule T={T}")
-        close(plain(*args), want, 2e-6, f"decomposition T={T}")
+    rule_and_decomposition(scan_graph(H, D, N, G), "ssm_scan", lambda T: scan_args(T, H, D, N, G), scan_ref, 2e-6)
 
 
 def test_ssm_scan_softplus_edges():
