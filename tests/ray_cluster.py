@@ -19,7 +19,7 @@ Each node is one ``ray start --block`` process (the head, then a worker joining 
 own, with a custom resource of 1 named after it (``{"node_a": 1}``), its own HOME (``<tmp>/<name>/home``)
 and, by default, one CPU. Every port is a free one picked here and Ray's files live in a private temp dir,
 so clusters of other tests or other users on this machine are neither reached nor stopped: teardown
-signals our ``ray start`` processes' sessions and then any process left whose command line or
+signals our ``ray start`` processes' sessions and then any process left in them or whose command line or
 environment names the private dir, never ``ray stop``. The kernel cache ($GGRAPH_CACHE) stays the
 driver's, so the nodes share compiled kernels.
 """
@@ -132,24 +132,27 @@ def _wait_for(address: str, nodes: dict[str, Node]) -> None:
         time.sleep(1)                       # the head was not listening yet: ask again
 
 
-def _processes_naming(root: Path) -> list[int]:
-    """Pids of processes whose command line or environment names ``root`` (ours: Ray's workers too)."""
+def _leftovers(root: Path, sessions: set[int]) -> list[int]:
+    """Pids of our processes: in one of the nodes' ``sessions``, or naming ``root`` in their command line or
+    environment (a process that left its session would still carry the private dir)."""
     mark = str(root).encode()
     pids = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit() or int(entry.name) == os.getpid():
             continue
         try:
-            if mark in (entry / "cmdline").read_bytes() or mark in (entry / "environ").read_bytes():
+            session = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[3])
+            if session in sessions or mark in (entry / "cmdline").read_bytes() or \
+                    mark in (entry / "environ").read_bytes():
                 pids.append(int(entry.name))
-        except OSError:                 # gone, or not ours to read
+        except (OSError, ValueError, IndexError):     # gone, or not ours to read
             pass
     return pids
 
 
 def _stop(nodes: dict[str, Node], root: Path) -> None:
-    """SIGTERM each node's session (``ray start --block`` and what it spawned), then SIGKILL whatever is
-    left of it or still names the private dir."""
+    """SIGTERM each node's process group (``ray start --block`` and what it spawned), then SIGKILL whatever
+    is left in the nodes' sessions or still names the private dir."""
     for node in reversed(list(nodes.values())):           # workers leave before the head
         with contextlib.suppress(ProcessLookupError):
             os.killpg(node.process.pid, signal.SIGTERM)
@@ -162,7 +165,7 @@ def _stop(nodes: dict[str, Node], root: Path) -> None:
             os.killpg(node.process.pid, signal.SIGKILL)
         node.process.wait()
     for _ in range(10):
-        left = _processes_naming(root)
+        left = _leftovers(root, {node.process.pid for node in nodes.values()})
         if not left:
             return
         for pid in left:
