@@ -6,7 +6,7 @@ import re
 import pytest
 
 import zoo
-from ggraph.cli import main
+from cli_run import cli
 from ggraph.view.dot import graph_to_dot, graph_to_networkx
 
 
@@ -14,12 +14,6 @@ from ggraph.view.dot import graph_to_dot, graph_to_networkx
 def model():
     pytest.importorskip("llama_cpp")
     return str(zoo.cached_model("gemma2", "q8_0"))
-
-
-def cli(capsys, *argv):
-    code = main([str(a) for a in argv])
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def test_dump_text_default_and_none(model, capsys):
@@ -94,7 +88,8 @@ def test_collapsed_view_has_one_box_per_layer(model):
     assert "state in/out: k1 v1 f16[64,2,32]" in label["blk.1"] and "7 qmatmul" in label["blk.1"]
     assert [n for n in boxes if "rope_attention: window=8" in label[n]] == ["blk.0", "blk.2"]   # gemma2's SWA
     assert "(and 4 more boxes)" in g.edges["in:P", "embd"]["label"]                            # P feeds every layer
-    assert all(g.nodes[n]["fused"] for n in boxes[1:5])
+    assert not any(g.nodes[n]["fused"] for n in boxes)                # a layer is no kernel: its fused kernels are
+    assert all(any(k[2] for k in g.nodes[n]["kernels"]) for n in boxes[1:5])       # outlined inside it
 
 
 def test_layer_view_edges_carry_name_shape_dtype_and_bytes(model, capsys):
@@ -260,8 +255,8 @@ def test_gemma3_270m_pictures():
     from ggraph.view.draw import layout
     graph = fused_graph(demo_model_path())
     g = graph_to_networkx(graph)
-    layers = [n for n in g if n.startswith("blk.")]
-    assert layers == [f"blk.{i}" for i in range(18)] and g.number_of_nodes() == 23
+    layers = [n for n in g if n.startswith("blk.")]                   # layers alike in a row share a box
+    assert layers == ["blk.0", "blk.1-4", "blk.5", "blk.6-10", "blk.11", "blk.12-16", "blk.17"]
     label = {n: g.nodes[n]["label"] for n in layers}
     assert [n for n in layers if "window=512" not in label[n]] == ["blk.5", "blk.11", "blk.17"]   # 5 local : 1 global
     for view in (g, graph_to_networkx(graph, layer=5)):

@@ -30,7 +30,8 @@ KIND_COLOURS = {
     "weight": "#f2f2f2",        # params (GGUF tensors)
     "boundary": "#ffffff",      # values that come from (or go to) eqns outside the view; drawn dashed
 }
-FUSED_COLOUR = "#c9184a"        # the outline of a fused kernel, or of a layer that contains one
+FUSED_COLOUR = "#c9184a"        # the outline of a fused kernel (a layer box outlines the fused kernels it lists)
+FUSED_NOTE = "outlined: a fused kernel (one loop or kernel the fusion passes made of several ops)"
 EDGE_NOTE = "edges: value:dtype[shape] and its bytes with T=1"
 
 
@@ -127,7 +128,8 @@ def _add_exits(g, graph: Graph, names: Names, shown: set, producer: dict) -> Non
 
 
 def _collapsed_view(graph: Graph):
-    """One box per layer (and for embd, output): op counts, weight bytes, per-layer params, carried state."""
+    """One box per layer (and for embd, output), consecutive layers alike merged into one box: op counts,
+    weight bytes, per-layer params, carried state, and its kernels in program order (``kernels``)."""
     import networkx as nx
     names = Names()
     graph_to_str(graph, names=names)
@@ -147,30 +149,78 @@ def _collapsed_view(graph: Graph):
              and any(o.aval == v.aval and grp == read_by[v][0] for o, grp in outs.items())}  # read and returned
     state_out = {o for o, grp in outs.items() if any(s.aval == o.aval and owner == grp for s, owner in state.items())}
     varying = _varying_params(groups)
-    g = nx.DiGraph(title=f"{graph.name or 'graph'}: one box per layer")
-    for grp, eqns in groups.items():
-        carried = [s for s, owner in state.items() if owner == grp]
-        g.add_node(grp, label=_group_label(grp, eqns, graph, varying.get(grp, []), carried, names),
-                   kind="scope", scope=grp,
-                   fused=any(e.prim.kind == "fused" for e in eqns))
+    carried = {grp: [s for s, owner in state.items() if owner == grp] for grp in groups}
+    box = _merge_alike(groups, varying, carried)              # each group's box: itself or a run of layers alike
+    g = nx.DiGraph(title=f"{graph.name or 'graph'}: one box per layer (layers alike in a row merged), "
+                         f"its kernels in program order")
+    for key, members in _runs(box).items():
+        eqns = groups[members[0]]
+        g.add_node(key, label=_group_label(key, members, groups, graph, varying.get(members[0], []),
+                                           carried[members[0]], names),
+                   kind="scope", scope=key, fused=False, kernels=_kernels(eqns))
     for v in graph.invars:
         if v in read_by and v not in state:
             g.add_node(f"in:{names[v]}", label=f"in {names.decl(v)}", kind="input", scope="")
-            made[v] = f"in:{names[v]}"
+            box[f"in:{names[v]}"] = made[v] = f"in:{names[v]}"
     edges: dict[tuple[str, str], list[str]] = {}
     for v, readers in read_by.items():
         if v in state:
             continue
+        readers = [r for r in dict.fromkeys(box[r] for r in readers) if r != box[made[v]]]
         note = f" (and {len(readers) - 1} more boxes)" if len(readers) > 2 else ""
         for r in readers[:1] if note else readers:
-            edges.setdefault((made[v], r), []).append(_value_label(names, v) + note)
+            edges.setdefault((box[made[v]], r), []).append(_value_label(names, v) + note)
     for o in graph.outvars:
         if isinstance(o, Var) and o in made and o not in state_out:
             g.add_node(f"out:{names[o]}", label=f"out {names.decl(o)}", kind="input", scope="")
-            edges.setdefault((made[o], f"out:{names[o]}"), []).append(_value_label(names, o))
+            edges.setdefault((box[made[o]], f"out:{names[o]}"), []).append(_value_label(names, o))
     for (a, b), labels in edges.items():
         g.add_edge(a, b, label="\n".join(labels[:3] + ([f"+{len(labels) - 3} more"] if len(labels) > 3 else [])))
     return g
+
+
+def _kernels(eqns: list[Eqn]) -> list[tuple[str, str, bool]]:
+    """A box's kernels in program order as (name, kind, fused); shape ops are views, not kernels, and
+    are left out. A matmul names its weight: ``qmatmul attn_q``."""
+    out = []
+    for e in eqns:
+        if e.prim.kind == "shape":
+            continue
+        name = op_label(e) if e.prim.kind == "fused" and "ops" in e.params else e.prim.name
+        weights = [a.aval.source for a in e.inputs if isinstance(a, Var) and hasattr(a.aval, "source")]
+        if weights and e.prim.kind == "matmul":
+            name += " " + re.sub(r"^blk\.\d+\.|\.weight$", "", weights[0])
+        out.append((name, e.prim.kind, e.prim.kind == "fused"))
+    return out
+
+
+def _merge_alike(groups: dict[str, list[Eqn]], varying: dict, carried: dict) -> dict[str, str]:
+    """Each group's box: consecutive layers with the same kernels, params of their own and carried state
+    share one box, ``blk.0-4``; weight types may differ (a mixed quantisation)."""
+    def alike(grp):
+        return (_kernels(groups[grp]), tuple(varying.get(grp, [])), tuple(str(v.aval) for v in carried[grp])) \
+            if _layer_of(grp) else None
+    box, run = {}, []
+    for grp in list(groups) + [None]:
+        if run and (grp is None or alike(grp) is None or alike(grp) != alike(run[0])):
+            first, last = run[0], run[-1]
+            key = first if len(run) == 1 else f"{first}-{last.split('.')[1]}"
+            box.update({r: key for r in run})
+            run = []
+        if grp is not None:
+            if alike(grp) is None:
+                box[grp] = grp
+            else:
+                run.append(grp)
+    return box
+
+
+def _runs(box: dict[str, str]) -> dict[str, list[str]]:
+    """box key -> its groups, in graph order."""
+    runs: dict[str, list[str]] = {}
+    for grp, key in box.items():
+        runs.setdefault(key, []).append(grp)
+    return runs
 
 
 def _varying_params(groups: dict[str, list[Eqn]]) -> dict[str, list[str]]:
@@ -188,21 +238,27 @@ def _varying_params(groups: dict[str, list[Eqn]]) -> dict[str, list[str]]:
     return out
 
 
-def _group_label(grp: str, eqns: list[Eqn], graph: Graph, varying: list[str], carried: list, names: Names) -> str:
+def _group_label(key: str, members: list[str], groups: dict, graph: Graph, varying: list[str], carried: list,
+                 names: Names) -> str:
     """A collapsed box's text: op count and weights, op mix, params of its own, the state it carries."""
+    eqns = groups[members[0]]
     counts: dict[str, int] = {}
     for e in eqns:
         counts[e.prim.name] = counts.get(e.prim.name, 0) + 1
     params = set(graph.params)
-    weights = {a: None for e in eqns for a in e.inputs if a in params}
-    wbytes = sum(w.aval.nbytes() for w in weights)
-    wtypes = sorted({str(w.aval.dtype) for w in weights})
-    lines = [f"{grp}: {len(eqns)} ops" + (f", weights {fmt_bytes(wbytes)} ({' '.join(wtypes)})" if weights else ""),
+    per = [{a: None for e in groups[m] for a in e.inputs if a in params} for m in members]
+    wbytes = sorted({sum(w.aval.nbytes() for w in ws) for ws in per})
+    wtypes = sorted({str(w.aval.dtype) for ws in per for w in ws})
+    many = len(members) > 1
+    sizes = fmt_bytes(wbytes[0]) if len(wbytes) == 1 else f"{fmt_bytes(wbytes[0])}-{fmt_bytes(wbytes[-1])}"
+    head = f"{key}" + (f" ({len(members)} layers alike)" if many else "") + f": {len(eqns)} ops" + (" each" if many else "")
+    lines = [head + (f", weights {sizes}{' each' if many else ''} ({' '.join(wtypes)})" if any(per) else ""),
              ", ".join(f"{n} {op}" for op, n in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))]
     lines += varying
     if carried:
-        lines.append(f"state in/out: {' '.join(names[v] for v in carried)} "
-                     f"{' '.join(sorted({str(v.aval) for v in carried}))}")
+        lines.append(f"state in/out{' each' if many else ''}: "
+                     + (f"{' '.join(names[v] for v in carried)} " if not many else f"{len(carried)} x ")
+                     + " ".join(sorted({str(v.aval) for v in carried})))
     return "\n".join(lines)
 
 
@@ -214,8 +270,27 @@ def _dot_quote(s: str) -> str:
     return '"' + s.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
 
 
+def _html(s: str) -> str:
+    return s.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;").replace('"', "&quot;")
+
+
+def _dot_kernels_label(d: dict, per_row: int = 5) -> str:
+    """A layer box's HTML label: its text, then a table of its kernels, the fused ones outlined."""
+    lines = "<BR ALIGN=\"LEFT\"/>".join(_html(s) for s in d["label"].split("\n")) + "<BR ALIGN=\"LEFT\"/>"
+    cells = [f'<TD BGCOLOR="{KIND_COLOURS.get(kind, "#ffffff")}" '
+             + (f'COLOR="{FUSED_COLOUR}" BORDER="2"' if fused else 'COLOR="#999999" BORDER="1"')
+             + f'><FONT POINT-SIZE="8">{_html(name)}</FONT></TD>' for name, kind, fused in d["kernels"]]
+    rows = "".join("<TR>" + "".join(cells[k:k + per_row]) + "</TR>" for k in range(0, len(cells), per_row))
+    return (f'<<TABLE BORDER="0" CELLSPACING="3"><TR><TD ALIGN="LEFT" COLSPAN="{per_row}">{lines}</TD></TR>'
+            f'<TR><TD COLSPAN="{per_row}"><TABLE BORDER="0" CELLSPACING="3">{rows}</TABLE></TD></TR></TABLE>>')
+
+
 def _dot_node(nid: str, d: dict) -> str:
-    """One DOT node line: filled by kind, outlined when fused, dashed when it stands for another view."""
+    """One DOT node line: filled by kind, outlined when fused, dashed when it stands for another view; a
+    layer box lists its kernels, the fused ones outlined."""
+    if d.get("kernels"):
+        return (f"{_dot_quote(nid)} [label={_dot_kernels_label(d)}, style=\"rounded,filled\", "
+                f"fillcolor=\"{KIND_COLOURS.get(d['kind'], '#ffffff')}\"];")
     style = "dashed,rounded" if d["kind"] == "boundary" else "rounded,filled"
     extra = f", penwidth=2.5, color=\"{FUSED_COLOUR}\"" if d.get("fused") else ""
     return (f"{_dot_quote(nid)} [label={_dot_quote(d['label'])}, style=\"{style}\", "
@@ -225,8 +300,10 @@ def _dot_node(nid: str, d: dict) -> str:
 def graph_to_dot(graph: Graph, layer: int | None = None, collapse: bool = True) -> str:
     """DOT text of ``graph_to_networkx``: kinds as colours, fused kernels outlined, scopes as clusters."""
     g = graph_to_networkx(graph, layer=layer, collapse=collapse)
+    note = " - " + FUSED_NOTE if any(d.get("fused") or any(k[2] for k in d.get("kernels", ()))
+                                     for _, d in g.nodes(data=True)) else ""
     out = [f"digraph {_dot_quote(graph.name or 'ggraph')} {{",
-           f"  label={_dot_quote(g.graph['title'] + ' - ' + EDGE_NOTE)}; labelloc=t; fontname=\"Helvetica\";",
+           f"  label={_dot_quote(g.graph['title'] + ' - ' + EDGE_NOTE + note)}; labelloc=t; fontname=\"Helvetica\";",
            "  rankdir=TB; node [shape=box, fontname=\"Helvetica\", fontsize=10];",
            "  edge [fontname=\"Helvetica\", fontsize=8, color=\"#777777\"];"]
     clusters: dict[str, list[str]] = {}
