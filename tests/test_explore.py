@@ -12,10 +12,10 @@ import urllib.parse
 
 import pytest
 import zoo
+from cli_run import cli
 from gguf_edit import edited
 
 from ggraph import f32, ops
-from ggraph.cli import main
 from ggraph.ir.trace import scope
 from ggraph.passes import PIPELINES
 from ggraph.view.adapter import kernel_table, namespace
@@ -158,15 +158,6 @@ def test_explore_refuses_what_it_cannot_show():
 @pytest.fixture(scope="module")
 def llama():
     return str(zoo.cached_model("llama", "f32", n_ctx_train=512))
-
-
-def cli(capsys, *argv):
-    try:
-        code = main([str(a) for a in argv])
-    except SystemExit as stop:
-        code = stop.code
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def test_cli_export_of_a_model_with_compare_and_layer(llama, tmp_path, capsys):

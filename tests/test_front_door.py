@@ -9,7 +9,8 @@ import tempfile
 import pytest
 
 import zoo
-from ggraph.cli import build_parser, main
+from cli_run import cli
+from ggraph.cli import build_parser
 
 VERBS_WITH_CTX = ("run", "chat", "serve", "bench", "dump", "perplexity", "imatrix")
 
@@ -18,16 +19,6 @@ VERBS_WITH_CTX = ("run", "chat", "serve", "bench", "dump", "perplexity", "imatri
 def model():
     """A tiny llama trained (so its metadata says) on a context of 512 tokens."""
     return str(zoo.cached_model("llama", "f32", n_ctx_train=512))
-
-
-def cli(capsys, *argv) -> tuple[int, str, str]:
-    """(exit code, stdout, stderr) of ``ggraph ARGV``, argparse's exits included."""
-    try:
-        code = main([str(a) for a in argv])
-    except SystemExit as stop:
-        code = stop.code
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def one_line(err: str, *words: str) -> None:
