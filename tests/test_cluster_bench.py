@@ -141,3 +141,30 @@ def test_ctrl_c_cancels_the_sweep_and_leaves_no_task_running(homes):
 def _x86() -> bool:
     from ggraph.backends.llvm.target import host_arch
     return host_arch() == "x86_64"
+
+
+def test_nodes_are_selected_by_resource_label_address_or_id():
+    from ggraph.cluster import NodeInfo, select_nodes
+    a = NodeInfo("aa11bb22cc33", "node_a", "10.0.0.1", "alpha", 8, ("node_a",), (("cpu", "zen4"),))
+    b = NodeInfo("dd44ee55ff66", "node_b", "10.0.0.2", "beta", 4, ("node_b",), ())
+    head = NodeInfo("0123456789ab", "beta:01234567", "10.0.0.3", "gamma", 0, (), ())   # --num-cpus 0: no work
+    nodes = [a, b, head]
+    assert select_nodes(nodes, None) == [a, b]
+    assert select_nodes(nodes, ["node_b"]) == [b] and select_nodes(nodes, ["cpu=zen4"]) == [a]
+    assert select_nodes(nodes, ["10.0.0.2", "alpha"]) == [b, a] and select_nodes(nodes, ["dd44ee"]) == [b]
+    with pytest.raises(ValueError, match=r"^--nodes cpu=zen5: no alive node has that resource, label, address or id "
+                                         r"\(nodes: node_a \(10.0.0.1\), node_b"):
+        select_nodes(nodes, ["cpu=zen5"])
+    with pytest.raises(ValueError, match=r"^--nodes gamma: node beta:01234567 \(10.0.0.3\) offers no CPUs"):
+        select_nodes(nodes, ["gamma"])
+
+
+def test_auto_is_refused_among_several_local_clusters(monkeypatch):
+    pytest.importorskip("ray")
+    import ray._private.services as services
+    from ggraph.cluster import connect
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setattr(services, "find_gcs_addresses", lambda: frozenset({"10.0.0.1:6379", "10.0.0.1:6380"}))
+    with pytest.raises(ValueError, match=r"^--cluster auto: 2 Ray clusters run on this machine \(10.0.0.1:6379, "
+                                         r"10.0.0.1:6380\); give the address of one$"):
+        connect("auto")

@@ -417,6 +417,7 @@ examples: ggraph bench --demo --pp 64 --tg 32 -t 2 --json
           ggraph bench --demo -p 512 -n 32 -t 2 --vs-llama-cpp --roofline
           ggraph bench --demo -p 64 -n 8 -d 4096 -t 2 --profile
           ggraph bench --memory --demo --ctx 512,4096,32768 --cache-types f16,q8_0 --vs-llama-cpp --plot mem.png
+          ggraph bench '~/models/llama-1b.gguf' --cluster ray://head:10001 -t 1,2 --targets avx2,avx512_vnni
 
 At a depth (-d N), N tokens are prefilled untimed, then a prefill of pp tokens is timed at P=N
 and tg decode steps are timed after the same N tokens, as llama-bench -d does.
@@ -425,7 +426,13 @@ and tg decode steps are timed after the same N tokens, as llama-bench -d does.
 of one 512-token ubatch at a full context) beside the RSS after loading and the peak RSS after
 filling the context. ggraph's cache pages become resident as rows are written, so a partial
 --fill shows only the rows filled; llama.cpp zeroes its KV buffer when it makes the context, so
-all of its cache is resident from the start."""
+all of its cache is resident from the start.
+
+--cluster runs each (node, model, feature set, thread count) as a Ray task holding all of its node's
+CPUs, so no two benchmarks share a node; each run's rows come back (on stderr) as it finishes, then
+the table has them all, with the node, its CPU and the feature set it compiled for. A node that lacks
+the file or cannot run a set is named on stderr and the exit status is 1; Ctrl-C cancels what is
+left and prints the rows so far (exit status 130)."""
 
 
 def add_parser(sub, parents) -> None:

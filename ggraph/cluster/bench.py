@@ -96,6 +96,8 @@ def connect(address: str) -> bool:
     ray = require_ray()
     if ray.is_initialized():
         return False
+    if address == "auto" and not os.environ.get("RAY_ADDRESS"):
+        _one_local_cluster()
     if address != "auto":
         host, sep, port = address.removeprefix("ray://").rpartition(":")
         if not sep or not port.isdigit():
@@ -109,6 +111,18 @@ def connect(address: str) -> bool:
     except (ConnectionError, RuntimeError) as e:
         raise ValueError(f"--cluster {address}: cannot connect ({str(e).splitlines()[0]})") from None
     return True
+
+
+def _one_local_cluster() -> None:
+    """Refuse "auto" when several Ray clusters run on this machine: Ray would pick one of them silently."""
+    try:
+        from ray._private.services import find_gcs_addresses
+    except ImportError:                                   # a Ray without it: let ray.init decide
+        return
+    running = sorted(find_gcs_addresses())
+    if len(running) > 1:
+        raise ValueError(f"--cluster auto: {len(running)} Ray clusters run on this machine ({', '.join(running)}); "
+                         f"give the address of one")
 
 
 def cluster_nodes() -> list[NodeInfo]:
@@ -130,9 +144,12 @@ def cluster_nodes() -> list[NodeInfo]:
 
 def select_nodes(nodes: list[NodeInfo], selectors: list[str] | None) -> list[NodeInfo]:
     """The nodes any selector names: a custom resource (``node_a``), a label ``KEY=VALUE``, an IP address, a
-    hostname or a node id prefix; all nodes when none are given. An unmatched selector is an error."""
+    hostname or a node id prefix; without selectors, every node that offers CPUs (a head started with
+    ``--num-cpus 0`` runs no work). An unmatched selector, or a chosen node without CPUs, is an error."""
     if not selectors:
-        return list(nodes)
+        if not any(n.cpus for n in nodes):
+            raise ValueError("--cluster: no alive node offers CPUs to Ray tasks")
+        return [n for n in nodes if n.cpus]
     chosen = []
     for sel in selectors:
         key, eq, value = sel.partition("=")
@@ -143,6 +160,9 @@ def select_nodes(nodes: list[NodeInfo], selectors: list[str] | None) -> list[Nod
             known = ", ".join(f"{n.name} ({n.ip})" for n in nodes) or "none"
             raise ValueError(f"--nodes {sel}: no alive node has that resource, label, address or id "
                              f"(nodes: {known})")
+        idle = [n for n in match if not n.cpus]
+        if idle:
+            raise ValueError(f"--nodes {sel}: node {idle[0].name} ({idle[0].ip}) offers no CPUs to Ray tasks")
         chosen += [n for n in match if n not in chosen]
     return chosen
 
@@ -209,7 +229,7 @@ def bench_sweep(address: str, sweep: Sweep, nodes: list[str] | None = None):
             runs, facts = queues[node.node_id]
             if runs:                                                  # the node's next run, once it is free
                 work = runs.pop(0)
-                ref = run.options(**_on(ray, node, num_cpus=max(node.cpus, 1))).remote(sweep, *work)
+                ref = run.options(**_on(ray, node, num_cpus=node.cpus)).remote(sweep, *work)
                 pending[ref] = (node, work)
     finally:
         _cancel(ray, list(pending))
