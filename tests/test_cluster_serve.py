@@ -5,8 +5,10 @@ answering after a replica is killed, and nothing of Serve left on the cluster af
 import concurrent.futures
 import os
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -17,6 +19,8 @@ from ray_cluster import free_port, ray_cluster  # noqa: F401  (the fixture)
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("starlette")
+
+pytestmark = pytest.mark.filterwarnings("ignore::pydantic.warnings.PydanticDeprecatedSince20")   # Ray Serve's own
 
 KEY = "test-key"
 MODEL = "zoo"
@@ -45,13 +49,16 @@ class ClusterServer:
                                       "-t", "1", "--port", str(self.port), "--api-key", KEY, "--alias", MODEL],
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd="/tmp",
                                      env=cluster.env(PYTHONUNBUFFERED="1"))
-        deadline = time.monotonic() + 300
-        while not self.answers():
+        self.lines: list[str] = []                           # its output, read as it comes
+        threading.Thread(target=lambda: self.lines.extend(self.proc.stdout), daemon=True).start()
+        deadline = time.monotonic() + 300                     # until every replica runs: it says so
+        while not any("Ctrl-C stops" in line for line in self.lines) or not self.answers():
             if self.proc.poll() is not None:
-                raise RuntimeError(f"ggraph serve --cluster exited: {self.proc.stdout.read()}")
+                time.sleep(0.5)
+                raise RuntimeError(f"ggraph serve --cluster exited: {''.join(self.lines)}")
             if time.monotonic() > deadline:
                 self.stop()
-                raise RuntimeError("ggraph serve --cluster did not answer /health in 300 s")
+                raise RuntimeError(f"ggraph serve --cluster did not start in 300 s: {''.join(self.lines)}")
             time.sleep(0.5)
         self.client = openai.OpenAI(base_url=self.url + "/v1", api_key=KEY, max_retries=0, timeout=120)
 
@@ -134,6 +141,15 @@ def test_replicas_needs_cluster_and_a_positive_count():
         "ggraph serve: error: --replicas must be at least 1 replica, got 0"]
 
 
+def test_an_address_without_a_cluster_is_refused_at_once():
+    with socket.socket() as s:                             # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    r = ggraph("serve", model(), "--cluster", f"127.0.0.1:{port}", "--replicas", "2")
+    assert r.returncode == 1 and r.stderr.strip().splitlines() == [
+        f"ggraph serve: error: --cluster 127.0.0.1:{port}: cannot connect (Connection refused)"]
+
+
 def test_without_ray_the_flag_says_how_to_install_it():
     code = ("import sys; sys.modules['ray'] = None; from ggraph.cli import main; "
             f"sys.exit(main(['serve', {str(model())!r}, '--cluster', 'auto', '--replicas', '2']))")
@@ -198,6 +214,16 @@ def test_auth_errors_models_and_metrics_as_one_process(server):
     assert len(vec) == width
 
 
+def test_a_second_endpoint_on_the_cluster_is_refused_and_ours_keeps_serving(server, ray_cluster, solo_texts):  # noqa: F811
+    port = free_port()
+    r = ggraph("serve", model(), "--cluster", ray_cluster.address, "--replicas", "1", "--port", port, "-t", "1",
+               env=ray_cluster.env())
+    assert r.returncode == 1 and r.stderr.strip().splitlines()[-1] == (
+        f"ggraph serve: error: --host/--port 127.0.0.1:{port}: Ray Serve already runs on this cluster with its "
+        f"endpoint on 127.0.0.1:{server.port}; pass those, or stop it (serve shutdown)")
+    assert server.complete(PROMPTS[0])[0] == solo_texts[PROMPTS[0]]
+
+
 def test_a_killed_replica_is_replaced_and_the_endpoint_keeps_answering(server, ray_driver, solo_texts):
     ray = ray_driver
     before = serve_replicas(ray)
@@ -233,5 +259,5 @@ def test_ctrl_c_removes_the_application_and_serve(server, ray_driver):
             break
         assert time.monotonic() < deadline, f"left on the cluster: {left}, {cpus} CPUs free"
         time.sleep(1)
-    out = server.proc.stdout.read()
+    out = "".join(server.lines)
     assert "2 replica(s) of 1 slot(s)" in out and "Traceback" not in out

@@ -26,6 +26,8 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 from ray.serve.request_router import RequestRouter
 
+from ggraph.cluster.bench import connect
+
 APP = "ggraph"                         # the Ray Serve application's name; its route prefix is "/"
 DEPLOYMENT = "GgraphServe"
 
@@ -138,10 +140,7 @@ def serve_on_cluster(spec: ReplicaSpec, replicas: int, address: str, host: str, 
     started it, so nothing of ours stays on the cluster."""
     app = application(spec, replicas)
     logging.getLogger("ray.serve").setLevel(logging.WARNING)      # its progress lines; errors still show
-    try:
-        ray.init(address=address, logging_level="ERROR", log_to_driver=False)
-    except ConnectionError as e:
-        raise ConnectionError(f"--cluster {address}: {e}".splitlines()[0]) from e
+    connected = connect(address)                        # False: this process was on a cluster already
     from ray.serve.context import _get_global_client
     ours = _get_global_client(raise_if_no_controller_running=False) is None    # Serve is ours to stop
     previous = signal.signal(signal.SIGTERM, _interrupt)
@@ -170,7 +169,8 @@ def serve_on_cluster(spec: ReplicaSpec, replicas: int, address: str, host: str, 
             if ours:
                 serve.shutdown()
         finally:
-            ray.shutdown()
+            if connected:
+                ray.shutdown()
 
 
 def _interrupt(signum, frame):
