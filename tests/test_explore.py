@@ -247,6 +247,59 @@ def test_cli_refuses_a_port_in_use(llama, capsys):
     assert code == 1 and f"--port {port}: already in use" in err, err
 
 
+# -- a mixture of experts and a recurrent family (hf_models' tiny files, converted by llama.cpp) ---------
+
+def family_export(family: str, tmp_path, capsys, *argv) -> dict:
+    """The last graph of the fused collection ``ggraph explore FILE --export`` writes for ``family``'s q8_0 file."""
+    hf_models = pytest.importorskip("hf_models")
+    path = hf_models.converted(family, "q8_0")
+    code, _, err = cli(capsys, "explore", path, "--export", tmp_path / family, *argv)
+    assert code == 0, err
+    return json.load(open(tmp_path / family / "graphs.json"))[0]["subgraphs"][-1]
+
+
+@pytest.mark.slow
+def test_experts_show_their_kernel_and_the_bytes_of_the_chosen_experts(tmp_path, capsys):
+    g = family_export("qwen3moe", tmp_path, capsys)
+    experts = nodes_by_label(g, "qmatmul_experts")
+    assert len(experts) == 3 * 2 and {n["namespace"] for n in experts} == {"blk.0/ffn", "blk.1/ffn"}
+    gate = next(n for n in experts if "ffn_gate_exps" in attr(n, "weight")[0])
+    (weight,) = attr(gate, "weight")
+    assert weight.endswith('"blk.0.ffn_gate_exps.weight": q8_0[8,128,256], 272.00 KiB') or \
+        weight.endswith('"blk.1.ffn_gate_exps.weight": q8_0[8,128,256], 272.00 KiB')
+    (read,) = attr(gate, "weights read")                     # top-2 of 8 at T=1: a quarter of the experts
+    assert read.startswith("2 of 8 experts at T=1, P=0 (2 a token): 68.00 KiB of 272.00 KiB")
+    (kernel,) = attr(gate, "kernel")
+    table = kernel_table()
+    assert kernel.startswith(table["qmatmul_experts"]) and kernel.endswith(f"the q8_0 dot: {table['qmatmul q8_0']}")
+    (route,) = [n for n in nodes_by_label(g, "top_k") if n["namespace"] == "blk.0/ffn"]
+    assert attr(route, "param k") == ["2"] and attr(route, "kernel") == [table["routing"]]
+    wide = family_export("qwen3moe", tmp_path / "wide", capsys, "--at", "T=8,P=0")
+    (read,) = attr(nodes_by_label(wide, "qmatmul_experts")[0], "weights read")
+    assert read.startswith("8 of 8 experts at T=8, P=0")        # 16 picks cover every expert
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family, ops", [("mamba2", ["fused_causal_conv", "fused_ssm_scan"]),
+                                         ("lfm2", ["fused_causal_conv"])])
+def test_recurrent_ops_show_their_kernel_params_and_state(family, ops, tmp_path, capsys):
+    g = family_export(family, tmp_path, capsys)
+    (row,) = [v for k, v in kernel_table().items() if "ssm_scan" in k.split(", ")]     # one row for both ops
+    for op in ops:
+        found = nodes_by_label(g, op)
+        assert found and all(n["namespace"].endswith("/recurrent") for n in found), op
+        n = found[0]
+        (kernel,) = attr(n, "kernel")
+        assert kernel.startswith(op.removeprefix("fused_") + ": ") and kernel in row    # its own part of the row
+        assert attr(n, "param overwrite") == ["True"]
+        (eqn,) = attr(n, "eqn")
+        assert f"= {op}[overwrite=True] " in eqn and " state" in eqn        # the state it reads and writes back
+        shapes = [m["attrs"][1]["value"] for m in n["outputsMetadata"]]
+        assert len(shapes) == 2                                  # the output and the state carried to the next step
+    traced = json.load(open(tmp_path / family / "graphs.json"))[0]["subgraphs"][0]
+    assert nodes_by_label(traced, ops[-1].removeprefix("fused_"))   # as traced, the op before fuse_recurrent
+
+
 # -- in a real browser ------------------------------------------------------------------------------
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")

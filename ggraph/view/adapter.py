@@ -53,21 +53,43 @@ FLOAT_WEIGHTS = ("f32", "f16", "bf16")
 
 
 def kernel_of(e: Eqn, table: dict[str, str]) -> str | None:
-    """The kernel variant ``table`` (kernel_table) names for ``e``, or None where it lists none."""
+    """The kernel variant ``table`` (kernel_table) names for ``e``, or None where it lists none. A fused
+    form of an op (``fused_ssm_scan``) runs the op's kernel; expert matmuls add their weight type's dot."""
     name = e.prim.name
+    base = name[len("fused_"):] if name.startswith("fused_") else name
     dts = [str(a.aval.dtype) for a in e.inputs]
+    matmul = f"{'fmatmul' if dts[1] in FLOAT_WEIGHTS else 'qmatmul'} {dts[1]}" if len(dts) > 1 else None
     keys = []
-    if name == "qmatmul" and len(dts) > 1:
-        keys.append(f"{'fmatmul' if dts[1] in FLOAT_WEIGHTS else 'qmatmul'} {dts[1]}")
+    if name == "qmatmul" and matmul:
+        keys.append(matmul)
     if name == "take" and dts:
         keys.append(f"get_rows {dts[0]}")
     if e.prim.kind == "fused" and "ops" in e.params:
         keys.append("fused (elementwise)")
     if name in ROUTING:
         keys.append("routing")
-    keys.append(name)
-    keys += [k for k in table if name in k.split(", ")]
-    return next((table[k] for k in keys if k in table), None)
+    keys += [name, base]
+    keys += [k for k in table if {name, base} & set(k.split(", "))]
+    found = next((table[k] for k in keys if k in table), None)
+    own = [part for part in (found or "").split("; ") if part.startswith(f"{base}: ")]
+    if own:                                        # a row for several ops: this op's part of it
+        found = own[0]
+    if found and name == "qmatmul_experts" and matmul in table:
+        found += f"; the {dts[1]} dot: {table[matmul]}"
+    return found
+
+
+def chosen_experts(e: Eqn, dims: dict) -> str | None:
+    """For an expert matmul, which of its weights a step reads: min(E, T*k) experts' (the router picks them
+    as the step runs), against all E."""
+    if e.prim.name != "qmatmul_experts":
+        return None
+    w, ids = e.inputs[1].aval, e.inputs[2].aval
+    T, k = ids.concrete(dims)
+    E, N, K = w.concrete(dims)
+    n = min(E, T * k)
+    return (f"{n} of {E} experts at {_dims_str(dims)} ({k} a token): {_value_bytes(w.update(shape=(n, N, K)), dims)} "
+            f"of {_value_bytes(w, dims)}; which ones the router picks as the step runs")
 
 
 def _fmt(v) -> str:
@@ -177,6 +199,9 @@ class _Builder:
         if self.kernels is not None:
             k = kernel_of(e, self.kernels)
             kv.append(("kernel", k if k else "ggraph target lists no variant for this op"))
+        experts = chosen_experts(e, self.dims)
+        if experts:
+            kv.append(("weights read", experts))
         try:
             flops, nbytes = e.cost(self.dims)
             kv.append((f"cost at {_dims_str(self.dims)}", f"{flops:.4g} flops, {fmt_bytes(nbytes)} moved"))
