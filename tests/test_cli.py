@@ -80,8 +80,15 @@ def test_target_says_how_programs_load(capsys, monkeypatch):
     assert main(["target"]) == 0
     line = [x for x in capsys.readouterr().out.splitlines() if x.startswith("programs load:")]
     ld = which("ld") if sys.platform.startswith("linux") else None
+    why = "no system linker 'ld' found" if sys.platform.startswith("linux") else "ggraph links with 'ld' on Linux only"
     assert line == ([f"programs load: as one shared object each, linked by {ld} and cached"] if ld else
-                    ["programs load: through LLVM's JIT linker (JITLink) in the process: no system linker 'ld' found"])
+                    [f"programs load: through LLVM's JIT linker (JITLink) in the process: {why}"])
     monkeypatch.setattr(shutil, "which", lambda name, *a, **k: None if name == "ld" else which(name, *a, **k))
     assert main(["target", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["linker"] is None
+    from ggraph.backends.llvm import jit, target
+    for module in (jit, target):                  # a Mac has an ld (Apple's), which ggraph does not use
+        monkeypatch.setattr(module, "host_os", lambda: "darwin")
+    assert main(["target"]) == 0
+    assert "programs load: through LLVM's JIT linker (JITLink) in the process: ggraph links with 'ld' on Linux " \
+           "only" in capsys.readouterr().out.splitlines()

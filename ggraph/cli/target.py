@@ -63,10 +63,11 @@ def cmd_target(args) -> int:
     print(f"feature sets this host runs: {', '.join(info['runnable'])}")
     print(f"chosen: {info['chosen']}" + (" (forced by GGRAPH_TARGET)" if info["forced"] else
                                          " (best available; GGRAPH_TARGET=<set> forces one)"))
-    from ggraph.backends.llvm.target import Prefetch
+    from ggraph.backends.llvm.target import Prefetch, host_os
     print(f"gemv weight prefetch: {info['gemv_prefetch']} ({_prefetch_words()[Prefetch(info['gemv_prefetch'])]})")
+    why = "no system linker 'ld' found" if host_os() == "linux" else "ggraph links with 'ld' on Linux only"
     print("programs load: " + (f"as one shared object each, linked by {info['linker']} and cached" if info["linker"]
-                               else "through LLVM's JIT linker (JITLink) in the process: no system linker 'ld' found"))
+                               else f"through LLVM's JIT linker (JITLink) in the process: {why}"))
     print("kernels:")
     for op, variant in info["kernels"].items():
         print(f"  {op:<20} {variant}")
