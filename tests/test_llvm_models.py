@@ -4,6 +4,7 @@ import pytest
 
 import oracle
 import zoo
+from ggraph.backends.llvm.target import host_names
 from ggraph.runtime.session import Session
 from test_models import ARCHS, EXACT, ROPE_VARIANTS, agreement, prompt_ids
 
@@ -54,14 +55,14 @@ def test_thread_counts_give_identical_logits():
     np.testing.assert_array_equal(outs[0], outs[2])
 
 
-@pytest.mark.parametrize("target", ["generic", "avx2", "avx512", "avx512_vnni", "amx"])
+@pytest.mark.parametrize("target", host_names())        # this architecture's sets: x86's, or the neon ones
 def test_every_feature_set_runs_a_model(target, monkeypatch):
     from ggraph.backends.llvm.target import missing_features
     if missing_features(target):
         pytest.skip(f"this host cannot run {target}")
     monkeypatch.setenv("GGRAPH_TARGET", target)
     path = zoo.cached_model("llama", "q4_k_m", **zoo.K_QUANT_DIMS)
-    ids = prompt_ids(40)                             # 32 tokens and more: the tiled GEMM on amx
+    ids = prompt_ids(40)                             # 32 tokens and more: the tiled GEMM on amx, smmla's
     s = Session(path, backend="llvm", threads=2, ctx=64, **EXACT)
     assert s.program(False).target.name == target
     got = s.logits(ids)
