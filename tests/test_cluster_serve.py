@@ -3,7 +3,7 @@ the official ``openai`` client sees it: greedy text equal to one process's (a Se
 errors and auth equal to the single-process app's (run here over an Engine of its own), the endpoint still
 answering after a replica is killed, and nothing of Serve left on the cluster after Ctrl-C."""
 import concurrent.futures
-import os
+import re
 import signal
 import socket
 import subprocess
@@ -159,6 +159,15 @@ def test_without_ray_the_flag_says_how_to_install_it():
 
 
 # -- two replicas on two nodes --------------------------------------------------------------------------------
+def test_a_node_without_the_file_is_named(ray_cluster):  # noqa: F811  (before the server: Serve is free)
+    r = ggraph("serve", "~/no-such-model.gguf", "--cluster", ray_cluster.address, "--replicas", "1", "--ctx", CTX,
+               "--port", free_port(), env=ray_cluster.env())
+    last = r.stderr.strip().splitlines()[-1]
+    assert r.returncode == 1 and last.startswith("ggraph serve: error: the replicas did not start: "), r.stderr
+    assert any(re.search(f"FileNotFoundError: node {name} \\(.*\\) has no file {node.home}/no-such-model.gguf$", last)
+               for name, node in ray_cluster.nodes.items()), last
+
+
 def test_concurrent_requests_get_one_process_text_from_both_replicas(server, solo_texts):
     got, replicas = concurrent_completions(server)
     assert len(replicas) == 2, f"only replica {replicas} answered"

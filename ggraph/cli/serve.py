@@ -1,6 +1,7 @@
 """``ggraph serve``: an OpenAI-compatible HTTP API for a model."""
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -65,8 +66,14 @@ def _serve_on_cluster(args, passes) -> int:
             raise
         print("ggraph serve: error: --cluster needs Ray Serve: pip install 'ggraph[cluster]'", file=sys.stderr)
         return 1
-    path = model_path(args)
-    spec = ReplicaSpec(path, args.alias or Path(path).stem, parallel=args.parallel, ctx=args.ctx, queue=args.queue,
+    from ggraph.cluster.bench import DEMO
+    if args.demo:
+        path = DEMO                                       # each node's own demo model
+    elif args.model:                                      # read on each node; a relative one from here
+        path = args.model if args.model.startswith(("~", "$", "/")) else os.path.join(os.getcwd(), args.model)
+    else:
+        raise ValueError("give a MODEL path (each node reads it as its own) or --demo")
+    spec = ReplicaSpec(path, args.alias, parallel=args.parallel, ctx=args.ctx, queue=args.queue,
                        api_key=args.api_key, pooling=args.pooling, backend=args.backend, threads=args.threads,
                        passes=tuple(p.name for p in passes), plugins=tuple(args.plugin), max_memory=args.max_memory,
                        cache_type_k=args.cache_type_k, cache_type_v=args.cache_type_v)

@@ -20,13 +20,15 @@ import random
 import signal
 import sys
 import time
+from pathlib import Path
 
 import ray
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 from ray.serve.request_router import RequestRouter
 
-from ggraph.cluster.bench import connect
+from ggraph.cluster.bench import DEMO, cluster_nodes, connect
+from ggraph.cluster.bench import _local_path as node_path        # bench's rule: ~, $VARS, the demo model
 
 APP = "ggraph"                         # the Ray Serve application's name; its route prefix is "/"
 DEPLOYMENT = "GgraphServe"
@@ -37,8 +39,8 @@ class ReplicaSpec:
     """What every replica builds: ``Engine(path, ...)`` and ``create_app(engine, model_id, ...)``.
     ``ctx`` None is ``ggraph serve``'s default, decided on the replica's node (the model's trained
     context when shorter); ``passes`` are pass names, resolved after ``plugins`` (files) load there."""
-    path: str
-    model_id: str
+    path: str                          # as each node reads it (~ and $VARS expand there), or bench.DEMO
+    model_id: str | None = None        # None: the file's stem
     parallel: int = 1
     ctx: int | None = None
     queue: int = 16
@@ -90,20 +92,20 @@ class Replica:
         plugins.load_defaults()
         for path in spec.plugins:
             plugins.load_file(path)
-        node = ray.util.get_node_ip_address()
+        path = node_path(spec.path)
         try:
-            ctx = context_length(argparse.Namespace(ctx=spec.ctx), spec.path)
-            self.engine = Engine(spec.path, parallel=spec.parallel, ctx=ctx, queue=spec.queue, backend=spec.backend,
+            ctx = context_length(argparse.Namespace(ctx=spec.ctx), path)
+            self.engine = Engine(path, parallel=spec.parallel, ctx=ctx, queue=spec.queue, backend=spec.backend,
                                  threads=spec.threads, passes=resolve(list(spec.passes)), max_memory=spec.max_memory,
                                  cache_type_k=spec.cache_type_k, cache_type_v=spec.cache_type_v)
         except FileNotFoundError as e:                  # each node reads its own copy of the file
-            raise FileNotFoundError(f"the model file {spec.path} is not on node {node}: {e.strerror}") from e
-        self.spec = spec
+            raise FileNotFoundError(f"node {_this_node()} has no file {path}") from e
+        self.spec, self.model_id = spec, spec.model_id or Path(path).stem
         self.name = serve.get_replica_context().replica_id.unique_id
 
     def __serve_build_asgi_app__(self):
         from ggraph.serve.app import create_app
-        app = create_app(self.engine, self.spec.model_id, api_key=self.spec.api_key, pooling=self.spec.pooling)
+        app = create_app(self.engine, self.model_id, api_key=self.spec.api_key, pooling=self.spec.pooling)
         app.add_middleware(ReplicaHeader, name=self.name)
         return app
 
@@ -115,6 +117,13 @@ class Replica:
     def __del__(self):
         if hasattr(self, "engine"):
             self.engine.close(wait=0)                   # requests still running end with an error now
+
+
+def _this_node() -> str:
+    """This node as bench names it (its custom resources, else host:id) and its address."""
+    here = ray.get_runtime_context().get_node_id()
+    node = next(n for n in cluster_nodes() if n.node_id == here)
+    return f"{node.name} ({node.ip})"
 
 
 def application(spec: ReplicaSpec, replicas: int):
@@ -154,7 +163,8 @@ def serve_on_cluster(spec: ReplicaSpec, replicas: int, address: str, host: str, 
         except RuntimeError as e:                       # a replica could not start: its error, not Ray's frames
             raise RuntimeError(f"the replicas did not start: {_replica_error(e)}") from e
         where = f"http://{host}:{port}"
-        print(f"ggraph serve: {spec.model_id} on {where}/v1 ({replicas} replica(s) of {spec.parallel} slot(s) on "
+        name = spec.model_id or ("the demo model" if spec.path == DEMO else Path(spec.path).stem)
+        print(f"ggraph serve: {name} on {where}/v1 ({replicas} replica(s) of {spec.parallel} slot(s) on "
               f"the Ray cluster at {address}{', API key required' if spec.api_key else ''}); Ctrl-C stops",
               file=sys.stderr, flush=True)
         while True:
