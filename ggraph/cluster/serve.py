@@ -25,6 +25,7 @@ from pathlib import Path
 import ray
 from ray import serve
 from ray.serve.config import RequestRouterConfig
+from ray.serve.context import _get_global_client       # the running Serve's controller and HTTP options
 from ray.serve.request_router import RequestRouter
 
 from ggraph.cluster.bench import DEMO, cluster_nodes, connect
@@ -132,7 +133,7 @@ def application(spec: ReplicaSpec, replicas: int):
     than its slots and queue hold, so that request gets the engine's own 503 while Ray's router sends
     the others to a replica with room."""
     if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
-        raise ValueError(f"--replicas must be a whole number >= 1, got {replicas!r}")
+        raise ValueError(f"replicas must be a whole number >= 1, got {replicas!r}")
     deployment = serve.deployment(Replica, name=DEPLOYMENT, num_replicas=replicas,
                                   ray_actor_options={"num_cpus": spec.threads or 1},
                                   max_ongoing_requests=spec.parallel + spec.queue + 1,
@@ -144,13 +145,11 @@ def application(spec: ReplicaSpec, replicas: int):
 
 def serve_on_cluster(spec: ReplicaSpec, replicas: int, address: str, host: str, port: int) -> None:
     """Deploy on the Ray cluster at ``address`` (``auto``, ``HOST:PORT`` or ``ray://HOST:PORT``) with the
-    endpoint on ``host:port`` of the head node,
-    and serve until Ctrl-C or SIGTERM; then delete the application, and Ray Serve itself when this call
-    started it, so nothing of ours stays on the cluster."""
+    endpoint on ``host:port`` of the head node, and serve until Ctrl-C or SIGTERM; then delete the
+    application, and Ray Serve itself when this call started it, so nothing of ours stays on the cluster."""
     app = application(spec, replicas)
     logging.getLogger("ray.serve").setLevel(logging.WARNING)      # its progress lines; errors still show
     connected = connect(address)                        # False: this process was on a cluster already
-    from ray.serve.context import _get_global_client
     ours = _get_global_client(raise_if_no_controller_running=False) is None    # Serve is ours to stop
     previous = signal.signal(signal.SIGTERM, _interrupt)
     deployed = False
@@ -189,7 +188,6 @@ def _interrupt(signum, frame):
 
 def _check_endpoint(host: str, port: int) -> None:
     """Ray Serve keeps the HTTP options it started with: a Serve already running elsewhere is refused."""
-    from ray.serve.context import _get_global_client
     config = _get_global_client().http_config
     if (config.host, config.port) != (host, port):
         raise ValueError(f"--host/--port {host}:{port}: Ray Serve already runs on this cluster with its endpoint "
