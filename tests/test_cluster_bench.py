@@ -40,9 +40,10 @@ def test_a_sweep_gathers_rows_from_both_nodes(homes, capsys, tmp_path):
 
     from ggraph.backends.llvm.target import host_target
     plot = tmp_path / "nodes.png"
-    assert main(["bench", "~/both.gguf", "--cluster", homes.address, *FAST, "--compare", "fused,unfused",
-                 "--roofline", "--json", "--plot", str(plot)]) == 0
+    rc = main(["bench", "~/both.gguf", "--cluster", homes.address, *FAST, "--compare", "fused,unfused",
+               "--roofline", "--json", "--plot", str(plot)])
     out = capsys.readouterr()
+    assert rc == 0, out.err
     rows = _rows(out.out)
     assert sorted((r["node"], r["passes"]) for r in rows) == [("node_a", "default"), ("node_a", "none"),
                                                                ("node_b", "default"), ("node_b", "none")]
@@ -85,18 +86,25 @@ def test_python_api_streams_rows_and_failures(homes):
     rows = [r for e in events if not isinstance(e, Failure) for r in e]
     assert [f.node for f in failures] == ["node_b"] and "no such file" in failures[0].reason
     assert [r["node"] for r in rows] == ["node_a"]
+    # a run that fails on the node: its own exception's message, for each node
+    events = list(bench_sweep(homes.address, Sweep(models=("~/both.gguf",), threads=(1000,), pps=(4,), tgs=(1,))))
+    assert sorted(f.node for f in events) == ["node_a", "node_b"]
+    assert all(f.what == "both.gguf at 1000 threads" and f.reason.startswith("threads must be a whole number in 1..")
+               for f in events), events
 
 
 def test_nodes_selects_by_resource_through_ray_client(homes, capsys):
-    assert main(["bench", "~/both.gguf", "--cluster", homes.client_address, "--nodes", "node_b", *FAST,
-                 "--json"]) == 0
-    assert [r["node"] for r in _rows(capsys.readouterr().out)] == ["node_b"]
+    rc = main(["bench", "~/both.gguf", "--cluster", homes.client_address, "--nodes", "node_b", *FAST, "--json"])
+    out = capsys.readouterr()
+    assert rc == 0, out.err
+    assert [r["node"] for r in _rows(out.out)] == ["node_b"]
     assert main(["bench", "~/both.gguf", "--cluster", homes.address, "--nodes", "node_c", *FAST]) == 1
     err = capsys.readouterr().err.strip()
     assert err.startswith("ggraph bench: error: --nodes node_c: no alive node has that resource") and "node_a" in err
 
 
 def test_bad_addresses_are_one_line_errors(model, capsys):
+    pytest.importorskip("ray", reason="the cluster tests need ray: pip install 'ggraph[cluster]'")
     assert main(["bench", str(model), "--cluster", "nowhere", *FAST]) == 1
     assert capsys.readouterr().err == "ggraph bench: error: --cluster 'nowhere': give auto, HOST:PORT or " \
                                       "ray://HOST:PORT\n"
@@ -115,21 +123,26 @@ def test_without_ray_the_flag_says_how_to_install_it(model, capsys, monkeypatch)
 
 
 def test_ctrl_c_cancels_the_sweep_and_leaves_no_task_running(homes):
-    from ray.util.state import list_tasks
+    from ray.util.state import list_jobs, list_tasks
     cmd = [sys.executable, "-m", "ggraph.cli", "bench", "~/both.gguf", "--cluster", "auto", "-p", "4,8", "-n", "2",
            "-t", "1,2", "--targets", "generic,avx2" if _x86() else "generic", "--repeats", "20"]
     proc = subprocess.Popen(cmd, env=homes.env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             cwd="/")
-    first = proc.stderr.readline()                  # the first run's rows: every node has runs queued behind it
-    assert first.startswith("[1] node_"), first + proc.stderr.read()
+    seen = []                                       # until the first run's rows: each node has runs queued
+    while not (seen and seen[-1].startswith("[1] node_")):
+        seen.append(proc.stderr.readline())
+        assert seen[-1], "".join(seen)              # the sweep ended before any row
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, err
     assert "interrupted: the sweep's remaining tasks were cancelled" in err and out.startswith("node ")
+    jobs = [j.job_id for j in list_jobs(address=homes.dashboard_url)
+            if j.driver_info and str(j.driver_info.pid) == str(proc.pid)]       # this sweep's, not earlier ones
+    assert len(jobs) == 1, jobs
     runs = []
     for _ in range(30):                             # the state API catches up with the cluster in a while
-        runs = [t for t in list_tasks(address=homes.dashboard_url, filters=[("func_or_class_name", "=", "_run")],
-                                      limit=1000, raise_on_missing_output=False)]
+        runs = list_tasks(address=homes.dashboard_url, limit=1000, raise_on_missing_output=False,
+                          filters=[("func_or_class_name", "=", "_run"), ("job_id", "=", jobs[0])])
         if not [t for t in runs if t.state not in ("FINISHED", "FAILED")]:
             break
         time.sleep(1)

@@ -177,8 +177,10 @@ def _reason(ray, err: BaseException) -> str:
     cause = getattr(err, "cause", None) if isinstance(err, ray.exceptions.RayTaskError) else None
     err = cause or err
     text = str(err.args[0] if isinstance(err, KeyError) and err.args else err).strip()
-    return (text.splitlines() or [type(err).__name__])[0] if not isinstance(err, ray.exceptions.RayError) \
-        else f"{type(err).__name__}: {(text.splitlines() or [''])[-1]}"
+    first = (text.splitlines() or [""])[0]
+    if isinstance(err, ray.exceptions.RayError):         # Ray's own: its class and first sentence
+        return f"{type(err).__name__}: {first.split('. ')[0]}"
+    return first or type(err).__name__
 
 
 def bench_sweep(address: str, sweep: Sweep, nodes: list[str] | None = None):
