@@ -249,18 +249,17 @@ def machine_peaks(target, threads: int) -> dict:
     """The core clock (GHz), the f32 (GFLOP/s) and int8 (Gop/s) peaks of ``target``'s instructions on
     ``threads`` cores, and under "reads" [(level, bytes it holds, GB/s)] from L1 to DRAM, measured now
     (``ggraph.bench.peaks``). A roof must bound every op from above, and on a shared machine a
-    neighbour seldom leaves every core free at once: so the compute peaks and the caches a core has
-    alone are one core's times ``threads``, and the shared levels the faster of one core and all."""
+    neighbour seldom leaves every core free at once: so each peak and each read bandwidth is one
+    core's fastest times ``threads`` (or all the cores' together, if that is faster)."""
     from ggraph.bench import peaks
     one = peaks.measure(target, 1)
     out = {k: v if k == "ghz" else v * threads for k, v in one.items()}
     reads = peaks.read_levels(target, 1)
-    if threads > 1:
+    if threads > 1:                 # a shared level (L3, DRAM) may not scale with the cores: the bound is loose there
         sizes = peaks.cache_sizes()
         together = {name: gb_s for name, _, gb_s in peaks.read_levels(target, threads)}
         reads = [(name, holds * threads if sizes.get(name, (0, False))[1] else holds,
-                  gb_s * threads if sizes.get(name, (0, False))[1] else max(gb_s, together[name]))
-                 for name, holds, gb_s in reads]
+                  max(gb_s * threads, together[name])) for name, holds, gb_s in reads]
     # data a smaller level holds is never slower to read than from a larger one
     out["reads"] = [(name, holds, max(g for _, _, g in reads[k:])) for k, (name, holds, _) in enumerate(reads)]
     return out
