@@ -179,7 +179,9 @@ def local_cluster(nodes: tuple[NodeSpec, ...] = (NodeSpec("node_a"), NodeSpec("n
     """Start a head node for ``nodes[0]`` and worker nodes for the rest, yield the ``Cluster``, stop them."""
     root = Path(tempfile.mkdtemp(prefix="rayc-", dir="/tmp"))    # short: Ray's socket paths must fit 107 bytes
     from ggraph.demo import cache_dir                                # the real HOME's kernel cache, shared
-    base_env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"GGRAPH_CACHE": str(cache_dir())}
+    base_env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {
+        "GGRAPH_CACHE": str(cache_dir()),
+        "RAY_CLIENT_SERVER_CHECK_CHANNEL_TIMEOUT_S": "180"}   # a ray:// client's server starts slowly on busy cores
     port, client_port, dashboard_port = free_port(), free_port(), free_port()
     started: dict[str, Node] = {}
     try:

@@ -189,7 +189,9 @@ def cmd_cluster(args, sweep, nodes: list[str] | None) -> int:
     if interrupted:
         print("interrupted: the sweep's remaining tasks were cancelled", file=sys.stderr)
     if rows and not _print_rows(args, rows):
-        print(cluster_table(rows))
+        models = list(dict.fromkeys(r["model"] for r in rows))    # a table per file: ratios within one model
+        for m in models:
+            print((f"{m}:\n" if len(models) > 1 else "") + cluster_table([r for r in rows if r["model"] == m]))
         if args.roofline:
             for node in dict.fromkeys(r["node"] for r in rows):
                 print(f"\n{node}:" + roofline_table([r for r in rows if r["node"] == node]))

@@ -109,7 +109,8 @@ def connect(address: str) -> bool:
     try:
         ray.init(address=address, logging_level="ERROR", log_to_driver=False, configure_logging=False)
     except (ConnectionError, RuntimeError) as e:
-        raise ValueError(f"--cluster {address}: cannot connect ({str(e).splitlines()[0]})") from None
+        reason = " ".join(str(e).split())                # Ray's may span lines ("...from server:\n<why>")
+        raise ValueError(f"--cluster {address}: cannot connect ({reason[:300] or type(e).__name__})") from None
     return True
 
 
