@@ -1,7 +1,8 @@
 """``ggraph serve --replicas 2 --cluster ADDRESS`` on the local two-node Ray cluster of ray_cluster.py, as
-the official ``openai`` client sees it: greedy text equal to one process's (a Session's, in this process),
-errors and auth equal to the single-process app's (run here over an Engine of its own), the endpoint still
-answering after a replica is killed, and nothing of Serve left on the cluster after Ctrl-C."""
+the official ``openai`` client sees it: greedy text equal to one process's (a Session's, in this process)
+from both replicas, errors and auth equal to the single-process app's (run here over an Engine of its own),
+the endpoint still answering after a replica is killed, and nothing of Serve left on the cluster after
+Ctrl-C. Also the flags' one-line errors, a node without the file, and a second endpoint refused."""
 import concurrent.futures
 import re
 import signal
@@ -223,7 +224,7 @@ def test_auth_errors_models_and_metrics_as_one_process(server):
     assert len(vec) == width
 
 
-def test_a_second_endpoint_on_the_cluster_is_refused_and_ours_keeps_serving(server, ray_cluster, solo_texts):  # noqa: F811
+def test_a_second_endpoint_is_refused_and_ours_keeps_serving(server, ray_cluster, solo_texts):  # noqa: F811
     port = free_port()
     r = ggraph("serve", model(), "--cluster", ray_cluster.address, "--replicas", "1", "--port", port, "-t", "1",
                env=ray_cluster.env())

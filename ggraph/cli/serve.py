@@ -75,8 +75,8 @@ def _serve_on_cluster(args, passes) -> int:
         raise ValueError("give a MODEL path (each node reads it as its own) or --demo")
     spec = ReplicaSpec(path, args.alias, parallel=args.parallel, ctx=args.ctx, queue=args.queue,
                        api_key=args.api_key, pooling=args.pooling, backend=args.backend, threads=args.threads,
-                       passes=tuple(p.name for p in passes), plugins=tuple(args.plugin), max_memory=args.max_memory,
-                       cache_type_k=args.cache_type_k, cache_type_v=args.cache_type_v)
+                       passes=tuple(p.name for p in passes), plugins=tuple(map(os.path.abspath, args.plugin)),
+                       max_memory=args.max_memory, cache_type_k=args.cache_type_k, cache_type_v=args.cache_type_v)
     try:
         serve_on_cluster(spec, args.replicas or 1, args.cluster, args.host, args.port)
     except RuntimeError as e:                              # Ray's, or a replica's that could not start
