@@ -9,17 +9,16 @@ after a cut back to a shorter prefix (the state restored from a snapshot), with 
 (``assert_agrees``; numpy on q8_0 against llama.cpp on the dequantised weights, as for every family with
 experts). The flags are read from metadata alone, and bad metadata is refused by name.
 """
-from functools import lru_cache
-
 import numpy as np
 import pytest
 
 import hf_models
 import oracle
+from family_checks import cut_back_then_new_tokens, on_feature_set, second_turn_reusing_the_prefix, shared_session
+from ggraph.backends.llvm.target import X86_NAMES
 from ggraph.models.config import config_from_gguf
-from ggraph.runtime.session import Session
 from test_hf_families import IDS, assert_agrees, reference
-from test_models import EXACT, agreement
+from test_models import agreement
 
 FAMILY = "qwen3next"
 CTX = 64
@@ -27,16 +26,8 @@ CTX = 64
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
 
-@lru_cache(maxsize=None)
-def _session(mix, backend):
-    return Session(hf_models.converted(FAMILY, mix), backend=backend, threads=2, ctx=CTX, **EXACT)
-
-
 def session(mix, backend):
-    """One session per file and backend for the whole module (compiled once), reset for each use."""
-    s = _session(mix, backend)
-    s.reset()
-    return s
+    return shared_session(hf_models.converted(FAMILY, mix), backend, CTX)
 
 
 @pytest.mark.slow
@@ -54,22 +45,13 @@ def test_prefill_and_decode_logits_match_llama_cpp(mix, backend):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("target", ["generic", "avx2", "avx512", "avx512_vnni", "amx"])
+@pytest.mark.parametrize("target", X86_NAMES)
 def test_every_feature_set_this_host_runs(target, monkeypatch):
     """The q8_0 file through each feature set's kernels (the delta-rule kernel's generic twin on generic),
     prefill and decode."""
-    from ggraph.backends.llvm.target import missing_features
-    if missing_features(target):
-        pytest.skip(f"this host cannot run {target}")
-    monkeypatch.setenv("GGRAPH_TARGET", target)
-    path = hf_models.converted(FAMILY, "q8_0")
-    s = Session(path, backend="llvm", threads=2, ctx=CTX, **EXACT)
-    assert s.program(False).target.name == target
+    s = on_feature_set(hf_models.converted(FAMILY, "q8_0"), target, monkeypatch, IDS,
+                       lambda got, want, what: assert_agrees(got, want, "q8_0", "llvm", f"{target} {what}"), CTX)
     assert s.program(False).graph.count("fused_gated_delta_rule") == 2          # one per delta-net layer
-    assert_agrees(s.logits(IDS), oracle.llama_logits(path, IDS, n_ctx=CTX), "q8_0", "llvm", f"{target}")
-    s.reset()
-    got = np.concatenate([s.step([t], last_only=False) for t in IDS[:8]])
-    assert_agrees(got, oracle.llama_logits_stepwise(path, IDS[:8], n_ctx=CTX), "q8_0", "llvm", f"{target} decode")
 
 
 @pytest.mark.slow
@@ -78,16 +60,8 @@ def test_a_cut_back_prefix_then_new_tokens_match_llama_cpp(backend):
     """A chat turn that reuses the cached prefix: 16 tokens run (a prefill, then decode steps), the cache cut
     back to 10 (the states restored from the prefill's snapshot, tokens after it run again), then 10 new
     tokens: their logits are llama.cpp's over one prefill of the whole sequence."""
-    s = session("f32", backend)
-    ids = IDS[:12] + IDS[14:22]
-    s.step(IDS[:12])
-    for t in IDS[12:16]:
-        s.step([t])
-    s.truncate(10)
-    assert s.n_past == 10 and s.cached_tokens == tuple(IDS[:10])
-    got = s.step(ids[10:], last_only=False)
-    assert_agrees(got, oracle.llama_logits(hf_models.converted(FAMILY, "f32"), ids, n_ctx=CTX)[10:], "f32", backend,
-                  f"{backend} after truncate")
+    got, want = cut_back_then_new_tokens(session("f32", backend), hf_models.converted(FAMILY, "f32"), IDS, CTX)
+    assert_agrees(got, want, "f32", backend, f"{backend} after truncate")
 
 
 @pytest.mark.slow
@@ -96,14 +70,7 @@ def test_a_second_turn_reusing_the_cached_prefix_equals_a_fresh_prefill():
     the states go back to a snapshot and the rest runs again; its greedy reply is a fresh session's (whose
     logits the tests above hold to llama.cpp's; llama.cpp's own greedy tokens are near-ties on this random
     model from the first one, so they decide nothing here)."""
-    path = hf_models.converted(FAMILY, "f32")
-    s = session("f32", "llvm")
-    s.generate(IDS[:12], max_tokens=6, temperature=0)
-    second = IDS[:10] + IDS[14:22]
-    reply = s.generate(second, max_tokens=6, temperature=0, reuse_cache=True)
-    assert s.stats["cached_tokens"] == 10 and s.stats["recomputed_tokens"] > 0, s.stats
-    fresh = Session(path, backend="llvm", threads=2, ctx=CTX, **EXACT)
-    assert reply == fresh.generate(second, max_tokens=6, temperature=0)
+    second_turn_reusing_the_prefix(session("f32", "llvm"), hf_models.converted(FAMILY, "f32"), IDS, CTX)
 
 
 @pytest.mark.slow
