@@ -4,9 +4,15 @@
                                        T, ith, nth)
 
 Threads take chunks of rows in turn, counted in ``counter`` (zero when the call starts), as
-qmatmul's do. Lanes run along K: gemv keeps one accumulator
-per row; gemm keeps an R x C tile of accumulators (rows x tokens) so each loaded weight
-vector serves C tokens and each x vector serves R rows. K tails run scalar.
+qmatmul's do. Lanes run along K: gemm keeps an R x C tile of accumulators (rows x tokens) so each
+loaded weight vector serves C tokens and each x vector serves R rows, one accumulator per output
+then its lanes summed by halving (llamafile's tinyBLAS, which llama.cpp's f32 matmul takes for two
+tokens or more). K tails run scalar.
+
+One token (T == 1) on x86 and the generic twin sums as ggml_vec_dot_f32 does, which llama.cpp takes
+for one token (a decode step; a router's logits, where a near tie picks the experts): per output
+VEC_DOT_ACCS accumulators over steps of VEC_DOT_ACCS vectors, then acc0 + acc2, acc1 + acc3, their
+sum, its lanes (halving on 512 bits; on 256 bits the two halves, then hadd twice), then the tail.
 
 The generic twin sums in PORTABLE_LANES lanes with FMA rounded once: the order and rounding of
 the AVX-512 kernel and of llama.cpp's f32 matmul there, so that f32 models agree across targets
@@ -30,6 +36,9 @@ FLOAT_LOADERS = {
     dtypes.f16: (2, Isa.f16_to_f32),
     dtypes.bf16: (2, Isa.bf16_to_f32),
 }
+VEC_DOT_ACCS = 4               # ggml_vec_dot_f32's accumulators (GGML_F32_ARR: GGML_F32_STEP / GGML_F32_EPR)
+
+
 def float_weight(dtype) -> bool:
     """True for the weight types fmatmul takes."""
     return dtypes.from_name(dtype) in FLOAT_LOADERS
@@ -39,9 +48,12 @@ def variant(dtype, target: Target) -> str:
     """A one-line description of the kernel `fmatmul` emits on ``target``, from its plan."""
     plan = fmatmul_plan(target)
     if not plan.vector:
-        return f"portable {PORTABLE_LANES} f32 lanes (generic twin), FMA rounded once"
+        return (f"portable {PORTABLE_LANES} f32 lanes (generic twin), FMA rounded once; one token in "
+                f"ggml_vec_dot_f32's order ({VEC_DOT_ACCS} accumulators)")
     R, C = plan.tile
     gemv = f"gemv {R} rows at a time" + (", the next rows' weights asked for ahead" if plan.prefetch else "")
+    if target.arch == "x86_64":
+        gemv += f" in ggml_vec_dot_f32's order ({VEC_DOT_ACCS} accumulators)"
     return f"fma-{target.vector_bits}: gemm {R} rows x {C} tokens, {gemv}; f32 activations"
 
 
@@ -66,11 +78,23 @@ def fmatmul(module: ir.Module, dtype, K: int, N: int, target: Target) -> str:
     f = _Fmatmul(k, isa, dt, K, N, lanes)
     with k.row_chunks(N, k.arg["counter"]) as (start, end):
         full_n = k.add(start, b.mul(b.sdiv(b.sub(end, start), k.i64(R)), k.i64(R)))
-        for nlo, nhi, r in ((start, full_n, R), (full_n, end, 1)):
-            with k.loop(nlo, nhi, step=r, name=f"n{r}") as n0:
-                for tlo, thi, c in ((0, full_t, C), (full_t, T, 1)):
-                    with k.loop(tlo, thi, step=c, name=f"t{r}x{c}") as t0:
-                        _tile(f, n0, r, t0, c, ahead and c == 1 and r > 1)
+
+        def tiles():
+            for nlo, nhi, r in ((start, full_n, R), (full_n, end, 1)):
+                with k.loop(nlo, nhi, step=r, name=f"n{r}") as n0:
+                    for tlo, thi, c in ((0, full_t, C), (full_t, T, 1)):
+                        with k.loop(tlo, thi, step=c, name=f"t{r}x{c}") as t0:
+                            _tile(f, n0, r, t0, c, ahead and c == 1 and r > 1)
+        if target.arch != "x86_64" and plan.vector:      # ARM: one order for every T
+            tiles()
+            return k.finish()
+        with b.if_else(b.icmp_signed("==", T, k.i64(1))) as (one, many):
+            with one:
+                for nlo, nhi, r in ((start, full_n, R), (full_n, end, 1)):
+                    with k.loop(nlo, nhi, step=r, name=f"d{r}") as n0:
+                        _vec_dot_rows(f, n0, r, ahead and r > 1)
+            with many:
+                tiles()
     return k.finish()
 
 
@@ -140,3 +164,48 @@ def _tile(f: _Fmatmul, n0, R: int, t0, C: int, ahead: bool = False) -> None:
     for r in range(R):
         for c in range(C):
             k.store(sums[r][c], k.arg["y"], k.mul(k.add(k.mul(toks[c], f.N), rows[r]), 4))
+
+
+def _vec_dot_rows(f: _Fmatmul, n0, R: int, ahead: bool = False) -> None:
+    """y[0, n0:n0+R] for the one token, in ggml_vec_dot_f32's order: VEC_DOT_ACCS accumulators per row
+    over steps of VEC_DOT_ACCS vectors, reduced as GGML_F32_VEC_REDUCE does, then the K tail one FMA at
+    a time; with ``ahead``, each step asks for the next R rows' weights at its columns."""
+    k, isa, K, lanes = f.k, f.isa, f.K, f.lanes
+    step = VEC_DOT_ACCS * lanes
+    rows = [k.add(n0, r) for r in range(R)]
+    main = K - K % step
+    zero = ir.Constant(vec(f32, lanes), [0.0] * lanes)
+    acc = [[k.var(vec(f32, lanes), zero) for _ in range(VEC_DOT_ACCS)] for _ in range(R)]
+    with k.loop(0, main, step=step, name="k") as kk:
+        if ahead:
+            for n in rows:
+                at = f.w_offset(k.add(n, R), kk)
+                for line in range(0, step * FLOAT_LOADERS[f.dt][0], 64):
+                    k.prefetch(k.addr(k.arg["w"], k.add(at, line)), level=2)
+        for j in range(VEC_DOT_ACCS):
+            at = k.add(kk, j * lanes)
+            x = f.load_x(k.i64(0), at, lanes)
+            for r, n in enumerate(rows):
+                acc[r][j].set(isa.fused(f.load_w(n, at, lanes), x, acc[r][j].get()))
+    b = k.b
+    for r, n in enumerate(rows):
+        a = [v.get() for v in acc[r]]
+        total = _lane_sum(k, isa, b.fadd(b.fadd(a[0], a[2]), b.fadd(a[1], a[3])))
+        if main < K:
+            tail = k.var(f32, total)
+            with k.loop(main, K, name="kt") as kk:
+                tail.set(isa.fused(f.load_w(n, kk, 1), f.load_x(k.i64(0), kk, 1), tail.get()))
+            total = tail.get()
+        k.store(total, k.arg["y"], k.mul(n, 4))
+
+
+def _lane_sum(k: Kernel, isa: Isa, v: ir.Value) -> ir.Value:
+    """GGML_F32_VEC_REDUCE's last step: 8 lanes (AVX) as their two halves added, then hadd twice
+    ((l0 + l1) + (l2 + l3) of those); other widths by halving (_mm512_reduce_add_ps' order)."""
+    if v.type.count != 8:
+        return isa.hsum(v)
+    b = k.b
+    t = b.fadd(k.shuffle(v, range(4)), k.shuffle(v, range(4, 8)))
+    pair = lambda i: b.fadd(b.extract_element(t, ir.Constant(ir.IntType(32), i)),  # noqa: E731
+                            b.extract_element(t, ir.Constant(ir.IntType(32), i + 1)))
+    return b.fadd(pair(0), pair(2))

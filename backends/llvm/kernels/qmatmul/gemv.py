@@ -6,9 +6,11 @@ A step dots ``plan.chunks_per_step`` 32-weight chunks of a block (with AVX-512 V
 Super-block types sum a block's dots times their integer scales in i32 lanes (two steps' dots
 packed to i16 words per vpdpwssd) and their mins in integers, as llama.cpp does, and take one
 float step per block; q4_k and q5_k unpack the headers of HEADER_BLOCKS blocks at once. 32-weight
-blocks go SMALL_GROUP at a time (scales, offset terms and mins as vectors), two to a 512-bit dot,
-gathered with AVX-512 VNNI by word shuffles of 64-byte loads. Rows of up to GEMV_INLINE_BLOCKS
-blocks are emitted without a block loop. Weights are prefetched as ``plan.prefetch`` says.
+blocks go SMALL_GROUP at a time (scales and mins as vectors), two to a 512-bit dot, gathered with
+AVX-512 VNNI by word shuffles of 64-byte loads; their f32 sum is ggml's x86 vec_dot's at every
+vector width (one 8-lane accumulator, or two: TWO_ACCUMULATORS; one FMA per block, in order).
+Rows of up to GEMV_INLINE_BLOCKS blocks are emitted without a block loop. Weights are prefetched
+as ``plan.prefetch`` says.
 """
 from __future__ import annotations
 
@@ -29,12 +31,27 @@ SMALL_T = 8                     # tokens whose accumulators a rows_only step kee
 SMALL_GROUP = 8                 # 32-weight blocks a gemv row takes together (one float step for all)
 HEADER_BLOCKS = 4               # q4_k / q5_k super-blocks whose headers a gemv row unpacks together
 GEMV_INLINE_BLOCKS = 8          # rows of at most this many blocks have no block loop (longer ones outgrow the op cache)
+# 32-weight types whose ggml x86 vec_dot keeps even and odd blocks in two 8-lane accumulators (added
+# before the final hsum); the others keep one
+TWO_ACCUMULATORS = ("iq4_nl", "mxfp4")
+CHAIN_ROWS = 4                  # rows of 32-weight blocks a gemv takes side by side (their FMA chains overlap)
 
 
 def gemv(m: Matmul, rows, xorder=None) -> None:
     """One output row at a time, for the one token there is (its quants in step order at ``xorder``,
-    if given)."""
-    with m.k.loop(*rows, name="n") as row:
+    if given); 32-weight blocks CHAIN_ROWS rows at a time (ggml's one f32 chain per row is FMA latency:
+    the rows' chains overlap, and their offset terms are computed once)."""
+    k = m.k
+    if m.fmt.dtype.block_size != 32:
+        with k.loop(*rows, name="n") as row:
+            gemv_row(m, row, 1, 0, xorder)
+        return
+    start, end = rows
+    b = k.b
+    whole = k.add(start, b.mul(b.sdiv(b.sub(end, start), k.i64(CHAIN_ROWS)), k.i64(CHAIN_ROWS)))
+    with k.loop(start, whole, step=CHAIN_ROWS, name="nr") as row:
+        gemv_row(m, row, 1, 0, xorder, count=CHAIN_ROWS)
+    with k.loop(whole, end, name="n") as row:
         gemv_row(m, row, 1, 0, xorder)
 
 
@@ -99,8 +116,9 @@ def _by_count(k: Kernel, count, counts, body) -> None:
     b.position_at_end(done)
 
 
-def gemv_row(m: Matmul, row, n: int, t0, xorder=None) -> None:
-    """Output row ``row`` for exactly n tokens from token t0 (rows of xq ``group_bytes(1)`` apart):
+def gemv_row(m: Matmul, row, n: int, t0, xorder=None, count: int = 1) -> None:
+    """Output row ``row`` (and the ``count`` - 1 after it, each on its own, their blocks interleaved)
+    for exactly n tokens from token t0 (rows of xq ``group_bytes(1)`` apart):
     integer dots per step, scaled into f32 lanes (super-block types first sum their sub-blocks in i32
     lanes times their integer scales and take one f32 step per block), the K-quant mins in a separate
     accumulator, the same arithmetic for each token whatever n is. ``xorder``: the one token's quants
@@ -111,29 +129,34 @@ def gemv_row(m: Matmul, row, n: int, t0, xorder=None) -> None:
     subs = m.subs
     small = fmt.dtype.block_size == 32                  # 32-weight blocks: SMALL_GROUP at a time
     S = plan.blocks_per_dot                             # ... and S of them per dot
-    lanes = 8 * (S if small else P)
+    # 32-weight blocks: ggml's 8-lane f32 accumulator(s), [even blocks | odd blocks] where it keeps two
+    lanes = (16 if fmt.dtype.name in TWO_ACCUMULATORS else 8) if small else 8 * P
     mlanes = subs // 2 * (HEADER_BLOCKS if fmt.headers else 1) if fmt.int_mins else (SMALL_GROUP if small else subs)
     first = k.addr(k.arg["xq"], k.mul(t0, lay.group_bytes(1)))
     xts = [k.addr(first, t * lay.group_bytes(1)) for t in range(n)]
-    _prefetch_row(m, row)
-    r = _GemvRow(m, row, plan.steps if xorder is not None else consecutive(fmt, P), xts,
-                 [xorder] if xorder is not None else xts,
-                 [k.var(vec(f32, lanes), ir.Constant(vec(f32, lanes), [0.0] * lanes)) for _ in range(n)],
-                 [k.var(vec(f32, mlanes), ir.Constant(vec(f32, mlanes), [0.0] * mlanes)) for _ in range(n)],
-                 lanes, mlanes, S)
+    rs = []
+    for i in range(count):
+        _prefetch_row(m, k.add(row, i))
+        rs.append(_GemvRow(m, k.add(row, i), plan.steps if xorder is not None else consecutive(fmt, P), xts,
+                           [xorder] if xorder is not None else xts,
+                           [k.var(vec(f32, lanes), ir.Constant(vec(f32, lanes), [0.0] * lanes)) for _ in range(n)],
+                           [k.var(vec(f32, mlanes), ir.Constant(vec(f32, mlanes), [0.0] * mlanes)) for _ in range(n)],
+                           lanes, mlanes, S))
     nblocks = lay.K // fmt.dtype.block_size
     if small:
-        _in_groups(k, nblocks, SMALL_GROUP, SMALL_GROUP, lambda blk0, G: _small_group(r, blk0, G))
+        _in_groups(k, nblocks, SMALL_GROUP, SMALL_GROUP, lambda blk0, G: [_small_group(r, blk0, G) for r in rs])
     elif fmt.headers is not None:
         if not (fmt.int_mins and fmt.sub == 32 and lay.has_sums32):
             raise ValueError(f"qmatmul {fmt.dtype.name}: header groups take 32-weight sub-blocks with integer "
                              f"mins and q8_k's sums of 32, which this format lacks")
-        _in_groups(k, nblocks, HEADER_BLOCKS, GEMV_INLINE_BLOCKS, lambda blk0, G: _header_group(r, blk0, G))
+        _in_groups(k, nblocks, HEADER_BLOCKS, GEMV_INLINE_BLOCKS,
+                   lambda blk0, G: [_header_group(r, blk0, G) for r in rs])
     else:
-        _in_groups(k, nblocks, 1, GEMV_INLINE_BLOCKS, lambda blk, _: _block(r, blk))
-    for t, (acc, macc) in enumerate(zip(r.accs, r.maccs)):
-        at = k.mul(k.add(k.mul(k.add(t0, t), m.N), row), 4)
-        k.store(b.fsub(m.isa.hsum(acc.get()), m.isa.hsum(macc.get())), k.arg["y"], at)
+        _in_groups(k, nblocks, 1, GEMV_INLINE_BLOCKS, lambda blk, _: [_block(r, blk) for r in rs])
+    for r in rs:
+        for t, (acc, macc) in enumerate(zip(r.accs, r.maccs)):
+            at = k.mul(k.add(k.mul(k.add(t0, t), m.N), r.row), 4)
+            k.store(b.fsub(m.isa.hsum(acc.get()), m.isa.hsum(macc.get())), k.arg["y"], at)
 
 
 @dataclass
@@ -207,10 +230,11 @@ def _header_group(r: _GemvRow, blk0, G: int) -> None:
 
 
 def _small_group(r: _GemvRow, blk0, G: int) -> None:
-    """G consecutive 32-weight blocks of the row: their scales, activation scales and sums, offset
-    terms and mins as G-lane vectors, the dots S blocks at a time (lanes 8j.. are block j's)."""
+    """G consecutive 32-weight blocks of the row: their scales, activation scales and sums and mins
+    as G-lane vectors, the dots S blocks at a time (lanes 8j.. are block j's), each started from its
+    offset term so that its lanes are ggml's exact sums of (level - offset) x q."""
     m = r.m
-    k, isa, lay, b, S, lanes = m.k, m.isa, m.lay, m.k.b, r.S, r.lanes
+    k, isa, lay, b, S = m.k, m.isa, m.lay, m.k.b, r.S
     _spread_prefetch(m, r.block(blk0), G)
     if G == SMALL_GROUP and m.plan.gathers:
         run = m.fmt.run(k, isa, r.block(blk0), G)                       # gathered from 64-byte loads
@@ -219,31 +243,43 @@ def _small_group(r: _GemvRow, blk0, G: int) -> None:
     for xt, acc, macc in zip(r.xts, r.accs, r.maccs):
         dx = k.load(vec(f32, G), xt, lay.d(k, 1, blk0))
         ddx = b.fmul(run.d, dx)
+        factor = xs = None                             # what the dots leave out, one lane a block: the mins
         if lay.keeps_s:                                # q8_1: min x s, ggml's fp16 s = dx xsum (subtracted)
             factor, xs = run.mins, lay.load_s(k, isa, xt, 1, blk0, G)
-        else:
-            xs = b.sitofp(lay.load_sums(k, xt, 1, blk0, G), vec(f32, G))          # (G,) activation sums
-            # what the dots leave out, one lane a block: offset x d dx xsum, and min x dx xsum (subtracted)
-            off = b.fmul(ddx, ir.Constant(vec(f32, G), [float(run.offset)] * G)) if run.offset else None
-            own = b.fmul(run.mins, dx) if run.mins is not None else None
-            factor = own if off is None else off if own is None else b.fadd(off, own)
+        elif run.mins is not None:                     # min x dx xsum (subtracted)
+            factor, xs = b.fmul(run.mins, dx), b.sitofp(lay.load_sums(k, xt, 1, blk0, G), vec(f32, G))
         if factor is not None:
             macc.set(isa.fma(factor, xs, macc.get()) if r.mlanes == G else
                      b.fadd(macc.get(), _widen_lanes(k, b.fmul(factor, xs), r.mlanes)))
-        sd = k.concat(ddx, ir.Constant(vec(f32, G), [0.0] * G))                   # lanes G..: 0
-        total = None                                   # the group's sum, then one add to the row's
+        # acc = fma(block's 8 lane dots, d dx, acc) block after block, as ggml's vec_dot sums them at any
+        # width: a dot of S blocks is split into its blocks' 8-lane halves, so that the f32 rounding
+        # (and a router's near tie after it) is ggml's on 512-bit targets too. Groups start at even blocks.
+        two = r.lanes == 16
+        halves = [k.shuffle(acc.get(), range(8 * h, 8 * h + 8)) for h in range(r.lanes // 8)]
         for s0 in range(0, G, S):
             n = min(S, G - s0)
             w = run.weights(s0, n)
             xv = k.load(vec(i8, 32 * n), xt, k.mul(k.add(blk0, s0), 32))
             if n < S:                                  # a row's odd last block: zero lanes after it
                 w, xv = (k.concat(v, ir.Constant(v.type, [0] * v.type.count)) for v in (w, xv))
-            which = [s0 + j // 8 if j // 8 < n else G for j in range(lanes)]       # each lane's block
-            dot = b.sitofp(isa.dot(ir.Constant(vec(i32, lanes), [0] * lanes), w, xv, run.signed, run.qmax),
-                           vec(f32, lanes))
-            scale = k.shuffle(sd, which)
-            total = b.fmul(dot, scale) if total is None else isa.fma(dot, scale, total)
-        acc.set(b.fadd(acc.get(), total))
+            dot = b.sitofp(isa.dot(_offset_lanes(k, isa, run.offset, xv), w, xv, run.signed, run.qmax),
+                           vec(f32, 8 * S))
+            for j in range(n):
+                h = (s0 + j) % 2 if two else 0
+                halves[h] = isa.fused(k.shuffle(dot, range(8 * j, 8 * j + 8)), k.shuffle(ddx, [s0 + j] * 8),
+                                      halves[h])
+        acc.set(k.concat(*halves) if two else halves[0])
+
+
+def _offset_lanes(k: Kernel, isa: Isa, offset: int, xv: ir.Value) -> ir.Value:
+    """-offset x (the sum of each 4 activations of ``xv``), one i32 lane per 4: a dot started from it
+    gives each lane the exact sum of (level - offset) x q that ggml's signed lanes hold."""
+    lanes = xv.type.count // 4
+    zero = ir.Constant(vec(i32, lanes), [0] * lanes)
+    if not offset:
+        return zero
+    as_u8 = ir.Constant(vec(i8, 4 * lanes), [offset - 256 if offset > 127 else offset] * (4 * lanes))
+    return k.b.sub(zero, isa.dot(zero, as_u8, xv, False, offset))
 
 
 def _spread_prefetch(m: Matmul, at: ir.Value, G: int) -> None:
