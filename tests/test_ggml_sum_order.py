@@ -144,10 +144,10 @@ def f32_lanes(target: str) -> int:
     return t.vector_bits // 32 if t.name != "generic" else 16
 
 
-def fmatmul_lib(target: str, K: int, n: int):
+def fmatmul_lib(target: str, K: int, n: int, rows_only: bool = False):
     t = named_target(target)
     m = ir.Module()
-    name = kernels.fmatmul(m, dtypes.f32, K, n, t)
+    name = kernels.fmatmul(m, dtypes.f32, K, n, t, rows_only)
     return jit.compile(m, t).function(name, None, tk.MATMUL_ABI)
 
 
@@ -170,6 +170,21 @@ def test_f32_gemv_sums_as_ggml_vec_dot_f32(target, K):
     y = fmatmul_run(fmatmul_lib(target, K, N), w, x)
     want = np.array([ggml_vec_dot_f32(w[n], x[0], f32_lanes(target)) for n in range(N)], np.float32)
     np.testing.assert_array_equal(y[0], want, err_msg=f"K={K} on {target}")
+
+
+@pytest.mark.parametrize("target", ("generic",) + X86_VECTOR)
+def test_f32_batch_kernel_computes_every_token_as_alone(target):
+    """rows_only (a batch's step): each of T tokens gets the bits of a one-token call, ggml_vec_dot_f32's;
+    the regular kernel at T > 1 sums as tinyBLAS does (one accumulator per output), which differs."""
+    runnable(target)
+    rng = np.random.default_rng(8)
+    K, T = 256, 5
+    w = rng.standard_normal((N, K)).astype(np.float32)
+    x = rng.standard_normal((T, K)).astype(np.float32)
+    one = fmatmul_lib(target, K, N)
+    alone = np.concatenate([fmatmul_run(one, w, x[t:t + 1]) for t in range(T)])
+    np.testing.assert_array_equal(fmatmul_run(fmatmul_lib(target, K, N, rows_only=True), w, x), alone)
+    assert (fmatmul_run(one, w, x) != alone).any(), "the prefill order should differ from the decode order"
 
 
 # -- llama.cpp's own router logits -----------------------------------------------------------------

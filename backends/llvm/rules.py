@@ -91,7 +91,7 @@ def _qmatmul(lw, e):
     out = lw.output(e.outputs[0])
     dt = w.aval.dtype
     if K.float_weight(dt):
-        lw.call(lw.kernel(K.fmatmul, dt, Kdim, N, lw.target), lw.ref(w), lw.ref(x), out, lw.counter(), R,
+        lw.call(lw.kernel(K.fmatmul, dt, Kdim, N, lw.target, lw.rows_only), lw.ref(w), lw.ref(x), out, lw.counter(), R,
                 writes=(out,))
         return
     fmt = K.act_format(dt)

@@ -57,13 +57,16 @@ def variant(dtype, target: Target) -> str:
     return f"fma-{target.vector_bits}: gemm {R} rows x {C} tokens, {gemv}; f32 activations"
 
 
-def fmatmul(module: ir.Module, dtype, K: int, N: int, target: Target) -> str:
-    """Emit (once) y = x @ W.T for float weights W (N, K); returns the kernel name."""
+def fmatmul(module: ir.Module, dtype, K: int, N: int, target: Target, rows_only: bool = False) -> str:
+    """Emit (once) y = x @ W.T for float weights W (N, K); returns the kernel name. With ``rows_only``
+    (a batch's step) every token is computed as one token alone is, at any T."""
     dt = dtypes.from_name(dtype)
     if dt not in FLOAT_LOADERS:
         raise ValueError(f"fmatmul: weight type {dt.name} is not a float type; "
                          f"supported: {', '.join(d.name for d in FLOAT_LOADERS)}")
-    name = f"fmatmul_{dt.name}_k{K}_n{N}_{target.name}"
+    vec_dot = target.arch == "x86_64" or not fmatmul_plan(target).vector     # T == 1 in ggml_vec_dot_f32's order
+    rows_only = rows_only and vec_dot                   # elsewhere every T sums alike already
+    name = f"fmatmul_{dt.name}_k{K}_n{N}{'_rows' if rows_only else ''}_{target.name}"
     if Kernel.exists(module, name):
         return name
     k = Kernel(module, name, ("w", "x", "y", "counter"))
@@ -85,16 +88,21 @@ def fmatmul(module: ir.Module, dtype, K: int, N: int, target: Target) -> str:
                     for tlo, thi, c in ((0, full_t, C), (full_t, T, 1)):
                         with k.loop(tlo, thi, step=c, name=f"t{r}x{c}") as t0:
                             _tile(f, n0, r, t0, c, ahead and c == 1 and r > 1)
-        if target.arch != "x86_64" and plan.vector:      # ARM: one order for every T
+        def one_by_one(tokens):
+            for nlo, nhi, r in ((start, full_n, R), (full_n, end, 1)):
+                with k.loop(nlo, nhi, step=r, name=f"d{r}") as n0:
+                    with k.loop(0, tokens, name=f"dt{r}") as t:
+                        _vec_dot_rows(f, n0, r, t, ahead and r > 1)
+        if not vec_dot:                                  # ARM: one order for every T
             tiles()
-            return k.finish()
-        with b.if_else(b.icmp_signed("==", T, k.i64(1))) as (one, many):
-            with one:
-                for nlo, nhi, r in ((start, full_n, R), (full_n, end, 1)):
-                    with k.loop(nlo, nhi, step=r, name=f"d{r}") as n0:
-                        _vec_dot_rows(f, n0, r, ahead and r > 1)
-            with many:
-                tiles()
+        elif rows_only:
+            one_by_one(T)
+        else:
+            with b.if_else(b.icmp_signed("==", T, k.i64(1))) as (one, many):
+                with one:
+                    one_by_one(k.i64(1))
+                with many:
+                    tiles()
     return k.finish()
 
 
@@ -166,8 +174,8 @@ def _tile(f: _Fmatmul, n0, R: int, t0, C: int, ahead: bool = False) -> None:
             k.store(sums[r][c], k.arg["y"], k.mul(k.add(k.mul(toks[c], f.N), rows[r]), 4))
 
 
-def _vec_dot_rows(f: _Fmatmul, n0, R: int, ahead: bool = False) -> None:
-    """y[0, n0:n0+R] for the one token, in ggml_vec_dot_f32's order: VEC_DOT_ACCS accumulators per row
+def _vec_dot_rows(f: _Fmatmul, n0, R: int, t, ahead: bool = False) -> None:
+    """y[t, n0:n0+R] for token t alone, in ggml_vec_dot_f32's order: VEC_DOT_ACCS accumulators per row
     over steps of VEC_DOT_ACCS vectors, reduced as GGML_F32_VEC_REDUCE does, then the K tail one FMA at
     a time; with ``ahead``, each step asks for the next R rows' weights at its columns."""
     k, isa, K, lanes = f.k, f.isa, f.K, f.lanes
@@ -184,7 +192,7 @@ def _vec_dot_rows(f: _Fmatmul, n0, R: int, ahead: bool = False) -> None:
                     k.prefetch(k.addr(k.arg["w"], k.add(at, line)), level=2)
         for j in range(VEC_DOT_ACCS):
             at = k.add(kk, j * lanes)
-            x = f.load_x(k.i64(0), at, lanes)
+            x = f.load_x(t, at, lanes)
             for r, n in enumerate(rows):
                 acc[r][j].set(isa.fused(f.load_w(n, at, lanes), x, acc[r][j].get()))
     b = k.b
@@ -194,9 +202,9 @@ def _vec_dot_rows(f: _Fmatmul, n0, R: int, ahead: bool = False) -> None:
         if main < K:
             tail = k.var(f32, total)
             with k.loop(main, K, name="kt") as kk:
-                tail.set(isa.fused(f.load_w(n, kk, 1), f.load_x(k.i64(0), kk, 1), tail.get()))
+                tail.set(isa.fused(f.load_w(n, kk, 1), f.load_x(t, kk, 1), tail.get()))
             total = tail.get()
-        k.store(total, k.arg["y"], k.mul(n, 4))
+        k.store(total, k.arg["y"], k.mul(k.add(k.mul(t, f.N), n), 4))
 
 
 def _lane_sum(k: Kernel, isa: Isa, v: ir.Value) -> ir.Value:
