@@ -19,6 +19,7 @@ import fcntl
 import hashlib
 import os
 import platform
+import re
 import shutil
 import subprocess
 import sys
@@ -27,6 +28,7 @@ from functools import lru_cache
 from importlib import metadata
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from llama_cpp_cmake_args import cmake_args, cpu_flags
@@ -156,3 +158,35 @@ def run_tool(name: str, *args, timeout: float = 600) -> subprocess.CompletedProc
         pytest.fail(f"{name} {' '.join(map(str, args))} failed ({proc.returncode}):\n"
                     f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     return proc
+
+
+def llama_perplexity(model, text_file, n_ctx: int, chunks: int) -> float:
+    """llama-perplexity's estimate after ``chunks`` chunks of ``n_ctx`` tokens of ``text_file`` (2 threads, f16 K
+    and V caches), read from the running estimates it prints after each chunk."""
+    for _ in range(3):      # llama.cpp's log thread loses its last lines at exit now and then; they are retried
+        run = run_tool("llama-perplexity", "-m", model, "-f", text_file, "-c", n_ctx, "--chunks", chunks, "-t", 2,
+                       "-ctk", "f16", "-ctv", "f16")
+        running = re.findall(r"\[(\d+)\]([\d.]+),", run.stdout)      # the estimate after each chunk
+        if running and running[-1][0] == str(chunks):
+            return float(running[-1][1])
+    pytest.fail(f"llama-perplexity printed no chunk {chunks} in 3 runs: {run.stdout[-500:]}")
+
+
+def quantizes_as_llama_quantize(src, ftype: str, *args) -> subprocess.CompletedProcess:
+    """``ggraph quantize [args] src ours.gguf ftype`` writes, in the current directory, the file that
+    ``llama-quantize [args] src ref.gguf ftype 2`` writes, byte for byte (an imatrix path in ``args`` is recorded
+    in the file: both run from the same place); on a difference, the first key or tensor (name and type) that
+    differs fails the test. Returns llama-quantize's run."""
+    from ggraph.cli import main
+    from ggraph.gguf import GGUFFile
+    run = run_tool("llama-quantize", *args, src, "ref.gguf", ftype, 2)
+    assert main(["quantize", *map(str, args), str(src), "ours.gguf", ftype]) == 0
+    ref, ours = Path("ref.gguf").resolve(), Path("ours.gguf").resolve()
+    if ref.read_bytes() != ours.read_bytes():
+        with GGUFFile(ref) as a, GGUFFile(ours) as b:
+            assert a.metadata == b.metadata
+            for name, t in a.tensors.items():
+                assert (b.tensors[name].dtype, b.tensors[name].shape) == (t.dtype, t.shape), name
+                assert np.array_equal(b.tensors[name].data, t.data), f"{name} ({t.dtype}) differs"
+        pytest.fail("files differ outside metadata and tensor bytes")
+    return run

@@ -15,13 +15,13 @@ docstring says why). Also: a reuse_cache turn's greedy text, transformers as the
 the converter's metadata gives, Q4_K_M plans, batches (serve's slots), perplexity and imatrix against llama.cpp's tools,
 ``ggraph run``, and bad metadata or tensor shapes refused by name.
 """
-from functools import lru_cache
-
 import numpy as np
 import pytest
 
 import hf_models
 import oracle
+from family_checks import cut_back_then_new_tokens, on_feature_set, second_turn_reusing_the_prefix, shared_session
+from ggraph.backends.llvm.target import X86_NAMES
 from ggraph.models.config import config_from_gguf
 from ggraph.runtime.session import Session
 from test_hf_families import IDS, reference
@@ -51,16 +51,8 @@ def assert_agrees(got, want, mix, backend, what, exempt=None):
     assert top1 >= (0.95 if mix != "f32" and backend == "llvm" else 0.9), (what, top1, np.flatnonzero(~same))
 
 
-@lru_cache(maxsize=None)
-def _session(family, mix, backend):
-    return Session(hf_models.converted(family, mix), backend=backend, threads=2, ctx=CTX, **EXACT)
-
-
 def session(family, mix, backend):
-    """One session per file and backend for the whole module (compiled once), reset for each use."""
-    s = _session(family, mix, backend)
-    s.reset()
-    return s
+    return shared_session(hf_models.converted(family, mix), backend, CTX)
 
 
 @pytest.mark.slow
@@ -88,22 +80,12 @@ def test_token_by_token_logits_match_llama_cpp(family, mix, backend):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("target", ["generic", "avx2", "avx512", "avx512_vnni", "amx"])
+@pytest.mark.parametrize("target", X86_NAMES)
 @pytest.mark.parametrize("family", FAMILIES)
 def test_every_feature_set_this_host_runs(family, target, monkeypatch):
     """The q8_0 file through each feature set's kernels, prefill and decode."""
-    from ggraph.backends.llvm.target import missing_features
-    if missing_features(target):
-        pytest.skip(f"this host cannot run {target}")
-    monkeypatch.setenv("GGRAPH_TARGET", target)
-    path = hf_models.converted(family, "q8_0")
-    s = Session(path, backend="llvm", threads=2, ctx=CTX, **EXACT)
-    assert s.program(False).target.name == target
-    assert_agrees(s.logits(IDS), oracle.llama_logits(path, IDS, n_ctx=CTX), "q8_0", "llvm", f"{family} {target}")
-    s.reset()
-    got = np.concatenate([s.step([t], last_only=False) for t in IDS[:8]])
-    assert_agrees(got, oracle.llama_logits_stepwise(path, IDS[:8], n_ctx=CTX), "q8_0", "llvm",
-                  f"{family} {target} decode")
+    on_feature_set(hf_models.converted(family, "q8_0"), target, monkeypatch, IDS,
+                   lambda got, want, what: assert_agrees(got, want, "q8_0", "llvm", f"{family} {target} {what}"), CTX)
 
 
 @pytest.mark.slow
@@ -113,16 +95,9 @@ def test_a_cut_back_prefix_then_new_tokens_match_llama_cpp(family, backend):
     """What a chat turn that reuses the cached prefix does: 16 tokens run (a prefill, then decode steps), the
     cache cut back to 10 (the state restored from the prefill's snapshot, tokens after it run again), then
     10 new tokens: their logits are llama.cpp's over one prefill of the whole sequence."""
-    s = session(family, "f32", backend)
-    ids = IDS[:12] + IDS[14:22]
-    s.step(IDS[:12])
-    for t in IDS[12:16]:
-        s.step([t])
-    s.truncate(10)
-    assert s.n_past == 10 and s.cached_tokens == tuple(IDS[:10])
-    got = s.step(ids[10:], last_only=False)
-    assert_agrees(got, oracle.llama_logits(hf_models.converted(family, "f32"), ids, n_ctx=CTX)[10:], "f32", backend,
-                  f"{family} {backend} after truncate")
+    got, want = cut_back_then_new_tokens(session(family, "f32", backend), hf_models.converted(family, "f32"), IDS,
+                                         CTX)
+    assert_agrees(got, want, "f32", backend, f"{family} {backend} after truncate")
 
 
 @pytest.mark.slow
@@ -133,12 +108,7 @@ def test_a_second_turn_reusing_the_cached_prefix_equals_a_fresh_prefill(family):
     llama.cpp's where llama.cpp is sure of its tokens."""
     path = hf_models.converted(family, "f32")
     s = session(family, "f32", "llvm")
-    s.generate(IDS[:12], max_tokens=6, temperature=0)
-    second = IDS[:10] + IDS[14:22]
-    reply = s.generate(second, max_tokens=6, temperature=0, reuse_cache=True)
-    assert s.stats["cached_tokens"] == 10 and s.stats["recomputed_tokens"] > 0, s.stats
-    fresh = Session(path, backend="llvm", threads=2, ctx=CTX, **EXACT)
-    assert reply == fresh.generate(second, max_tokens=6, temperature=0)
+    reply, second = second_turn_reusing_the_prefix(s, path, IDS, CTX)
     want = oracle.llama_greedy(path, second, 6, n_ctx=CTX)
     sure = oracle.llama_decided(path, second, want, n_ctx=CTX)
     assert reply.startswith(s.tokenizer.decode(want[:sure])), (reply, want, sure)
@@ -216,23 +186,11 @@ def test_a_batch_of_sequences_gives_each_what_it_gets_alone(family):
 def test_perplexity_matches_llama_perplexity(family):
     """4 chunks of 128 tokens, each from zeroed states, as llama-perplexity runs them (measured 2e-8..2e-7 apart)."""
     import io
-    import re
-    import subprocess
     from ggraph.perplexity import perplexity
-    from llama_tools import llama_tool
+    from llama_tools import llama_perplexity
     from test_perplexity import CALIBRATION, CALIBRATION_PATH
     path = hf_models.converted(family, "f32")
-    theirs = None
-    for _ in range(3):      # llama.cpp's log thread loses its last lines at exit now and then; they are retried
-        run = subprocess.run([str(llama_tool("llama-perplexity")), "-m", str(path), "-f", str(CALIBRATION_PATH),
-                              "-c", "128", "--chunks", "4", "-t", "2", "-ctk", "f16", "-ctv", "f16"],
-                             capture_output=True, text=True, timeout=600)
-        assert run.returncode == 0, run.stderr[-2000:]
-        running = re.findall(r"\[(\d+)\]([\d.]+),", run.stdout)      # the estimate after each chunk
-        if running and running[-1][0] == "4":
-            theirs = float(running[-1][1])
-            break
-    assert theirs is not None, f"llama-perplexity printed no 4th chunk: {run.stdout[-500:]}"
+    theirs = llama_perplexity(path, CALIBRATION_PATH, n_ctx=128, chunks=4)
     mine = perplexity(path, CALIBRATION, n_ctx=128, n_chunks=4, threads=2, out=io.StringIO())
     assert abs(mine.ppl / theirs - 1) < 1e-5, f"ggraph {mine.ppl:.4f} vs llama.cpp {theirs:.4f}"
 
