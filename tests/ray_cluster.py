@@ -16,8 +16,8 @@ Outside pytest: ``with local_cluster() as cluster: ...``; ``local_cluster(nodes=
 names, CPUs and per-node environment variables.
 
 Each node is one ``ray start --block`` process (the head, then a worker joining it) in a session of its
-own, with a custom resource of 1 named after it (``{"node_a": 1}``), its own HOME (``<tmp>/<name>/home``)
-and, by default, one CPU. Every port is a free one picked here and Ray's files live in a private temp dir,
+own, with a custom resource of 1 named after it (``{"node_a": 1}``), a label (``zone=a``), its own HOME
+(``<tmp>/<name>/home``) and, by default, one CPU. Every port is a free one picked here and Ray's files live in a private temp dir,
 so clusters of other tests or other users on this machine are neither reached nor stopped: teardown
 signals our ``ray start`` processes' sessions and then any process left in them or whose command line or
 environment names the private dir, never ``ray stop``. The kernel cache ($GGRAPH_CACHE) stays the
@@ -50,6 +50,7 @@ class NodeSpec:
     name: str                          # also the node's custom resource: {"node_a": 1}
     cpus: int = 1
     env: dict = dataclasses.field(default_factory=dict)   # extra environment for the node's processes
+    args: tuple = ()                                       # more `ray start` flags, e.g. ("--labels", "cpu=zen4")
 
 
 @dataclasses.dataclass
@@ -99,7 +100,7 @@ def _start(spec: NodeSpec, root: Path, head_args: list[str], base_env: dict) -> 
     env = {**base_env, "HOME": str(home), **spec.env}
     cmd = [*_ray_command(), "start", "--block", "--disable-usage-stats", "--num-cpus", str(spec.cpus),
            "--resources", f'{{"{spec.name}": 1}}', "--object-store-memory", str(OBJECT_STORE),
-           "--temp-dir", str(root / spec.name / "ray"), *_ports(), *head_args]
+           "--temp-dir", str(root / spec.name / "ray"), *_ports(), *head_args, *spec.args]
     with open(log, "w") as out:
         process = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     return Node(spec.name, home, process, log)
@@ -175,7 +176,8 @@ def _stop(nodes: dict[str, Node], root: Path) -> None:
 
 
 @contextlib.contextmanager
-def local_cluster(nodes: tuple[NodeSpec, ...] = (NodeSpec("node_a"), NodeSpec("node_b"))):
+def local_cluster(nodes: tuple[NodeSpec, ...] = (NodeSpec("node_a", args=("--labels", "zone=a")),
+                                                 NodeSpec("node_b", args=("--labels", "zone=b")))):
     """Start a head node for ``nodes[0]`` and worker nodes for the rest, yield the ``Cluster``, stop them."""
     root = Path(tempfile.mkdtemp(prefix="rayc-", dir="/tmp"))    # short: Ray's socket paths must fit 107 bytes
     from ggraph.demo import cache_dir                                # the real HOME's kernel cache, shared
@@ -201,7 +203,8 @@ def local_cluster(nodes: tuple[NodeSpec, ...] = (NodeSpec("node_a"), NodeSpec("n
 
 @pytest.fixture(scope="module")
 def ray_cluster():
-    """The two-node local cluster (node_a, node_b: one CPU each) for one test module."""
+    """The two-node local cluster (node_a, node_b: one CPU each, labels zone=a and zone=b) for one test
+    module."""
     pytest.importorskip("ray", reason="the cluster tests need ray: pip install 'ggraph[cluster]'")
     with local_cluster() as cluster:
         yield cluster

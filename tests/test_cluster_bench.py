@@ -98,6 +98,10 @@ def test_nodes_selects_by_resource_through_ray_client(homes, capsys):
     out = capsys.readouterr()
     assert rc == 0, out.err
     assert [r["node"] for r in _rows(out.out)] == ["node_b"]
+    from ggraph.cluster import Sweep, bench_sweep                    # by label, from Python
+    runs = list(bench_sweep(homes.address, Sweep(models=("~/both.gguf",), pps=(4,), tgs=(1,), repeats=1),
+                            nodes=["zone=a"]))
+    assert [r["node"] for rows in runs for r in rows] == ["node_a"]
     assert main(["bench", "~/both.gguf", "--cluster", homes.address, "--nodes", "node_c", *FAST]) == 1
     err = capsys.readouterr().err.strip()
     assert err.startswith("ggraph bench: error: --nodes node_c: no alive node has that resource") and "node_a" in err
