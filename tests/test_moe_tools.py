@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import io
 import re
-import subprocess
 
 import numpy as np
 import pytest
@@ -24,6 +23,7 @@ from ggraph import imatrix
 from ggraph import quantize as Q
 from ggraph.cli import main
 from ggraph.gguf import GGUFFile, Typed, write
+from llama_tools import quantizes_as_llama_quantize
 from zoo import llama_quantize
 
 from test_imatrix import relative_differences
@@ -176,18 +176,6 @@ def moe_imatrix_file(path, src, seed: int = 0) -> None:
                  "imatrix.chunk_count": Typed(1, "u32"), "imatrix.chunk_size": Typed(512, "u32")}, tensors)
 
 
-def files_equal(ref, ours):
-    """The two files byte for byte; on a difference, the first tensor (name and type) or key that differs."""
-    if ref.read_bytes() == ours.read_bytes():
-        return
-    with GGUFFile(ref) as a, GGUFFile(ours) as b:
-        assert a.metadata == b.metadata
-        for name, t in a.tensors.items():
-            assert (b.tensors[name].dtype, b.tensors[name].shape) == (t.dtype, t.shape), name
-            assert np.array_equal(b.tensors[name].data, t.data), f"{name} ({t.dtype}) differs"
-    pytest.fail("files differ outside metadata and tensor bytes")
-
-
 SMALL_FILE_TYPES = ("Q4_K_M", "Q5_K_M", "Q6_K", "Q8_0", "IQ4_XS", "Q2_K", "Q4_0", "MXFP4_MOE")
 
 
@@ -196,16 +184,13 @@ SMALL_FILE_TYPES = ("Q4_K_M", "Q5_K_M", "Q6_K", "Q8_0", "IQ4_XS", "Q2_K", "Q4_0"
 @pytest.mark.parametrize("ftype", SMALL_FILE_TYPES)
 def test_small_moe_files_equal_llama_quantize(small_moe, ftype, with_imatrix, tmp_path, monkeypatch):
     """Whole files, byte for byte, with per-expert importance (one expert of each stack without rows)."""
-    from llama_tools import run_tool
     monkeypatch.chdir(tmp_path)
     src = small_moe["qwen2moe-8x"]
     args = []
     if with_imatrix:
         moe_imatrix_file(tmp_path / "imatrix.gguf", src)
         args = ["--imatrix", "imatrix.gguf"]
-    run_tool("llama-quantize", *args, src, "ref.gguf", ftype, 2)
-    assert main(["quantize", *args, str(src), "ours.gguf", ftype]) == 0
-    files_equal(tmp_path / "ref.gguf", tmp_path / "ours.gguf")
+    quantizes_as_llama_quantize(src, ftype, *args)
 
 
 @pytest.mark.slow
@@ -213,42 +198,32 @@ def test_small_moe_files_equal_llama_quantize(small_moe, ftype, with_imatrix, tm
                                                  ("IQ4_XS", True), ("MXFP4_MOE", False)])
 def test_qwen3moe_files_equal_llama_quantize(qwen3moe, ftype, with_imatrix, tmp_path, monkeypatch):
     """The converted tiny Qwen3-MoE: its expert rows of 128 take the fallbacks (q4_k -> q5_0, q6_k -> q8_0)."""
-    from llama_tools import run_tool
     monkeypatch.chdir(tmp_path)
     args = []
     if with_imatrix:
         moe_imatrix_file(tmp_path / "imatrix.gguf", qwen3moe, seed=1)
         args = ["--imatrix", "imatrix.gguf"]
-    run_tool("llama-quantize", *args, qwen3moe, "ref.gguf", ftype, 2)
-    assert main(["quantize", *args, str(qwen3moe), "ours.gguf", ftype]) == 0
-    files_equal(tmp_path / "ref.gguf", tmp_path / "ours.gguf")
+    quantizes_as_llama_quantize(qwen3moe, ftype, *args)
 
 
 @pytest.mark.slow
 def test_requantized_experts_equal_llama_quantize(tmp_path, monkeypatch):
     """llama.cpp's Q4_K_M qwen3moe (stacked q4_k and q5_0 experts) dequantised and quantised again to Q5_K_M."""
-    from llama_tools import run_tool
     monkeypatch.chdir(tmp_path)
-    src = hf_models.converted("qwen3moe", "q4_k_m")
-    run_tool("llama-quantize", "--allow-requantize", src, "ref.gguf", "Q5_K_M", 2)
-    assert main(["quantize", "--allow-requantize", str(src), "ours.gguf", "Q5_K_M"]) == 0
-    files_equal(tmp_path / "ref.gguf", tmp_path / "ours.gguf")
+    quantizes_as_llama_quantize(hf_models.converted("qwen3moe", "q4_k_m"), "Q5_K_M", "--allow-requantize")
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("ftype, with_imatrix", [("Q4_K_M", True), ("MXFP4_MOE", False)])
 @pytest.mark.parametrize("family", [f for f in MOE_FAMILIES if f != "qwen3moe"])
 def test_moe_family_files_equal_llama_quantize(family, ftype, with_imatrix, tmp_path, monkeypatch):
-    from llama_tools import run_tool
     monkeypatch.chdir(tmp_path)
     src = hf_models.converted(family, "f32")
     args = []
     if with_imatrix:
         moe_imatrix_file(tmp_path / "imatrix.gguf", src, seed=2)
         args = ["--imatrix", "imatrix.gguf"]
-    run_tool("llama-quantize", *args, src, "ref.gguf", ftype, 2)
-    assert main(["quantize", *args, str(src), "ours.gguf", ftype]) == 0
-    files_equal(tmp_path / "ref.gguf", tmp_path / "ours.gguf")
+    quantizes_as_llama_quantize(src, ftype, *args)
 
 
 def test_expert_imatrix_of_the_wrong_size_is_refused(small_moe, tmp_path, capsys):
@@ -453,15 +428,12 @@ def test_llama_imatrix_dat_and_gguf_give_the_same_expert_vectors(llama_imatrices
 def test_quantize_with_ggraphs_moe_imatrix_equals_llama_quantize(qwen3moe, ggraph_imatrix, ftype, tmp_path,
                                                                   monkeypatch):
     """llama-quantize takes ggraph's imatrix (every entry), and both quantisers make the same file from it."""
-    from llama_tools import run_tool
     monkeypatch.chdir(tmp_path)
     (tmp_path / "imatrix.gguf").write_bytes(ggraph_imatrix.read_bytes())
-    run = run_tool("llama-quantize", "--imatrix", "imatrix.gguf", qwen3moe, "ref.gguf", ftype, 2)
+    run = quantizes_as_llama_quantize(qwen3moe, ftype, "--imatrix", "imatrix.gguf")
     n = len(imatrix.read(ggraph_imatrix).sums)
     assert f"loaded {n} importance matrix entries" in run.stdout
     assert "did not find weights for blk." not in run.stdout + run.stderr      # (token_embd is no matmul)
-    assert main(["quantize", "--imatrix", "imatrix.gguf", str(qwen3moe), "ours.gguf", ftype]) == 0
-    files_equal(tmp_path / "ref.gguf", tmp_path / "ours.gguf")
 
 
 # measured (-c 128, 4 chunks, f16 caches): qwen3moe f32 1.4e-6 apart, q8_0 7.7e-4, Q4_K_M 2.0e-3; the other
@@ -476,19 +448,9 @@ PPL_CASES = [("qwen3moe", mix) for mix in PPL_BOUND] + [(f, "f32") for f in MOE_
 @pytest.mark.parametrize("family, mix", PPL_CASES)
 def test_moe_perplexity_matches_llama_perplexity(family, mix):
     from ggraph.perplexity import perplexity
-    from llama_tools import llama_tool
+    from llama_tools import llama_perplexity
     path = hf_models.converted(family, mix)
-    theirs = None
-    for _ in range(3):      # llama.cpp's log thread loses its last lines at exit now and then; they are retried
-        run = subprocess.run([str(llama_tool("llama-perplexity")), "-m", str(path), "-f", str(CALIBRATION_PATH),
-                              "-c", "128", "--chunks", "4", "-t", "2", "-ctk", "f16", "-ctv", "f16"],
-                             capture_output=True, text=True, timeout=600)
-        assert run.returncode == 0, run.stderr[-2000:]
-        running = re.findall(r"\[(\d+)\]([\d.]+),", run.stdout)      # the estimate after each chunk
-        if running and running[-1][0] == "4":
-            theirs = float(running[-1][1])
-            break
-    assert theirs is not None, f"llama-perplexity printed no 4th chunk: {run.stdout[-500:]}"
+    theirs = llama_perplexity(path, CALIBRATION_PATH, n_ctx=128, chunks=4)
     mine = perplexity(path, CALIBRATION, n_ctx=128, n_chunks=4, threads=2, out=io.StringIO())
     assert abs(mine.ppl / theirs - 1) < PPL_BOUND[mix], f"ggraph {mine.ppl:.4f} vs llama.cpp {theirs:.4f}"
 
