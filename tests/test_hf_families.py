@@ -107,20 +107,11 @@ def test_token_by_token_logits_match_llama_cpp(family, mix, backend):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_every_feature_set_this_host_runs(family, target, monkeypatch):
     """Q4_K_M (q4_k, q6_k and q8_0 rows) through each feature set's kernels, prefill and decode."""
-    from ggraph.backends.llvm.target import missing_features
-    if missing_features(target):
-        pytest.skip(f"this host cannot run {target}")
-    monkeypatch.setenv("GGRAPH_TARGET", target)
-    path = hf_models.converted(family, "q4_k_m")
-    s = session(path, "llvm")
-    assert s.program(False).target.name == target
+    from family_checks import on_feature_set
     misses = MISSES.get((family, "q4_k_m"), 0)
-    assert_agrees(s.logits(IDS), oracle.llama_logits(path, IDS, n_ctx=64), "q4_k_m", "llvm", f"{family} {target}",
-                  misses)
-    s.reset()
-    got = np.concatenate([s.step([t], last_only=False) for t in IDS[:8]])
-    assert_agrees(got, oracle.llama_logits_stepwise(path, IDS[:8], n_ctx=64), "q4_k_m", "llvm", f"{family} {target}",
-                  misses)
+    on_feature_set(hf_models.converted(family, "q4_k_m"), target, monkeypatch, IDS,
+                   lambda got, want, what: assert_agrees(got, want, "q4_k_m", "llvm", f"{family} {target} {what}",
+                                                         misses), 64)
 
 
 @pytest.mark.slow
