@@ -283,6 +283,18 @@ def llama_imatrix(model, out, n_ctx, n_chunks, *extra):
     return run.stdout
 
 
+def both_imatrices(model, folder, n_ctx, n_chunks):
+    """(ggraph's imatrix of ``model``, llama-imatrix's, written to ``folder``/l.gguf and read back) over the
+    calibration text's first ``n_chunks`` chunks of ``n_ctx`` tokens, 2 threads each; the same entries and chunk
+    count checked."""
+    llama_imatrix(model, folder / "l.gguf", n_ctx, n_chunks)
+    mine, _ = imatrix.collect(model, CALIBRATION, n_ctx=n_ctx, n_chunks=n_chunks, threads=2,
+                              dataset=str(CALIBRATION_PATH), ppl=False)
+    theirs = imatrix.read(folder / "l.gguf")
+    assert sorted(mine.sums) == sorted(theirs.sums) and mine.chunk_count == theirs.chunk_count
+    return mine, theirs
+
+
 def relative_differences(a: dict, b: dict) -> dict[str, float]:
     """Per tensor ‖a − b‖ / ‖b‖ of the per-column vectors in_sum2 / counts."""
     assert sorted(a) == sorted(b)
@@ -351,10 +363,7 @@ def test_demo_close_to_llama_imatrix(demo_model, tmp_path):
     each layer: there llama.cpp disagrees with itself as much (its flash-attention and plain paths
     give imatrices up to 1.1e-2 apart, median 1.1e-3, on this text). So the bound for the whole model
     is llama.cpp's own spread, not 1e-3."""
-    llama_imatrix(demo_model, tmp_path / "llama.gguf", DEMO_CTX, DEMO_CHUNKS)
-    mine, _ = imatrix.collect(demo_model, CALIBRATION, n_ctx=DEMO_CTX, n_chunks=DEMO_CHUNKS, threads=2,
-                              dataset=str(CALIBRATION_PATH), ppl=False)
-    theirs = imatrix.read(tmp_path / "llama.gguf")
+    mine, theirs = both_imatrices(demo_model, tmp_path, DEMO_CTX, DEMO_CHUNKS)
     assert (mine.chunk_count, mine.chunk_size, mine.datasets) == (theirs.chunk_count, theirs.chunk_size,
                                                                   theirs.datasets)
     assert {n: c.tolist() for n, c in mine.counts.items()} == {n: c.tolist() for n, c in theirs.counts.items()}

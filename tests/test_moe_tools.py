@@ -377,13 +377,8 @@ def test_moe_family_imatrix_matches_llama_imatrix(family, tmp_path):
     """Every MoE family's f32 file: the same entries (shared experts and their gates too) and counts; values
     to float accumulation (measured worst: qwen2moe 1.6e-5, mixtral 9.5e-6, olmoe 4.2e-6, gpt-oss 3.8e-6,
     each a blk.1.ffn_down_exps: llama.cpp sums every chunk's squares in f32)."""
-    from test_imatrix import llama_imatrix
-    path = hf_models.converted(family, "f32")
-    llama_imatrix(path, tmp_path / "l.gguf", IMX_CTX, IMX_CHUNKS)
-    mine, _ = imatrix.collect(path, CALIBRATION, n_ctx=IMX_CTX, n_chunks=IMX_CHUNKS, threads=2,
-                              dataset=str(CALIBRATION_PATH), ppl=False)
-    theirs = imatrix.read(tmp_path / "l.gguf")
-    assert sorted(mine.sums) == sorted(theirs.sums) and mine.chunk_count == theirs.chunk_count
+    from test_imatrix import both_imatrices
+    mine, theirs = both_imatrices(hf_models.converted(family, "f32"), tmp_path, IMX_CTX, IMX_CHUNKS)
     assert {n: c.tolist() for n, c in mine.counts.items()} == {n: c.tolist() for n, c in theirs.counts.items()}
     diffs = relative_differences(mine.vectors(), theirs.vectors())
     assert max(diffs.values()) < 5e-5, {n: f"{d:.1e}" for n, d in diffs.items()}
@@ -400,13 +395,8 @@ QUANTISED_IMATRIX = {"q4_k_m": (0, 1e-2, 2e-3), "q8_0": (1, 2e-2, 2e-3)}
 @pytest.mark.slow
 @pytest.mark.parametrize("mix", QUANTISED_IMATRIX)
 def test_quantised_qwen3moe_imatrix_close_to_llama_imatrix(mix, tmp_path):
-    from test_imatrix import llama_imatrix
-    path = hf_models.converted("qwen3moe", mix)
-    llama_imatrix(path, tmp_path / "l.gguf", IMX_CTX, IMX_CHUNKS)
-    mine, _ = imatrix.collect(path, CALIBRATION, n_ctx=IMX_CTX, n_chunks=IMX_CHUNKS, threads=2,
-                              dataset=str(CALIBRATION_PATH), ppl=False)
-    theirs = imatrix.read(tmp_path / "l.gguf")
-    assert sorted(mine.sums) == sorted(theirs.sums) and mine.chunk_count == theirs.chunk_count
+    from test_imatrix import both_imatrices
+    mine, theirs = both_imatrices(hf_models.converted("qwen3moe", mix), tmp_path, IMX_CTX, IMX_CHUNKS)
     moved, worst, median = QUANTISED_IMATRIX[mix]
     for name, c in mine.counts.items():
         assert c.sum() == theirs.counts[name].sum() and np.abs(c - theirs.counts[name]).sum() <= 2 * moved, name

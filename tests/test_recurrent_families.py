@@ -201,15 +201,8 @@ def test_imatrix_matches_llama_imatrix(family, tmp_path):
     """The same entries (in_proj/out_proj of the convolutions, ssm_in/ssm_out of the scans, experts) and counts
     as llama-imatrix on the f32 file, values to float accumulation (measured worst 3.8e-6, granitehybrid's
     blk.2.ffn_down_exps; 5.4e-7 lfm2, 4.0e-7 mamba2)."""
-    from ggraph import imatrix
-    from test_imatrix import llama_imatrix, relative_differences
-    from test_perplexity import CALIBRATION, CALIBRATION_PATH
-    path = hf_models.converted(family, "f32")
-    llama_imatrix(path, tmp_path / "l.gguf", 64, 4)
-    mine, _ = imatrix.collect(path, CALIBRATION, n_ctx=64, n_chunks=4, threads=2, dataset=str(CALIBRATION_PATH),
-                              ppl=False)
-    theirs = imatrix.read(tmp_path / "l.gguf")
-    assert sorted(mine.sums) == sorted(theirs.sums) and mine.chunk_count == theirs.chunk_count
+    from test_imatrix import both_imatrices, relative_differences
+    mine, theirs = both_imatrices(hf_models.converted(family, "f32"), tmp_path, 64, 4)
     assert {n: c.tolist() for n, c in mine.counts.items()} == {n: c.tolist() for n, c in theirs.counts.items()}
     diffs = relative_differences(mine.vectors(), theirs.vectors())
     assert max(diffs.values()) < 5e-5, {n: f"{d:.1e}" for n, d in diffs.items()}
