@@ -66,11 +66,11 @@ def _serve_on_cluster(args, passes) -> int:
             raise
         print("ggraph serve: error: --cluster needs Ray Serve: pip install 'ggraph[cluster]'", file=sys.stderr)
         return 1
-    from ggraph.cluster.bench import DEMO
+    from ggraph.cluster.bench import DEMO, driver_path
     if args.demo:
         path = DEMO                                       # each node's own demo model
-    elif args.model:                                      # read on each node; a relative one from here
-        path = args.model if args.model.startswith(("~", "$", "/")) else os.path.join(os.getcwd(), args.model)
+    elif args.model:
+        path = driver_path(args.model)
     else:
         raise ValueError("give a MODEL path (each node reads it as its own) or --demo")
     spec = ReplicaSpec(path, args.alias, parallel=args.parallel, ctx=args.ctx, queue=args.queue,

@@ -193,8 +193,7 @@ def bench_sweep(address: str, sweep: Sweep, nodes: list[str] | None = None):
     pending: dict = {}
     try:
         chosen = select_nodes(cluster_nodes(), nodes)
-        models = tuple(m if m == DEMO else os.path.join(os.getcwd(), m) if not m.startswith(("~", "$", "/")) else m
-                       for m in sweep.models)
+        models = tuple(map(driver_path, sweep.models))
         probe, run = ray.remote(max_retries=0)(node_facts), ray.remote(max_retries=0, max_calls=1)(_run)
         for node in chosen:
             pending[probe.options(**_on(ray, node, num_cpus=0)).remote(models, sweep.targets)] = (node, None)
@@ -273,7 +272,7 @@ def node_facts(models: tuple = (), targets: tuple = ()) -> dict:
     checked = []
     for m in models:
         try:
-            path = _local_path(m)
+            path = node_path(m)
             checked.append((path, None if os.path.isfile(path) else f"no such file {path}"))
         except (OSError, ValueError, SystemExit) as e:
             checked.append((m, str(e)))
@@ -287,7 +286,13 @@ def node_facts(models: tuple = (), targets: tuple = ()) -> dict:
                 default_target=host_target("").name, models=checked, targets=reasons)
 
 
-def _local_path(model: str) -> str:
+def driver_path(model: str) -> str:
+    """``model`` as the driver sends it to the nodes: a relative path taken from here; the demo model,
+    and paths starting with ~ or $VARS, left for each node to read as its own (``node_path``)."""
+    return model if model == DEMO or model.startswith(("~", "$", "/")) else os.path.join(os.getcwd(), model)
+
+
+def node_path(model: str) -> str:
     """``model`` as this node reads it: its own demo model, or ~ and $VARS expanded here."""
     if model == DEMO:
         from ggraph.demo import demo_model_path

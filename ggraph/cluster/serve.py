@@ -29,7 +29,7 @@ from ray.serve.context import _get_global_client       # the running Serve's con
 from ray.serve.request_router import RequestRouter
 
 from ggraph.cluster.bench import DEMO, cluster_nodes, connect
-from ggraph.cluster.bench import _local_path as node_path        # bench's rule: ~, $VARS, the demo model
+from ggraph.cluster.bench import node_path                         # bench's rule: ~, $VARS, the demo model
 
 APP = "ggraph"                         # the Ray Serve application's name; its route prefix is "/"
 DEPLOYMENT = "GgraphServe"
