@@ -240,7 +240,12 @@ def bench_sweep(address: str, sweep: Sweep, nodes: list[str] | None = None):
 
 
 def _cancel(ray, refs: list) -> None:
-    """Force-cancel ``refs`` and wait until each has ended (cancelled, or finished just before)."""
+    """Force-cancel ``refs`` and wait until each has ended (cancelled, or finished just before). Runs whose
+    results have arrived are left alone: Ray 2.60's driver can abort on a cancel that races a task's completion
+    (task_manager.cc: 'Tried to complete task that was not pending')."""
+    with contextlib.suppress(Exception):
+        finished, _ = ray.wait(refs, num_returns=len(refs), timeout=0, fetch_local=False)
+        refs = [r for r in refs if r not in finished]
     for ref in refs:
         with contextlib.suppress(Exception):
             ray.cancel(ref, force=True)
