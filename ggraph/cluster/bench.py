@@ -168,7 +168,7 @@ def select_nodes(nodes: list[NodeInfo], selectors: list[str] | None) -> list[Nod
     return chosen
 
 
-def _on(ray, node: NodeInfo, **options):
+def _on(node: NodeInfo, **options):
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
     return dict(scheduling_strategy=NodeAffinitySchedulingStrategy(node.node_id, soft=False), **options)
 
@@ -196,7 +196,7 @@ def bench_sweep(address: str, sweep: Sweep, nodes: list[str] | None = None):
         models = tuple(map(driver_path, sweep.models))
         probe, run = ray.remote(max_retries=0)(node_facts), ray.remote(max_retries=0, max_calls=1)(_run)
         for node in chosen:
-            pending[probe.options(**_on(ray, node, num_cpus=0)).remote(models, sweep.targets)] = (node, None)
+            pending[probe.options(**_on(node, num_cpus=0)).remote(models, sweep.targets)] = (node, None)
         queues: dict[str, list] = {}
         while pending:
             done, _ = ray.wait(list(pending), num_returns=1, timeout=1.0)   # a timeout lets Ctrl-C in
@@ -231,7 +231,7 @@ def bench_sweep(address: str, sweep: Sweep, nodes: list[str] | None = None):
             runs, facts = queues[node.node_id]
             if runs:                                                  # the node's next run, once it is free
                 work = runs.pop(0)
-                ref = run.options(**_on(ray, node, num_cpus=node.cpus)).remote(sweep, *work)
+                ref = run.options(**_on(node, num_cpus=node.cpus)).remote(sweep, *work)
                 pending[ref] = (node, work)
     finally:
         _cancel(ray, list(pending))
